@@ -1,0 +1,1 @@
+"""gRPC glue free of Ray: stub generation, request validation/conversion, auth, responses."""

@@ -1,0 +1,73 @@
+"""Response building: engine deltas + route decision -> ``GenerateResponse`` / stream chunks.
+
+Owns: the mapping of finish reasons, route and speculation counters onto the proto, and the
+accumulation of a stream of ``RequestOutput`` deltas into one unary response. Ignores: transport.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.api import stubs
+from cluster.engine.request import FinishReason, RequestOutput, SpecStats
+from cluster.routing.policy import Path, RouteDecision
+
+_FINISH = {FinishReason.LENGTH: 1, FinishReason.STOP: 2, FinishReason.EOS: 3,
+           FinishReason.CANCELLED: 4, FinishReason.ERROR: 5}
+_PATH = {Path.SPECULATIVE: 1, Path.PLAIN: 2}
+
+
+def route_pb(decision: RouteDecision):
+    return stubs.generation_pb2().Route(path=_PATH[decision.path], reason=decision.reason.value)
+
+
+def spec_pb(spec: SpecStats | None):
+    pb2 = stubs.generation_pb2()
+    if spec is None:
+        return pb2.SpecStats()
+    return pb2.SpecStats(drafts=spec.drafts, draft_tokens=spec.draft_tokens,
+                         accepted_tokens=spec.accepted_tokens,
+                         acceptance_rate=spec.acceptance_rate,
+                         mean_acceptance_length=spec.mean_acceptance_length)
+
+
+@dataclass(slots=True)
+class Accumulator:
+    """Collects deltas of one request; ``final`` is the last (finished) output."""
+
+    request_id: str
+    decision: RouteDecision
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text_delta)
+        self.token_ids.extend(out.new_token_ids)
+        if out.finished:
+            self.final = out
+
+    def response(self):
+        pb2 = stubs.generation_pb2()
+        f = self.final
+        return pb2.GenerateResponse(
+            text="".join(self.text), token_ids=self.token_ids,
+            finish_reason=_FINISH.get(f.finish_reason, 0) if f else 0,
+            usage=pb2.Usage(prompt_tokens=f.num_prompt_tokens if f else 0,
+                            completion_tokens=len(self.token_ids)),
+            route=route_pb(self.decision), spec=spec_pb(f.spec if f else None),
+            request_id=self.request_id)
+
+
+def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens: int):
+    """One stream chunk; the route rides on the first chunk and the last chunk carries the rest."""
+    pb2 = stubs.generation_pb2()
+    msg = pb2.GenerateStreamChunk(text_delta=out.text_delta, token_ids=out.new_token_ids,
+                                  finished=out.finished, request_id=out.request_id)
+    if first or out.finished:
+        msg.route.CopyFrom(route_pb(decision))
+    if out.finished:
+        msg.finish_reason = _FINISH.get(out.finish_reason, 0)
+        msg.usage.CopyFrom(pb2.Usage(prompt_tokens=out.num_prompt_tokens,
+                                     completion_tokens=total_tokens))
+        msg.spec.CopyFrom(spec_pb(out.spec))
+    return msg

@@ -1,0 +1,1 @@
+"""One module per `specserve` subcommand; see cluster/cli.py."""

@@ -1,0 +1,80 @@
+"""`specserve client`: call a running service and print text, route and acceptance.
+
+Owns: building a ``GenerateRequest`` from flags, unary or streaming calls with bearer auth and
+a deadline, and printing the result. Ignores: serving.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_MODES = {"auto": 0, "speculative": 1, "plain": 2}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("client", help="call a running specserve service")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:9000")
+    p.add_argument("--app", default="specserve", help="Serve application name (metadata)")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    p.add_argument("--mode", choices=tuple(_MODES), default="auto")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--segment", default="")
+    p.add_argument("--json-schema", default="", help="JSON Schema text (constrained -> plain path)")
+    p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.set_defaults(func=run)
+
+
+def build_request(args):
+    from cluster.api import stubs
+
+    pb2 = stubs.generation_pb2()
+    req = pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
+                              mode=_MODES[args.mode], segment=args.segment,
+                              json_schema=args.json_schema)
+    if args.chat:
+        req.messages.append(pb2.ChatMessage(role="user", content=args.prompt))
+    else:
+        req.prompt = args.prompt
+    return req
+
+
+def _path_name(path: int) -> str:
+    return {1: "speculative", 2: "plain"}.get(path, "unspecified")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.api import stubs
+
+    md = [("application", args.app)] + ([("authorization", f"Bearer {args.token}")] if args.token else [])
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = stubs.generation_grpc().GenerationStub(channel)
+        try:
+            if args.stream:
+                last = route = None
+                for ch in stub.GenerateStream(build_request(args), metadata=md, timeout=args.timeout):
+                    if route is None and ch.HasField("route"):
+                        route = ch.route
+                    print(ch.text_delta, end="", flush=True)
+                    last = ch
+                print()
+                result = last
+            else:
+                result = stub.Generate(build_request(args), metadata=md, timeout=args.timeout)
+                print(result.text)
+        except grpc.RpcError as exc:
+            print(f"specserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if result is not None:
+        s = result.spec
+        print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "
+              f"tokens={result.usage.completion_tokens} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
+              f"acceptance={s.acceptance_rate:.2f} mean_accept_len={s.mean_acceptance_length:.2f}]",
+              file=sys.stderr)
+    return 0

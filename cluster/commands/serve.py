@@ -1,0 +1,128 @@
+"""`specserve serve`: start a local Ray cluster and the specserve app behind the gRPC proxy.
+
+Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``), applying
+``--port``/``--model``/``--drafter``/``--placement`` overrides, starting Ray with the machine's
+CPUs (dashboard off, node IP 127.0.0.1 so every internal hop stays on loopback), deploying, waiting
+until the engines are SERVING, printing the gRPC address, and shutting down on Ctrl-C.
+Ignores: what the app does (``deployments``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the service locally (Ray Serve, gRPC)")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default: the config's, 9000)")
+    p.add_argument("--model", default=None, help="override the app's model")
+    p.add_argument("--drafter", default=None, help="override the drafter (ngram, self[:L], model, none)")
+    p.add_argument("--placement", choices=("shared", "separate"), default=None)
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
+    p.set_defaults(func=run)
+
+
+def load_config(args) -> dict:
+    import yaml
+
+    from cluster.errors import UserFacingError
+
+    if not args.config.is_file():
+        raise UserFacingError(f"config file not found: {args.config}")
+    cfg = yaml.safe_load(args.config.read_text()) or {}
+    apps = cfg.get("applications") or []
+    if len(apps) != 1:
+        raise UserFacingError(f"{args.config}: expected exactly one application, got {len(apps)}")
+    app_args = apps[0].setdefault("args", {})
+    for key in ("model", "drafter", "placement"):
+        if getattr(args, key) is not None:
+            app_args[key] = getattr(args, key)
+    if args.port is not None:
+        cfg.setdefault("grpc_options", {})["port"] = args.port
+    if app_args.get("placement") == "separate":
+        app_args.setdefault("draft_server", {}).setdefault("host", "127.0.0.1")
+    return cfg
+
+
+def _needed_cpus(app_args: dict) -> float:
+    from deployments.app_config import AppConfig
+
+    a = AppConfig(**app_args)
+    parts = [a.router_deployment, a.batch_engine] + ([a.spec_engine] if a.speculative else [])
+    if a.placement.value == "separate":
+        parts.append(a.draft_server)
+    return sum(p.num_cpus * p.num_replicas for p in parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.api import stubs
+    from cluster.errors import UserFacingError
+    from deployments.app import build
+
+    cfg = load_config(args)
+    app_cfg = cfg["applications"][0]
+    app_args = app_cfg["args"]
+    grpc_cfg = cfg.get("grpc_options") or {}
+    port = int(grpc_cfg.get("port", 9000))
+    servicers = grpc_cfg.get("grpc_servicer_functions") or stubs.GRPC_SERVICER_FUNCTIONS
+    http = cfg.get("http_options") or {"host": "127.0.0.1", "port": 8000}
+    # Logical CPUs: at least what the deployments reserve, so a small machine still schedules.
+    num_cpus = args.num_cpus or max(os.cpu_count() or 1, int(_needed_cpus(app_args) + 0.999))
+    stubs.generation_pb2()  # generate stubs now (fresh install) rather than in every process
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False)
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    try:
+        serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))},
+                    grpc_options=gRPCOptions(port=port, grpc_servicer_functions=list(servicers)))
+        name = app_cfg.get("name", "specserve")
+        serve.run(build(app_args), name=name, route_prefix=app_cfg.get("route_prefix", f"/{name}"),
+                  blocking=False)
+        addr = f"127.0.0.1:{port}"
+        print(f"specserve: deployed app {name!r}; loading models...", file=sys.stderr, flush=True)
+        if not _wait_serving(addr, name, args.ready_timeout):
+            raise UserFacingError(f"engines not SERVING after {args.ready_timeout}s; see Ray logs")
+        print(f"specserve: gRPC on {addr} (app {name!r}); try: specserve client --addr {addr} \"Hello\"",
+              flush=True)
+        while not stop["flag"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("specserve: shutting down", file=sys.stderr, flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def _wait_serving(addr: str, app: str, timeout_s: float) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), metadata=[("application", app)], timeout=10)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(1.0)
+    return False

@@ -1,0 +1,193 @@
+"""A fake engine implementing ``EngineProtocol`` for fast router, gRPC and deployment tests.
+
+Owns: believable engine behaviour without a model — a byte tokenizer, a deterministic target
+(the next token repeats the prompt cyclically, so prompt-lookup drafting hits), a bounded waiting
+queue (EngineOverloadedError), a KV block pool that fills and frees (so cancellation tests can
+watch it), readiness after a configurable start delay, and speculation counters per segment.
+With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propose``/``release``
+each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,
+finishes the step without speculation (counting ``draft_fallbacks``) like the real engine.
+Without one but with ``config.spec`` it simulates acceptance from ``alpha_by_segment``.
+Ignores: real model quality, batching across requests, sampling.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import AsyncIterator
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.protocol import EngineStats
+from cluster.engine.request import (EngineOverloadedError, FinishReason, GenerationRequest,
+                                    InvalidRequestError, RequestOutput, SpecStats)
+
+_OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); byte b is token b + 3
+EOS_ID = 2
+
+
+class FakeEngine:
+    def __init__(self, config: EngineConfig, proposer=None, *, token_delay_s: float = 0.002,
+                 start_delay_s: float = 0.0, alpha_by_segment: dict[str, float] | None = None,
+                 default_alpha: float = 0.75, moe: bool = False, vocab_size: int = 259,
+                 max_model_len: int = 2048) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.token_delay_s = token_delay_s
+        self.start_delay_s = start_delay_s
+        self.alpha_by_segment = dict(alpha_by_segment or {})
+        self.default_alpha = default_alpha
+        self.moe = moe
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = config.num_kv_blocks or 256
+        self._ready = False
+        self._start_task: asyncio.Future | None = None
+        self._running: dict[str, int] = {}  # request id -> KV blocks held
+        self._waiting = 0
+        self._slots: asyncio.Semaphore | None = None
+        self._spec_by_segment: dict[str, SpecStats] = {}
+        self._fallbacks = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._start_task is None:
+            self._start_task = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._start_task)
+
+    async def _start(self) -> None:
+        await asyncio.sleep(self.start_delay_s)
+        self._slots = asyncio.Semaphore(self.config.max_num_seqs)
+        self._ready = True
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def shutdown(self) -> None:
+        self._ready = False
+
+    # -- tokenizer -------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return [b + _OFFSET for b in text.encode("utf-8")]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return bytes(t - _OFFSET for t in ids if t >= _OFFSET).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.tokenize(text)
+
+    def target_token(self, prompt: list[int], i: int) -> int:
+        """The fake target's greedy token at output position i."""
+        return prompt[i % len(prompt)]
+
+    # -- generation ------------------------------------------------------------------------
+    @property
+    def spec_enabled(self) -> bool:
+        return self.config.spec is not None or self.proposer is not None
+
+    def _k(self) -> int:
+        spec = self.config.spec
+        if spec is None or spec.adaptive:
+            return spec.k_max if spec is not None else 4
+        return int(spec.num_spec_tokens)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if not self._ready:
+            raise RuntimeError("engine not started")
+        n = len(request.prompt_token_ids)
+        if n + request.params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({n}) + max_tokens ({request.params.max_tokens}) "
+                                      f"exceeds max_model_len {self.max_model_len}")
+        if self._waiting >= self.config.max_queue:
+            raise EngineOverloadedError(f"waiting queue is full ({self.config.max_queue} requests)")
+        self._waiting += 1
+        return self._run(request)
+
+    async def _run(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        assert self._slots is not None
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        blocks = math.ceil((len(prompt) + req.params.max_tokens) / self.config.block_size)
+        self._running[rid] = blocks
+        stats = SpecStats()
+        out: list[int] = []
+        finish = FinishReason.CANCELLED
+        try:
+            while len(out) < req.params.max_tokens:
+                await asyncio.sleep(self.token_delay_s)
+                new = await self._step(req, prompt, out, stats)
+                new = new[: req.params.max_tokens - len(out)]
+                out.extend(new)
+                done = len(out) >= req.params.max_tokens
+                text = self.detokenize(new)
+                if done:
+                    finish = FinishReason.LENGTH
+                    self._record(req.segment, stats)
+                yield RequestOutput(rid, new, text, finished=done,
+                                    finish_reason=finish if done else None,
+                                    num_prompt_tokens=len(prompt), num_output_tokens=len(out),
+                                    spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None)
+        finally:
+            self._running.pop(rid, None)
+            self._slots.release()
+            if self.proposer is not None:
+                await asyncio.to_thread(self.proposer.release, rid)
+
+    async def _step(self, req, prompt, out, stats) -> list[int]:
+        pos = len(out)
+        target = lambda i: self.target_token(prompt, i)  # noqa: E731
+        if not self.spec_enabled or req.mode.value == "plain":
+            return [target(pos)]
+        k = self._k()
+        if self.proposer is None:  # simulated acceptance: α of the segment, deterministic
+            alpha = self.alpha_by_segment.get(req.segment, self.default_alpha)
+            accepted = min(k, int(alpha * k + 0.5))
+            stats.record(k, accepted)
+            return [target(pos + i) for i in range(accepted + 1)]
+        from cluster.spec.remote import DraftUnavailableError
+        from cluster.spec.types import ProposeInput
+
+        inp = ProposeInput(seq_id=req.request_id, token_ids=prompt + out, num_draft_tokens=k,
+                           params=req.params)
+        try:
+            proposal = await asyncio.to_thread(self.proposer.propose, [inp])
+        except DraftUnavailableError:
+            self._fallbacks += 1
+            stats.record(0, 0)
+            return [target(pos)]
+        draft = proposal.draft_token_ids[0]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == target(pos + accepted):
+            accepted += 1
+        stats.record(len(draft), accepted)
+        return [target(pos + i) for i in range(accepted + 1)]
+
+    def _record(self, segment: str, stats: SpecStats) -> None:
+        self._spec_by_segment.setdefault(segment, SpecStats()).merge(stats)
+
+    async def abort(self, request_id: str) -> None:
+        # Generators own their cleanup; closing them frees the blocks. Nothing else to do here.
+        self._running.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        used = sum(self._running.values())
+        return EngineStats(
+            num_running=len(self._running), num_waiting=self._waiting,
+            kv_blocks_total=self.num_kv_blocks, kv_blocks_free=max(0, self.num_kv_blocks - used),
+            spec_enabled=self.spec_enabled,
+            drafter=(self.config.spec.drafter if self.config.spec else None),
+            moe=self.moe, moe_gate_open=(not self.moe) or bool(self.config.spec and self.config.spec.moe_validated),
+            draft_fallbacks=self._fallbacks,
+            draft_resyncs=getattr(self.proposer, "num_resyncs", 0),
+            spec_by_segment={s: st.to_dict() for s, st in self._spec_by_segment.items()})
+
+    def model_info(self) -> dict:
+        spec = self.config.spec
+        return {"name": f"fake:{self.config.model}", "architecture": "FakeByteLM",
+                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "dtype": self.config.dtype.value, "moe": self.moe,
+                "drafter": spec.drafter if spec else None,
+                "num_spec_tokens": str(spec.num_spec_tokens) if spec else None}

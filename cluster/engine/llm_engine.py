@@ -1,0 +1,198 @@
+"""Synchronous engine: one ``step()`` = schedule -> (propose) -> forward -> sample/verify ->
+postprocess.
+
+Owns: request admission and validation against the model's limits, the step loop body, turning
+committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. Speculation is
+delegated to a ``SpecController`` (``cluster.spec.controller``) when configured; without one
+every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.detokenizer import Detokenizer
+from cluster.engine.protocol import EngineStats
+from cluster.engine.request import (
+    FinishReason, GenerationRequest, InvalidRequestError, RequestOutput, SpecMode, SpecStats,
+)
+from cluster.engine.runner import SeqChunk
+from cluster.engine.sampler import make_generator, sample
+from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
+from cluster.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What engines and drafters share about one loaded target model."""
+
+    name: str
+    path: object  # pathlib.Path of the HF directory
+    runner: object  # ModelRunner or HFRunner
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    hf_config: dict
+    dtype: str
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel, spec=None) -> None:
+        self.config = config
+        self.model = model
+        self.runner = model.runner
+        self.tokenizer = model.tokenizer
+        self.spec = spec  # SpecController | None
+        self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
+        self.scheduler = Scheduler(
+            self.runner.kv,
+            SchedulerBudget(config.max_num_seqs, config.max_num_batched_tokens),
+            on_preempt=self._on_preempt,
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.segment_stats: dict[str, SpecStats] = {}
+
+    # -- admission ----------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {vocab})")
+        total = len(ids) + request.params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}")
+        capacity = self.runner.kv.num_blocks * self.runner.kv.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity {capacity}")
+        if request.request_id in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        speculate = self.spec is not None and request.mode is not SpecMode.PLAIN
+        seq = Sequence(
+            request=request,
+            detok=Detokenizer(self.tokenizer, request.params.stop),
+            eos_token_ids=self.model.eos_token_ids,
+            generator=make_generator(request.params),
+            speculate=speculate,
+        )
+        self.seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish(FinishReason.CANCELLED)
+        return self._retire(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        lookahead = (lambda seq: 0)
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running)
+            lookahead = self.spec.lookahead
+        scheduled = self.scheduler.schedule(lookahead)
+        if not scheduled:
+            return []
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.scheduled_at is None:
+                s.seq.scheduled_at = now
+        drafts = self.spec.propose(scheduled) if self.spec is not None else {}
+        chunks = []
+        for s in scheduled:
+            seq = s.seq
+            new = seq.token_ids[seq.num_cached : seq.num_cached + s.num_new_tokens]
+            d = drafts[seq.seq_id][0] if seq.seq_id in drafts else []
+            chunks.append(SeqChunk(seq.seq_id, new + d, seq.num_cached, len(d) + 1 if s.samples else 0))
+        t0 = time.perf_counter()
+        logits = self.runner.forward(chunks)  # [sum num_logits, V]
+        forward_s = time.perf_counter() - t0
+        sampling = [s for s in scheduled if s.samples]
+        if drafts:
+            committed, accepted = self.spec.verify(logits, sampling, drafts, forward_s,
+                                                   sum(len(c.token_ids) for c in chunks))
+        else:
+            tokens = sample(logits, [s.seq.request.params for s in sampling],
+                            [s.seq.generator for s in sampling]) if sampling else torch.empty(0)
+            committed = [[int(t)] for t in tokens]
+            accepted = [0] * len(sampling)
+            if self.spec is not None:
+                self.spec.observe_plain_step(forward_s, sum(len(c.token_ids) for c in chunks))
+        outputs: list[RequestOutput] = []
+        j = 0
+        for s in scheduled:
+            seq = s.seq
+            if not s.samples:
+                seq.num_cached += s.num_new_tokens
+                continue
+            seq.num_cached += s.num_new_tokens + accepted[j]
+            self.runner.truncate(seq.seq_id, seq.num_cached)
+            if seq.seq_id in drafts:
+                k = len(drafts[seq.seq_id][0])
+                seq.spec.record(k, accepted[j])
+                self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted[j])
+            seq.append_committed(committed[j])
+            j += 1
+            if seq.finished:
+                outputs.append(self._retire(seq))
+            elif seq.pending_ids or seq.pending_text:
+                outputs.append(self._delta(seq))
+        return outputs
+
+    # -- outputs ------------------------------------------------------------------------------
+    def _delta(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=seq.pending_ids,
+            text_delta=seq.pending_text,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.prompt_len,
+            num_output_tokens=seq.num_output,
+            spec=seq.spec if seq.speculate else None,
+        )
+        seq.pending_ids, seq.pending_text = [], ""
+        return out
+
+    def _retire(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+        if self.spec is not None:
+            self.spec.release(seq.seq_id)
+        out = self._delta(seq)
+        start = seq.scheduled_at if seq.scheduled_at is not None else time.monotonic()
+        out.queue_time = start - seq.arrival
+        out.first_token_time = (seq.first_token_at - seq.arrival) if seq.first_token_at else None
+        return out
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq.seq_id)
+
+    def stats(self) -> EngineStats:
+        kv = self.runner.kv
+        st = EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            spec_by_segment={k: v.to_dict() for k, v in self.segment_stats.items()},
+        )
+        if self.spec is not None:
+            self.spec.fill_stats(st)
+        return st

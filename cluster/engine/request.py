@@ -1,0 +1,159 @@
+"""Request-level types shared by the engine, the speculative core and the service glue.
+
+Owns: sampling parameters and their validation, finish reasons, the per-step output a caller
+iterates, and the error raised for bad input. Ignores: tokenization and transport.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input. The message says what is wrong; the service maps it to INVALID_ARGUMENT."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The bounded waiting queue is full (RESOURCE_EXHAUSTED at the service)."""
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class SpecMode(enum.Enum):
+    """Per-request speculation wish; the engine/router decide within it."""
+
+    AUTO = "auto"
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation counters for one request or one segment (vocabulary: arXiv 2211.17192).
+
+    drafts: verification steps that carried at least one draft token.
+    draft_tokens: tokens proposed by the drafter. accepted_tokens: draft tokens the target kept.
+    acceptance_rate α = accepted_tokens / draft_tokens.
+    mean_acceptance_length = tokens committed per verification step (accepted + the one
+    recovered or bonus token) = (accepted_tokens + drafts) / drafts.
+    """
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)  # histogram: k_chosen[k] = steps with K=k
+
+    def record(self, k: int, num_accepted: int) -> None:
+        while len(self.k_chosen) <= k:
+            self.k_chosen.append(0)
+        self.k_chosen[k] += 1
+        if k == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted_tokens += num_accepted
+        while len(self.drafted_per_position) < k:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+            if i < num_accepted:
+                self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.drafted_per_position, other.drafted_per_position),
+                             (self.k_chosen, other.k_chosen)):
+            while len(mine) < len(theirs):
+                mine.append(0)
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "k_chosen": list(self.k_chosen),
+        }
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    segment: str = "default"
+    mode: SpecMode = SpecMode.AUTO
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a running request. The last one has ``finished=True`` and a finish reason."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    spec: SpecStats | None = None
+    error: str | None = None
+    # Timing (seconds, monotonic clock): set on the final output.
+    queue_time: float = 0.0
+    first_token_time: float | None = None

@@ -1,0 +1,135 @@
+"""Model runner: turns a ragged list of sequence chunks into one forward pass over the block KV
+cache.
+
+Owns: the KV storage tensors and the ``KVCacheManager`` of one model, building ``ForwardBatch``
+metadata (positions, slot mapping, attention groups with padding masks, logits rows) from
+``SeqChunk``s, and updating each sequence's cached length after the pass.
+Ignores: which chunks to run (scheduler) and what to do with the logits (sampler, verifier).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.kv_cache import KVCacheManager, sizing_num_blocks
+from cluster.models.llama import AttentionGroup, ForwardBatch, LlamaModel
+
+# Chunks with more new tokens than this get their own attention group, so that one long prefill
+# does not pad every decode row to its length.
+_SMALL_Q = 16
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """New tokens of one sequence for this forward pass.
+
+    token_ids are appended at positions [start_pos, start_pos + len); logits are returned for the
+    last ``num_logits`` of them (0: mid-prefill chunk, 1: decode / end of prefill, K+1: verify).
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    num_logits: int
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"{self.seq_id}: empty chunk")
+        if not 0 <= self.num_logits <= len(self.token_ids):
+            raise ValueError(f"{self.seq_id}: num_logits {self.num_logits} outside [0, {len(self.token_ids)}]")
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int | None, block_size: int,
+                 kv_cache_memory_mb: int = 512) -> None:
+        self.model = model
+        a = model.arch
+        if num_blocks is None:
+            per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * model.embed.element_size()
+            num_blocks = sizing_num_blocks(kv_cache_memory_mb * 2**20, block_size, per_token)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.k_cache, self.v_cache = model.new_kv_storage(num_blocks * block_size)
+        self.vocab_size = a.vocab_size
+        self.max_model_len = a.max_position_embeddings
+
+    def reserve(self, seq_id: str, total_tokens: int) -> None:
+        self.kv.reserve(seq_id, total_tokens)
+
+    def free(self, seq_id: str) -> None:
+        self.kv.free(seq_id)
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        self.kv.truncate(seq_id, length)
+
+    def build_batch(self, chunks: list[SeqChunk]) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        small: list[tuple[int, SeqChunk]] = []  # (first flat row, chunk)
+        large: list[tuple[int, SeqChunk]] = []
+        for c in chunks:
+            row0 = len(ids)
+            n = len(c.token_ids)
+            if c.start_pos + n > self.max_model_len:
+                raise ValueError(f"{c.seq_id}: position {c.start_pos + n} exceeds the model's context {self.max_model_len}")
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            slots.extend(self.kv.slots(c.seq_id, c.start_pos, c.start_pos + n))
+            logits_rows.extend(range(row0 + n - c.num_logits, row0 + n))
+            (small if n <= _SMALL_Q else large).append((row0, c))
+        T = len(ids)
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        groups = [self._group(small, T)] if small else []
+        groups += [self._group([item], T) for item in large]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            groups=groups,
+            logits_index=torch.tensor(logits_rows, dtype=torch.int64),
+        )
+
+    def _group(self, items: list[tuple[int, SeqChunk]], T: int) -> AttentionGroup:
+        G = len(items)
+        q_lens = [len(c.token_ids) for _, c in items]
+        ctx_lens = [c.start_pos + len(c.token_ids) for _, c in items]
+        qmax, lmax = max(q_lens), max(ctx_lens)
+        q_index = torch.full((G, qmax), T, dtype=torch.int64)
+        kv_slots = torch.zeros((G, lmax), dtype=torch.int64)
+        out_rows, out_src = [], []
+        for g, (row0, c) in enumerate(items):
+            q = q_lens[g]
+            q_index[g, :q] = torch.arange(row0, row0 + q)
+            kv_slots[g, : ctx_lens[g]] = self.kv.slot_tensor(c.seq_id, ctx_lens[g])
+            out_rows.extend(range(row0, row0 + q))
+            out_src.extend(range(g * qmax, g * qmax + q))
+        mask = None
+        if qmax > 1 or any(l != lmax for l in ctx_lens):
+            # query i of sequence g sits at position start+i and sees keys [0, start+i]
+            key_pos = torch.arange(lmax).view(1, 1, lmax)  # [1, 1, Lmax]
+            starts = torch.tensor([c.start_pos for _, c in items]).view(G, 1, 1)
+            q_pos = starts + torch.arange(qmax).view(1, qmax, 1)  # [G, Qmax, 1]
+            valid_q = torch.arange(qmax).view(1, qmax, 1) < torch.tensor(q_lens).view(G, 1, 1)
+            mask = (key_pos <= q_pos) & valid_q
+            mask[:, :, 0] = True  # padding queries attend to key 0 so no row is all -inf (NaN)
+            mask = mask.unsqueeze(1)  # [G, 1, Qmax, Lmax]
+        return AttentionGroup(q_index, kv_slots, mask, torch.tensor(out_rows), torch.tensor(out_src))
+
+    def forward(self, chunks: list[SeqChunk], num_layers: int | None = None,
+                commit: bool = True) -> torch.Tensor:  # [sum num_logits, V] float32
+        """Run one ragged forward. commit=True records the new tokens as cached; a layer-skip
+        draft pass uses commit=False (its K/V in those slots get overwritten by verification)."""
+        for c in chunks:
+            if commit and c.start_pos != self.kv.num_tokens(c.seq_id):
+                raise ValueError(f"{c.seq_id}: chunk starts at {c.start_pos} but {self.kv.num_tokens(c.seq_id)} cached")
+            self.kv.reserve(c.seq_id, c.start_pos + len(c.token_ids))
+        batch = self.build_batch(chunks)
+        logits = self.model.forward(batch, self.k_cache, self.v_cache, num_layers=num_layers)
+        if commit:
+            for c in chunks:
+                self.kv.set_num_tokens(c.seq_id, c.start_pos + len(c.token_ids))
+        return logits

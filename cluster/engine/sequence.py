@@ -1,0 +1,109 @@
+"""One request's state inside the engine.
+
+Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
+KV), status, per-request RNG, detokenizer, finish reason, timings and speculation counters, and
+appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
+max_tokens). Ignores: scheduling and model execution.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.engine.detokenizer import Detokenizer
+from cluster.engine.request import FinishReason, GenerationRequest, SpecStats
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request: GenerationRequest
+    detok: Detokenizer
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    speculate: bool  # may this request use the speculative path at all
+    token_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V the target holds
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    pending_ids: list[int] = field(default_factory=list)  # new output ids not yet reported
+    pending_text: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_token_ids)
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens known but not yet in the KV cache (a prefill remainder, or the last sampled)."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def remaining_budget(self) -> int:
+        return self.request.params.max_tokens - self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_committed(self, tokens: list[int]) -> int:
+        """Append tokens in order until a stop condition; returns how many were kept."""
+        p = self.request.params
+        kept = 0
+        for t in tokens:
+            self.token_ids.append(t)
+            self.pending_ids.append(t)
+            kept += 1
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            if t in self.eos_token_ids and not p.ignore_eos:
+                self.finish(FinishReason.EOS)
+                break
+            text, hit = self.detok.add(t)
+            self.pending_text += text
+            if hit:
+                self.finish(FinishReason.STOP)
+                break
+            if t in p.stop_token_ids:
+                self.finish(FinishReason.STOP)
+                break
+            if self.num_output >= p.max_tokens:
+                self.finish(FinishReason.LENGTH)
+                break
+        return kept
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.status is SeqStatus.FINISHED:
+            return
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.pending_text += self.detok.flush()

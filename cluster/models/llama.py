@@ -1,0 +1,239 @@
+"""Our forward pass for the Llama family (Llama / SmolLM, Mistral, Qwen2, Qwen3) over the block
+KV cache.
+
+Owns: weights (fused QKV and gate/up projections), RoPE, RMSNorm, grouped-query attention over a
+ragged batch whose K/V live in flat paged storage, logits for the positions asked for, and the
+layer-skip entry (run the first L layers + LM head) used by self-speculation.
+Ignores: which sequences are in the batch and where their blocks are (``ForwardBatch`` is built
+by ``cluster.engine.runner``), sampling, and architectures outside the family (HF fallback).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cluster.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaArch":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(f"model_type {model_type!r} is not in our Llama family {sorted(SUPPORTED_MODEL_TYPES)}")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"rope type {rope_type!r} is not supported by the native runner")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended together with padding (decode/verify rows, or one long prefill)."""
+
+    q_index: torch.Tensor  # [G, Qmax] int64 rows of the flat [T+1] query (T = padding row)
+    kv_slots: torch.Tensor  # [G, Lmax] int64 flat KV slots (0 where padded)
+    mask: torch.Tensor | None  # [G, 1, Qmax, Lmax] bool, True = attend; None = attend to all
+    out_rows: torch.Tensor  # [Tg] int64 rows of the flat [T] output these queries fill
+    out_src: torch.Tensor  # [Tg] int64 rows of the flattened [G*Qmax] padded output
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot each new token is written to
+    groups: list[AttentionGroup]
+    logits_index: torch.Tensor  # [N] int64 rows of [T] whose logits are returned
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inv_freq(arch: LlamaArch) -> torch.Tensor:
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = arch.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    # llama3: smooth interpolation between low and high frequency bands
+    factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_len = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, mid, scaled)
+
+
+class LlamaModel:
+    """Weights + forward. Not an nn.Module: inference only, no autograd, no hooks."""
+
+    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]  # [V, hidden]
+        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "ln1": w[p + "input_layernorm.weight"],
+                "ln2": w[p + "post_attention_layernorm.weight"],
+                "wqkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous(),
+                "wo": w[p + "self_attn.o_proj.weight"],
+                "wgu": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
+                "wd": w[p + "mlp.down_proj.weight"],
+                "bqkv": (torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                         if arch.qkv_bias else None),
+                "qn": w.get(p + "self_attn.q_norm.weight"),
+                "kn": w.get(p + "self_attn.k_norm.weight"),
+            }
+            self.layers.append(layer)
+        max_pos = arch.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), _inv_freq(arch))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype) -> "LlamaModel":
+        from safetensors.torch import load_file
+
+        arch = LlamaArch.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+        weights: dict[str, torch.Tensor] = {}
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+        for f in files:
+            weights.update(load_file(str(f)))
+        missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in weights]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: weights missing {missing}")
+        return cls(arch, weights, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per decode step: every weight once. An untied input embedding is only
+        gathered (one row per token), so it does not count; a tied one is read as the LM head."""
+        tensors = [self.lm_head, self.norm] + [t for l in self.layers for t in l.values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+
+    def new_kv_storage(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        a = self.arch
+        shape = (num_slots, a.num_kv_heads, a.head_dim)
+        return ([torch.zeros(shape, dtype=self.dtype) for _ in range(a.num_layers)],
+                [torch.zeros(shape, dtype=self.dtype) for _ in range(a.num_layers)])
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        k_cache: list[torch.Tensor],  # per layer [S, Hkv, D]
+        v_cache: list[torch.Tensor],
+        num_layers: int | None = None,
+    ) -> torch.Tensor:  # [N, V] float32
+        a = self.arch
+        T = batch.input_ids.shape[0]
+        assert batch.positions.shape == (T,) and batch.slot_mapping.shape == (T,), "ragged batch shapes disagree"
+        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        n_layers = a.num_layers if num_layers is None else num_layers
+        for li in range(n_layers):
+            L = self.layers[li]
+            h = _rms_norm(x, L["ln1"], a.rms_norm_eps)
+            qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [T, (H + 2Hkv) * D]
+            q = qkv[:, : H * D].view(T, H, D)
+            k = qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
+            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+            if a.qk_norm:
+                q = _rms_norm(q, L["qn"], a.rms_norm_eps)
+                k = _rms_norm(k, L["kn"], a.rms_norm_eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = k_cache[li], v_cache[li]
+            kc.index_copy_(0, batch.slot_mapping, k)
+            vc.index_copy_(0, batch.slot_mapping, v)
+            attn = self._attention(q, kc, vc, batch.groups, T)  # [T, H*D]
+            x = x + F.linear(attn, L["wo"])
+            h = _rms_norm(x, L["ln2"], a.rms_norm_eps)
+            gu = F.linear(h, L["wgu"])  # [T, 2I]
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["wd"])
+        x = x[batch.logits_index]  # [N, hidden]
+        x = _rms_norm(x, self.norm, a.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [N, V]
+
+    def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   groups: list[AttentionGroup], T: int) -> torch.Tensor:
+        H, D = self.arch.num_heads, self.arch.head_dim
+        q_ext = torch.cat([q, q.new_zeros(1, H, D)])  # [T+1, H, D]; row T is padding
+        out = q.new_empty(T, H * D)
+        for g in groups:
+            qg = q_ext[g.q_index].transpose(1, 2)  # [G, H, Qmax, D]
+            kg = kc[g.kv_slots].transpose(1, 2)  # [G, Hkv, Lmax, D]
+            vg = vc[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
+            og = og.transpose(1, 2).reshape(-1, H * D)  # [G*Qmax, H*D]
+            out[g.out_rows] = og[g.out_src]
+        return out

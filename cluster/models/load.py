@@ -1,0 +1,46 @@
+"""Load a model spec into a runnable ``LoadedModel``: our native runner for the Llama family, the
+Hugging Face fallback runner for everything else (MoE included).
+
+Owns: the choice of runner, dtype, KV pool sizing inputs, tokenizer and EOS ids. Ignores: the
+spec grammar (``cluster.models.loader``) and the forward passes themselves.
+"""
+from __future__ import annotations
+
+from cluster.engine.config import DType, EngineConfig
+from cluster.engine.llm_engine import LoadedModel
+from cluster.engine.runner import ModelRunner
+from cluster.errors import ModelLoadError
+from cluster.models.hf_runner import HFRunner
+from cluster.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel
+from cluster.models.loader import resolve_model
+from cluster.models.tokenizer import eos_token_ids, load_tokenizer
+
+
+def load_model(spec: str, config: EngineConfig, *, num_blocks: int | None = None) -> LoadedModel:
+    md = resolve_model(spec)
+    hf_config = md.config()
+    dtype: DType = config.dtype  # type: ignore[assignment]
+    blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
+    try:
+        if hf_config.get("model_type") in SUPPORTED_MODEL_TYPES:
+            runner = ModelRunner(LlamaModel.load(md.path, dtype.torch), blocks, config.block_size,
+                                 config.kv_cache_memory_mb)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(md.path), dtype=dtype.torch)
+            runner = HFRunner(hf, blocks, config.block_size, config.kv_cache_memory_mb)
+        tokenizer = load_tokenizer(md.path)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r} from {md.path}: {type(exc).__name__}: {exc}") from None
+    return LoadedModel(
+        name=md.name,
+        path=md.path,
+        runner=runner,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(tokenizer, md.path),
+        hf_config=hf_config,
+        dtype=dtype.value,
+    )

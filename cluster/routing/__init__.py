@@ -1,0 +1,1 @@
+"""Router policy: which engine path a request takes. Pure code (no Ray, no gRPC)."""

@@ -1,0 +1,152 @@
+"""Router policy: speculative path or plain path, decided per request with a typed reason.
+
+Owns: the decision rules of DESIGN.md (mode overrides, constrained -> plain, MoE gate, live α per
+segment against break-even, in-flight hysteresis on the SpecEngine) and the hysteresis state.
+Ignores: where in-flight counts and α come from (the Router deployment feeds them) and how a
+request travels (Ray handles, gRPC).
+
+Rule order (first match wins):
+1. mode PLAIN -> plain (MODE_PLAIN).
+2. constrained (json_schema / regex) -> plain (CONSTRAINED): speculation with constrained decoding
+   silently corrupts output unless the grammar is applied to drafts, which this service does not do.
+3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
+4. MoE target whose acceptance is not yet validated -> plain (MOE_UNVALIDATED).
+5. mode SPECULATIVE -> speculative (MODE_SPECULATIVE); the client asked and nothing forbids it.
+6. live α of the request's segment below ``min_alpha`` (with at least ``min_alpha_samples`` draft
+   tokens measured) -> plain (BELOW_BREAK_EVEN).
+7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
+   ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
+   is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from cluster.engine.request import SpecMode
+
+
+class Path(enum.Enum):
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+
+class RouteReason(enum.Enum):
+    MODE_PLAIN = "mode_plain"
+    MODE_SPECULATIVE = "mode_speculative"
+    CONSTRAINED = "constrained"
+    SPEC_UNAVAILABLE = "spec_unavailable"
+    MOE_UNVALIDATED = "moe_unvalidated"
+    BELOW_BREAK_EVEN = "below_break_even"
+    BELOW_ENTER_THRESHOLD = "below_enter_threshold"
+    ABOVE_EXIT_THRESHOLD = "above_exit_threshold"
+    HYSTERESIS_SPECULATIVE = "hysteresis_speculative"  # between thresholds, staying speculative
+    HYSTERESIS_PLAIN = "hysteresis_plain"  # between thresholds, staying plain
+
+
+@dataclass(slots=True, frozen=True)
+class RouteDecision:
+    path: Path
+    reason: RouteReason
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """enter_threshold: route to spec again once its in-flight count is below this.
+    exit_threshold: leave spec once its in-flight count reaches this (> enter_threshold: the gap is
+    the hysteresis band). min_alpha: a segment whose live acceptance rate is below this goes plain
+    (break-even of verification overhead, ~0.5 per the seed). min_alpha_samples: draft tokens a
+    segment needs before its α is trusted."""
+
+    enter_threshold: int = 4
+    exit_threshold: int = 8
+    min_alpha: float = 0.5
+    min_alpha_samples: int = 64
+
+    def __post_init__(self) -> None:
+        if self.enter_threshold < 1:
+            raise ValueError(f"router.enter_threshold must be >= 1, got {self.enter_threshold}")
+        if self.exit_threshold < self.enter_threshold:
+            raise ValueError(f"router.exit_threshold ({self.exit_threshold}) must be >= "
+                             f"enter_threshold ({self.enter_threshold})")
+        if not 0.0 <= self.min_alpha <= 1.0:
+            raise ValueError(f"router.min_alpha must be in [0, 1], got {self.min_alpha}")
+        if self.min_alpha_samples < 0:
+            raise ValueError("router.min_alpha_samples must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class RequestFeatures:
+    mode: SpecMode = SpecMode.AUTO
+    constrained: bool = False
+    segment: str = "default"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineView:
+    """What the router knows about the speculative side right now."""
+
+    spec_available: bool = True
+    spec_in_flight: int = 0
+    moe: bool = False
+    moe_gate_open: bool = True
+    # segment -> (acceptance rate α, draft tokens measured)
+    alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
+
+    def alpha(self, segment: str) -> tuple[float, int] | None:
+        for name, alpha, n in self.alpha_by_segment:
+            if name == segment:
+                return alpha, n
+        return None
+
+    @classmethod
+    def from_spec_by_segment(cls, spec_by_segment: dict[str, dict], **kw) -> "EngineView":
+        rows = tuple((seg, float(d.get("acceptance_rate", 0.0)), int(d.get("draft_tokens", 0)))
+                     for seg, d in sorted(spec_by_segment.items()))
+        return cls(alpha_by_segment=rows, **kw)
+
+
+class RouterPolicy:
+    """Stateful only in the hysteresis bit (are we currently sending AUTO traffic to spec?)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._spec_open = True
+        self._lock = threading.Lock()
+
+    @property
+    def spec_open(self) -> bool:
+        return self._spec_open
+
+    def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
+        if req.mode is SpecMode.PLAIN:
+            return RouteDecision(Path.PLAIN, RouteReason.MODE_PLAIN)
+        if req.constrained:
+            return RouteDecision(Path.PLAIN, RouteReason.CONSTRAINED)
+        if not view.spec_available:
+            return RouteDecision(Path.PLAIN, RouteReason.SPEC_UNAVAILABLE)
+        if view.moe and not view.moe_gate_open:
+            return RouteDecision(Path.PLAIN, RouteReason.MOE_UNVALIDATED)
+        if req.mode is SpecMode.SPECULATIVE:
+            return RouteDecision(Path.SPECULATIVE, RouteReason.MODE_SPECULATIVE)
+        measured = view.alpha(req.segment)
+        if measured is not None:
+            alpha, samples = measured
+            if samples >= self.config.min_alpha_samples and alpha < self.config.min_alpha:
+                return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
+        return self._hysteresis(view.spec_in_flight)
+
+    def _hysteresis(self, in_flight: int) -> RouteDecision:
+        with self._lock:
+            if self._spec_open:
+                if in_flight >= self.config.exit_threshold:
+                    self._spec_open = False
+                    return RouteDecision(Path.PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
+                reason = (RouteReason.BELOW_ENTER_THRESHOLD if in_flight < self.config.enter_threshold
+                          else RouteReason.HYSTERESIS_SPECULATIVE)
+                return RouteDecision(Path.SPECULATIVE, reason)
+            if in_flight < self.config.enter_threshold:
+                self._spec_open = True
+                return RouteDecision(Path.SPECULATIVE, RouteReason.BELOW_ENTER_THRESHOLD)
+            return RouteDecision(Path.PLAIN, RouteReason.HYSTERESIS_PLAIN)

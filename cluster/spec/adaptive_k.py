@@ -1,0 +1,313 @@
+"""Adaptive K: how many draft tokens each sequence should get this step (0 = decode plainly).
+
+Owns: the online acceptance estimate α per sequence and per traffic segment
+(``AcceptanceEstimator``), the online step-cost model (``StepCostModel``: draft cost per round,
+target forward time as a linear function of batch tokens), the choice of K for one sequence
+(``choose_k``) and for a whole batch (``AdaptiveK``), plus a deterministic exploration schedule
+so sequences parked at K=0 keep measuring α. Ignores: timing itself (the engine measures and calls
+``observe_*``), the router's segment policy, and fixed-K configurations.
+
+Model. α is the per-position probability that the target accepts a draft token (arXiv
+2211.17192), so a step with K drafts commits E(K) = (1 - α^(K+1)) / (1 - α) tokens on average
+(K + 1 when α = 1; 1 when K = 0). A step costs K draft rounds plus one target forward over every
+token in the batch. From a step with K drafts of which ``a`` were accepted we learn ``a``
+acceptances and, when a < K, one rejection (later positions were never tested) — counting
+accepted / drafted instead would bias α low.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def expected_committed(alpha: float, k: int) -> float:
+    """Mean tokens committed by a step with k draft tokens at per-position acceptance alpha."""
+    alpha = min(max(alpha, 0.0), 1.0)
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(slots=True)
+class _Counts:
+    accepted: float = 0.0  # exponentially weighted acceptances
+    rejected: float = 0.0  # exponentially weighted rejections
+
+    def add(self, decay: float, accepted: int, rejected: int) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + rejected
+
+    @property
+    def trials(self) -> float:
+        return self.accepted + self.rejected
+
+
+@dataclass(slots=True)
+class AcceptanceEstimator:
+    """α per segment: Beta-like posterior mean with ``prior_weight`` pseudo trials at
+    ``prior_alpha``. α per sequence: its own counts shrunk towards the segment estimate with
+    ``seq_prior_weight`` pseudo trials, so a sequence dominates once it has several times that
+    many trials and a fresh sequence inherits its segment. Counts decay by ``decay`` per update
+    (old behaviour fades; half-life ≈ 0.69 / (1 - decay) updates)."""
+
+    prior_alpha: float = 0.6
+    prior_weight: float = 4.0
+    seq_prior_weight: float = 8.0
+    decay: float = 0.99
+    _segments: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
+    _seqs: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
+        if self.prior_weight <= 0 or self.seq_prior_weight <= 0:
+            raise ValueError("prior weights must be > 0")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
+    def update(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
+        if k <= 0:
+            return  # a plain step tests no draft token
+        if not 0 <= num_accepted <= k:
+            raise ValueError(f"num_accepted {num_accepted} outside [0, {k}]")
+        rejected = 1 if num_accepted < k else 0
+        self._segments.setdefault(segment, _Counts()).add(self.decay, num_accepted, rejected)
+        self._seqs.setdefault(seq_id, _Counts()).add(self.decay, num_accepted, rejected)
+
+    def segment_estimate(self, segment: str) -> float:
+        c = self._segments.get(segment, _Counts())
+        return (c.accepted + self.prior_weight * self.prior_alpha) / (c.trials + self.prior_weight)
+
+    def estimate(self, seq_id: str, segment: str) -> float:
+        seg = self.segment_estimate(segment)
+        c = self._seqs.get(seq_id)
+        if c is None:
+            return seg
+        return (c.accepted + self.seq_prior_weight * seg) / (c.trials + self.seq_prior_weight)
+
+    def seq_trials(self, seq_id: str) -> float:
+        c = self._seqs.get(seq_id)
+        return c.trials if c else 0.0
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def to_dict(self) -> dict:
+        return {seg: {"alpha": round(self.segment_estimate(seg), 4), "trials": round(c.trials, 2)}
+                for seg, c in self._segments.items()}
+
+
+class CostModel(Protocol):
+    @property
+    def draft_cost(self) -> float: ...
+
+    def target_time(self, num_tokens: int) -> float: ...
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Measured step costs. Draft: seconds per draft round (one drafted token for every
+    speculating sequence), a running mean that turns into an EWMA (``draft_ewma``). Target:
+    t(n) = a + b·n seconds for a forward over n batch tokens, a least-squares fit over the last
+    ``window`` observations with two weak priors: a ≈ ``target_a_prior`` (``intercept_prior_weight``
+    pseudo observations; it only matters before data) and b ≈ ``slope_prior_ratio``·a (the cost
+    of one more token relative to a decode forward; weight ``slope_prior_weight`` in tokens², as if
+    one observation sat 8 tokens away). So decode-only data (one batch size) fits t there exactly
+    and keeps the prior slope ratio; data over many batch sizes overrides both priors."""
+
+    draft_cost_prior: float = 0.002
+    target_a_prior: float = 0.02
+    slope_prior_ratio: float = 1.0 / 256  # a 256-token forward costs twice a decode step
+    intercept_prior_weight: float = 0.01
+    slope_prior_weight: float = 64.0
+    window: int = 128
+    draft_ewma: float = 0.05
+    _draft_cost: float = field(default=0.0, init=False)
+    _draft_n: int = field(default=0, init=False)
+    _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
+    _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:
+            raise ValueError("cost priors must be >= 0")
+        if self.intercept_prior_weight <= 0 or self.slope_prior_weight <= 0 or self.window < 2:
+            raise ValueError("prior weights must be > 0 and window >= 2")
+        if not 0.0 < self.draft_ewma <= 1.0:
+            raise ValueError("draft_ewma must be in (0, 1]")
+        self._draft_cost = self.draft_cost_prior
+
+    def observe_draft(self, rounds: int, seconds: float) -> None:
+        if rounds <= 0 or seconds < 0:
+            return
+        self._draft_n += 1
+        beta = max(self.draft_ewma, 1.0 / (self._draft_n + 1))
+        self._draft_cost += beta * (seconds / rounds - self._draft_cost)
+
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds < 0:
+            return
+        self._obs.append((int(num_tokens), float(seconds)))
+        if len(self._obs) > self.window:
+            del self._obs[: len(self._obs) - self.window]
+        self._fit = None
+
+    @property
+    def draft_cost(self) -> float:
+        return self._draft_cost
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) of t(n) = a + b·n, both >= 0."""
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def target_time(self, num_tokens: int) -> float:
+        a, b = self.coefficients
+        return a + b * num_tokens
+
+    def _solve(self) -> tuple[float, float]:
+        # Minimize sum (a + b·n_i - t_i)^2 + wa·(a - a0)^2 + wb·(b - rho·a)^2: linear in (a, b).
+        wa, wb, rho = self.intercept_prior_weight, self.slope_prior_weight, self.slope_prior_ratio
+        s1 = len(self._obs) + wa + wb * rho * rho
+        sn = sum(float(n) for n, _ in self._obs) - wb * rho
+        snn = sum(float(n) * n for n, _ in self._obs) + wb
+        st = sum(t for _, t in self._obs) + wa * self.target_a_prior
+        snt = sum(n * t for n, t in self._obs)
+        det = s1 * snn - sn * sn  # > 0: the priors make the quadratic form positive definite
+        a = (st * snn - sn * snt) / det
+        b = (s1 * snt - sn * st) / det
+        if b < 0:  # more tokens never make a forward cheaper
+            b = 0.0
+            a = st / s1
+        if a < 0:
+            a = 0.0
+            b = max(snt / snn, 0.0)
+        return a, b
+
+    def to_dict(self) -> dict:
+        a, b = self.coefficients
+        return {"draft_cost_s": self.draft_cost, "target_a_s": a, "target_b_s_per_token": b,
+                "target_observations": len(self._obs)}
+
+
+def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
+              other_committed: float = 0.0, other_draft_rounds: int = 0) -> float:
+    """Committed tokens per second of one step in which this sequence drafts k tokens."""
+    rounds = max(k, other_draft_rounds)
+    seconds = rounds * costs.draft_cost + costs.target_time(batch_tokens_other + k + 1)
+    return (other_committed + expected_committed(alpha, k)) / max(seconds, 1e-9)
+
+
+def choose_k(alpha: float, k_max: int, costs: CostModel, batch_tokens_other: int = 0,
+             other_committed: float = 0.0, other_draft_rounds: int = 0, min_gain: float = 0.05) -> int:
+    """K in [0, k_max] maximizing committed tokens per second; 0 unless the best K gains more
+    than ``min_gain`` of one plain token per plain step time (for a lone sequence: beats plain
+    by more than min_gain relative), which absorbs unmodelled overhead and noise.
+
+    With the defaults (other_committed = 0) this is one sequence's own rate: E(K) tokens per
+    (K·c_draft + t(batch_tokens_other + K + 1)) versus 1 per t(batch_tokens_other + 1). Passing
+    the tokens the other sequences of the forward commit turns it into the batch's rate, which
+    charges this sequence for slowing everyone else down (why large batches go plain)."""
+    if k_max <= 0:
+        return 0
+    rates = [step_rate(alpha, k, costs, batch_tokens_other, other_committed, other_draft_rounds)
+             for k in range(k_max + 1)]
+    plain_step = other_draft_rounds * costs.draft_cost + costs.target_time(batch_tokens_other + 1)
+    best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+    return best if rates[best] > rates[0] + min_gain / max(plain_step, 1e-9) else 0
+
+
+def batch_rate(alphas: list[float], ks: list[int], costs: CostModel, extra_tokens: int = 0,
+               extra_committed: float = 0.0) -> float:
+    """Committed tokens per second of a step in which sequence i drafts ks[i] tokens, sharing the
+    forward with ``extra_tokens`` tokens of sequences that do not speculate (e.g. prefill chunks)
+    that commit ``extra_committed`` tokens."""
+    if not ks:
+        return 0.0
+    seconds = max(ks) * costs.draft_cost + costs.target_time(extra_tokens + sum(k + 1 for k in ks))
+    committed = extra_committed + sum(expected_committed(a, k) for a, k in zip(alphas, ks))
+    return committed / max(seconds, 1e-9)
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    """Per-step K for a batch. All sequences share one target forward (their K_i + 1 tokens add
+    up) and the draft phase lasts max K_i rounds, so the objective is the batch's committed
+    tokens per second (``batch_rate``). Search: the best uniform K (every sequence drafting the
+    same number, which is how a shared draft phase pays off) against all-plain, then coordinate
+    ascent — each sequence in turn takes its best K given the others (``choose_k`` with the
+    others' tokens and rounds), for up to ``passes`` sweeps or until nothing changes. A local
+    optimum, cheap for B up to a few dozen.
+
+    Exploration: a sequence that has been at K = 0 for ``explore_every`` consecutive steps gets
+    K = min(explore_k, k_max) once (deterministic schedule), so its α can recover."""
+
+    estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    costs: StepCostModel = field(default_factory=StepCostModel)
+    explore_every: int = 16
+    explore_k: int = 2
+    min_gain: float = 0.05
+    passes: int = 2
+    _plain_streak: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.explore_every < 1 or self.explore_k < 1 or self.passes < 1:
+            raise ValueError("explore_every, explore_k and passes must be >= 1")
+
+    def choose(self, seqs: list[tuple[str, str]], k_max: int, extra_tokens: int = 0,
+               extra_committed: float = 0.0) -> list[int]:
+        """seqs: (seq_id, segment) of every sequence that may speculate this step -> K each.
+        extra_tokens / extra_committed: the rest of the same forward (sequences that cannot
+        speculate, prefill chunks) — they make verification tokens dearer, as in a big batch."""
+        n = len(seqs)
+        alphas = [self.estimator.estimate(s, seg) for s, seg in seqs]
+        ks = [0] * n
+        if k_max > 0 and n:
+            def rate(ks_: list[int]) -> float:
+                return batch_rate(alphas, ks_, self.costs, extra_tokens, extra_committed)
+
+            uniform = max(range(1, k_max + 1), key=lambda r: rate([r] * n))
+            if rate([uniform] * n) > rate(ks) * (1.0 + self.min_gain):
+                ks = [uniform] * n
+            self._coordinate_ascent(alphas, ks, k_max, extra_tokens, extra_committed)
+        for i, (seq_id, _) in enumerate(seqs):
+            if ks[i] > 0 or k_max <= 0:
+                self._plain_streak[seq_id] = 0
+                continue
+            streak = self._plain_streak.get(seq_id, 0) + 1
+            if streak >= self.explore_every:
+                ks[i] = min(self.explore_k, k_max)
+                streak = 0
+            self._plain_streak[seq_id] = streak
+        return ks
+
+    def _coordinate_ascent(self, alphas: list[float], ks: list[int], k_max: int,
+                           extra_tokens: int, extra_committed: float) -> None:
+        committed = [expected_committed(a, k) for a, k in zip(alphas, ks)]
+        for _ in range(self.passes):
+            changed = False
+            for i in range(len(ks)):
+                others_tokens = extra_tokens + sum(ks) + len(ks) - (ks[i] + 1)
+                others_committed = extra_committed + sum(committed) - committed[i]
+                others_rounds = max(ks[:i] + ks[i + 1:], default=0)
+                best = choose_k(alphas[i], k_max, self.costs, others_tokens, others_committed,
+                                others_rounds, self.min_gain)
+                if best != ks[i]:
+                    changed = True
+                    ks[i] = best
+                    committed[i] = expected_committed(alphas[i], best)
+            if not changed:
+                return
+
+    def observe(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
+        self.estimator.update(seq_id, segment, k, num_accepted)
+
+    def release(self, seq_id: str) -> None:
+        self.estimator.release(seq_id)
+        self._plain_streak.pop(seq_id, None)
+
+    def to_dict(self) -> dict:
+        return {"segments": self.estimator.to_dict(), "costs": self.costs.to_dict()}

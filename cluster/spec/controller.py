@@ -1,0 +1,177 @@
+"""Speculation inside one engine step: which sequences draft how many tokens, asking the
+drafter, verifying with the rejection sampler, and learning α and step costs.
+
+Owns: K per sequence (fixed, or adaptive from ``AdaptiveK``) within each sequence's remaining
+budget and context, the MoE gate, draft-side failure handling (a ``DraftUnavailableError`` makes
+this step plain and backs off before asking again: no request waits on a dead drafter), and
+speculation statistics. Ignores: scheduling and KV allocation (the scheduler reserves the K
+lookahead slots this controller asks for), model execution.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.engine.protocol import EngineStats
+from cluster.engine.scheduler import ScheduledSeq
+from cluster.engine.sequence import Sequence
+from cluster.spec.adaptive_k import AdaptiveK
+from cluster.spec.moe import MoeGate
+from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
+from cluster.spec.rejection_sampler import rejection_sample
+from cluster.spec.types import DraftUnavailableError, ProposeInput, SpecBatchMetadata
+
+log = logging.getLogger(__name__)
+
+DRAFT_RETRY_S = 1.0  # back-off after the drafter failed, before speculating again
+
+
+class SpecController:
+    def __init__(self, config: SpecConfig, proposer: Proposer, drafter_name: str,
+                 moe_gate: MoeGate, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.drafter_name = drafter_name
+        self.moe_gate = moe_gate
+        self.max_model_len = max_model_len
+        self.adaptive = AdaptiveK() if config.adaptive else None
+        self.draft_fallbacks = 0
+        self._retry_at = 0.0
+        self._plan: dict[str, int] = {}
+
+    # -- before scheduling: K per running sequence -----------------------------------------------
+    def plan(self, running: list[Sequence]) -> None:
+        self._plan = {}
+        if not self.moe_gate.speculation_allowed or time.monotonic() < self._retry_at:
+            return
+        eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1]
+        if not eligible:
+            return
+        if self.adaptive is not None:
+            ks = self.adaptive.choose([(s.seq_id, s.request.segment) for s in eligible], self.config.k_max)
+        else:
+            ks = [int(self.config.num_spec_tokens)] * len(eligible)
+        self._plan = {s.seq_id: k for s, k in zip(eligible, ks)}
+
+    def lookahead(self, seq: Sequence) -> int:
+        k = self._plan.get(seq.seq_id, 0)
+        # never draft past max_tokens (K+1 tokens may commit) or the context length
+        return max(0, min(k, seq.remaining_budget - 1, self.max_model_len - len(seq.token_ids) - 1))
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def propose(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
+        if not asks:
+            return {}
+        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params,
+                               s.seq.generator) for s in asks]
+        t0 = time.perf_counter()
+        try:
+            proposal = self.proposer.propose(inputs)
+        except DraftUnavailableError as exc:
+            self.draft_fallbacks += 1
+            self._retry_at = time.monotonic() + DRAFT_RETRY_S
+            log.warning("drafter unavailable, continuing without speculation: %s", exc)
+            return {}
+        elapsed = time.perf_counter() - t0
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_draft(max(s.num_lookahead for s in asks), elapsed)
+        drafts = {}
+        for s, ids, probs in zip(asks, proposal.draft_token_ids, proposal.draft_probs):
+            ids = ids[: s.num_lookahead]
+            if ids:
+                drafts[s.seq.seq_id] = (ids, probs[: len(ids)] if probs is not None else None)
+        return drafts
+
+    # -- verification -----------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
+               drafts: dict[str, tuple[list[int], torch.Tensor | None]],
+               forward_s: float, num_tokens: int) -> tuple[list[list[int]], list[int]]:
+        """logits: [sum(K_i + 1), V] rows of the sampling sequences in order."""
+        counts = [len(drafts[s.seq.seq_id][0]) if s.seq.seq_id in drafts else 0 for s in sampling]
+        meta = SpecBatchMetadata.from_counts(counts)
+        flat = [t for s in sampling for t in (drafts[s.seq.seq_id][0] if s.seq.seq_id in drafts else [])]
+        probs = [drafts[s.seq.seq_id][1] if s.seq.seq_id in drafts else None for s in sampling]
+        result = rejection_sample(
+            logits, torch.tensor(flat, dtype=torch.int64), probs, meta,
+            [s.seq.request.params for s in sampling], [s.seq.generator for s in sampling])
+        committed = [result.committed(i) for i in range(len(sampling))]
+        accepted = [int(a) for a in result.num_accepted]
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_target(num_tokens, forward_s)
+            for s, k, a in zip(sampling, counts, accepted):
+                if k:
+                    self.adaptive.observe(s.seq.seq_id, s.seq.request.segment, k, a)
+        return committed, accepted
+
+    def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_target(num_tokens, forward_s)
+
+    def release(self, seq_id: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.release(seq_id)
+        try:
+            self.proposer.release(seq_id)
+        except DraftUnavailableError:
+            pass  # a draft server that is gone holds nothing worth freeing
+
+    def fill_stats(self, st: EngineStats) -> None:
+        st.spec_enabled = True
+        st.drafter = self.drafter_name
+        st.moe = self.moe_gate.moe
+        st.moe_gate_open = self.moe_gate.speculation_allowed
+        st.draft_fallbacks = self.draft_fallbacks
+        st.draft_resyncs = int(getattr(self.proposer, "resyncs", 0))
+
+
+def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None = None) -> SpecController | None:
+    """Build the drafter named by config.spec.drafter (or use an injected one, e.g. remote)."""
+    from cluster.spec.moe import MoeGate
+
+    spec_cfg = config.spec
+    spec = parse_drafter_spec(spec_cfg.drafter)
+    if spec is None and proposer is None:
+        return None
+    name = spec_cfg.drafter
+    if proposer is None:
+        proposer = _build_proposer(spec, spec_cfg, config, model)
+    gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated)
+    return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len)
+
+
+def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
+    if spec.kind is DrafterKind.NGRAM:
+        from cluster.spec.ngram import NgramProposer
+
+        return NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+    if spec.kind is DrafterKind.SELF:
+        from cluster.engine.runner import ModelRunner
+        from cluster.spec.layer_skip import LayerSkipProposer, default_self_layers
+
+        if not isinstance(model.runner, ModelRunner):
+            from cluster.errors import ModelLoadError
+
+            raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
+        n = model.runner.model.arch.num_layers
+        return LayerSkipProposer(model.runner, spec.self_layers or default_self_layers(n))
+    return build_draft_model_proposer(spec.model, spec_cfg, config, model.tokenizer)
+
+
+def build_draft_model_proposer(draft_spec: str, spec_cfg: SpecConfig, config: EngineConfig,
+                               target_tokenizer=None):
+    """Load a draft model (own runner, own KV pool) and check its vocabulary against the target."""
+    from cluster.models.load import load_model
+    from cluster.spec.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
+    from cluster.spec.vocab_check import require_vocab_compatible
+
+    draft = load_model(draft_spec, config)
+    if target_tokenizer is not None:
+        require_vocab_compatible(target_tokenizer, draft.tokenizer, force=spec_cfg.force_vocab_mismatch)
+    trimmed = None
+    if spec_cfg.draft_vocab_trim:
+        trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, spec_cfg.draft_vocab_trim))
+    return DraftModelProposer(draft.runner, trimmed)

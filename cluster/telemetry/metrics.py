@@ -1,0 +1,224 @@
+"""The ``specserve_*`` metrics and the two calls that feed them.
+
+Owns: metric names, labels and buckets; ``record_request`` (router, once per finished request:
+path/reason counts, TTFT, TPOT, end-to-end latency, tokens, per-request α) and
+``record_engine_stats`` (engine replica, periodically: queue depth, running, KV pool, draft
+fallbacks/resyncs, and per segment: α, acceptance per position, chosen K, drafted/accepted tokens).
+Ignores: where the numbers come from and how they are exposed (``metrics_backend``).
+
+EngineStats carries cumulative totals; counters are fed the positive difference since the last
+export of the same engine (a drop means the engine restarted: the new total is counted afresh).
+Segments are a client-supplied label: at most ``max_segments`` distinct values are kept, the rest
+report as ``other`` (bounded Prometheus cardinality).
+
+Metric (Prometheus name; inside Ray prefixed ``ray_``)      labels
+specserve_requests_total                                   path, reason, segment, finish_reason
+specserve_ttft_seconds / _tpot_seconds / _e2e_seconds      path, segment        (histograms)
+specserve_prompt_tokens_total / _output_tokens_total       path
+specserve_request_acceptance_rate                          segment              (histogram, per request)
+specserve_inflight                                         path                 (gauge, router)
+specserve_queue_depth / _running_requests                  engine               (gauges)
+specserve_kv_blocks_free / _kv_blocks_capacity / _kv_usage_ratio  engine           (gauges)
+specserve_preemptions_total / _draft_fallbacks_total / _draft_resyncs_total  engine
+specserve_spec_acceptance_rate                             engine, segment      (gauge, α)
+specserve_spec_position_acceptance_rate                    engine, segment, position (gauge)
+specserve_spec_draft_tokens_total / _accepted_tokens_total engine, segment
+specserve_spec_position_drafted_total / _accepted_total    engine, segment, position
+specserve_spec_k_chosen_total                              engine, segment, k   (counts per K)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
+from cluster.telemetry.request_span import label
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+OTHER_SEGMENT = "other"
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    backend: str = "auto"  # auto | ray | prometheus
+    max_segments: int = 32
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "ray", "prometheus"):
+            raise ValueError(f"metrics backend must be auto, ray or prometheus, got {self.backend!r}")
+        if self.max_segments < 1:
+            raise ValueError("max_segments must be >= 1")
+
+
+class SpecserveMetrics:
+    """One per process (router and engine replicas alike); cheap to create."""
+
+    def __init__(self, config: MetricsConfig | None = None) -> None:
+        self.config = config or MetricsConfig()
+        self.backend: PrometheusBackend | RayBackend = make_backend(self.config.backend)
+        b = self.backend
+        self._segments: set[str] = set()
+        self._last: dict[tuple, float] = {}
+        # Router side.
+        self.requests = b.counter("specserve_requests", "Finished requests by route path, route reason, "
+                                  "segment and finish reason", ("path", "reason", "segment", "finish_reason"))
+        self.ttft = b.histogram("specserve_ttft_seconds", "Time to first token seen by the router",
+                                ("path", "segment"), LATENCY_BUCKETS)
+        self.tpot = b.histogram("specserve_tpot_seconds", "Time per output token after the first",
+                                ("path", "segment"), TPOT_BUCKETS)
+        self.e2e = b.histogram("specserve_e2e_seconds", "End-to-end request latency at the router",
+                               ("path", "segment"), LATENCY_BUCKETS)
+        self.prompt_tokens = b.counter("specserve_prompt_tokens", "Prompt tokens", ("path",))
+        self.output_tokens = b.counter("specserve_output_tokens", "Generated tokens", ("path",))
+        self.request_alpha = b.histogram("specserve_request_acceptance_rate",
+                                         "Per-request acceptance rate (requests that drafted)", ("segment",),
+                                         RATIO_BUCKETS)
+        self.inflight = b.gauge("specserve_inflight", "In-flight requests per route path", ("path",))
+        # Engine side.
+        self.queue_depth = b.gauge("specserve_queue_depth", "Requests waiting for admission", ("engine",))
+        self.running = b.gauge("specserve_running_requests", "Requests in the running batch", ("engine",))
+        self.kv_free = b.gauge("specserve_kv_blocks_free", "Free KV cache blocks", ("engine",))
+        self.kv_total = b.gauge("specserve_kv_blocks_capacity", "KV cache blocks in the pool", ("engine",))
+        self.kv_usage = b.gauge("specserve_kv_usage_ratio", "Used fraction of the KV pool", ("engine",))
+        self.preemptions = b.counter("specserve_preemptions", "Preempted sequences", ("engine",))
+        self.fallbacks = b.counter("specserve_draft_fallbacks", "Sequences that continued without "
+                                   "speculation because the draft side failed", ("engine",))
+        self.resyncs = b.counter("specserve_draft_resyncs", "KVSync resyncs (draft lacked the prefix)",
+                                 ("engine",))
+        self.alpha = b.gauge("specserve_spec_acceptance_rate", "Acceptance rate alpha (cumulative) per segment",
+                             ("engine", "segment"))
+        self.alpha_pos = b.gauge("specserve_spec_position_acceptance_rate",
+                                 "Acceptance rate of draft position i (cumulative) per segment",
+                                 ("engine", "segment", "position"))
+        self.draft_tokens = b.counter("specserve_spec_draft_tokens", "Draft tokens proposed",
+                                      ("engine", "segment"))
+        self.accepted_tokens = b.counter("specserve_spec_accepted_tokens", "Draft tokens accepted",
+                                         ("engine", "segment"))
+        self.pos_drafted = b.counter("specserve_spec_position_drafted", "Draft tokens proposed at position i",
+                                     ("engine", "segment", "position"))
+        self.pos_accepted = b.counter("specserve_spec_position_accepted", "Draft tokens accepted at position i",
+                                      ("engine", "segment", "position"))
+        self.k_chosen = b.counter("specserve_spec_k_chosen", "Verification steps by chosen K (0 = plain step)",
+                                  ("engine", "segment", "k"))
+
+    # --- helpers ---------------------------------------------------------------------------
+    def segment(self, segment: str | None) -> str:
+        seg = segment or "default"
+        if seg in self._segments:
+            return seg
+        if len(self._segments) < self.config.max_segments:
+            self._segments.add(seg)
+            return seg
+        return OTHER_SEGMENT
+
+    def _delta(self, counter: Any, tags: dict[str, str], total: float, key: tuple = ()) -> None:
+        """Feed ``counter`` the growth of a cumulative ``total``. ``key`` identifies the source
+        series (the raw segment name: several segments may share the ``other`` label)."""
+        key = (id(counter), tuple(sorted(tags.items())), key)
+        last = self._last.get(key, 0.0)
+        self._last[key] = total
+        diff = total - last if total >= last else total  # drop: engine restarted
+        counter.inc(diff, tags)
+
+    # --- router ----------------------------------------------------------------------------
+    def record_request(self, output: Any, *, path: Any, reason: Any, segment: str | None,
+                       ttft_s: float | None, e2e_s: float) -> None:
+        """A finished request: ``output`` is the final RequestOutput (usage, finish reason, spec)."""
+        self.record_request_values(
+            path=path, reason=reason, segment=segment, finish_reason=output.finish_reason,
+            num_prompt_tokens=output.num_prompt_tokens, num_output_tokens=output.num_output_tokens,
+            ttft_s=ttft_s, e2e_s=e2e_s, spec=getattr(output, "spec", None))
+
+    def record_request_values(self, *, path: Any, reason: Any, segment: str | None, finish_reason: Any,
+                              num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
+                              e2e_s: float, spec: Any = None) -> None:
+        p, seg = label(path), self.segment(segment)
+        self.requests.inc(1, {"path": p, "reason": label(reason), "segment": seg,
+                              "finish_reason": label(finish_reason) or "unknown"})
+        ps = {"path": p, "segment": seg}
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, ps)
+            if num_output_tokens > 1:
+                self.tpot.observe(max(e2e_s - ttft_s, 0.0) / (num_output_tokens - 1), ps)
+        self.e2e.observe(e2e_s, ps)
+        self.prompt_tokens.inc(num_prompt_tokens, {"path": p})
+        self.output_tokens.inc(num_output_tokens, {"path": p})
+        if spec is not None and spec.draft_tokens:
+            self.request_alpha.observe(spec.accepted_tokens / spec.draft_tokens, {"segment": seg})
+
+    def record_unfinished(self, *, path: Any, reason: Any, segment: str | None, finish_reason: str) -> None:
+        """A request that ended without a final output (rejected before routing: path ``none`` and
+        reason = the error type, e.g. ``INVALID_ARGUMENT``; or failed/cancelled mid-way)."""
+        self.requests.inc(1, {"path": label(path) or "none", "reason": label(reason) or "unknown",
+                              "segment": self.segment(segment), "finish_reason": finish_reason})
+
+    def set_inflight(self, path: Any, value: int) -> None:
+        self.inflight.set(value, {"path": label(path)})
+
+    # --- engine ----------------------------------------------------------------------------
+    def record_engine_stats(self, stats: Any, engine: str) -> None:
+        """Export one ``EngineStats`` snapshot (or its ``to_dict()``, as the engine deployments'
+        ``stats()`` returns) of engine ``engine`` ("spec", "batch", ...)."""
+        if isinstance(stats, Mapping):
+            if "kv_blocks_total" not in stats:
+                return  # engine not ready yet: nothing to export
+            stats = _StatsView(stats)
+        e = {"engine": engine}
+        self.queue_depth.set(stats.num_waiting, e)
+        self.running.set(stats.num_running, e)
+        self.kv_free.set(stats.kv_blocks_free, e)
+        self.kv_total.set(stats.kv_blocks_total, e)
+        if stats.kv_blocks_total:
+            self.kv_usage.set(1.0 - stats.kv_blocks_free / stats.kv_blocks_total, e)
+        self._delta(self.preemptions, e, stats.num_preemptions)
+        self._delta(self.fallbacks, e, stats.draft_fallbacks)
+        self._delta(self.resyncs, e, stats.draft_resyncs)
+        for segment, d in stats.spec_by_segment.items():
+            es = {"engine": engine, "segment": self.segment(segment)}
+            drafted, accepted = d.get("draft_tokens", 0), d.get("accepted_tokens", 0)
+            if drafted:
+                self.alpha.set(accepted / drafted, es)
+            raw = (segment,)
+            self._delta(self.draft_tokens, es, drafted, raw)
+            self._delta(self.accepted_tokens, es, accepted, raw)
+            for i, (n_d, n_a) in enumerate(zip(d.get("drafted_per_position", ()), d.get("accepted_per_position", ()))):
+                esp = {**es, "position": str(i)}
+                if n_d:
+                    self.alpha_pos.set(n_a / n_d, esp)
+                self._delta(self.pos_drafted, esp, n_d, raw)
+                self._delta(self.pos_accepted, esp, n_a, raw)
+            for k, n in enumerate(d.get("k_chosen", ())):
+                self._delta(self.k_chosen, {**es, "k": str(k)}, n, raw)
+
+
+class _StatsView:
+    """Attribute access over an ``EngineStats.to_dict()`` mapping."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: Mapping[str, Any]) -> None:
+        self._d = d
+
+    def __getattr__(self, name: str) -> Any:
+        d = self._d
+        if name == "spec_by_segment":
+            return d.get(name) or {}
+        return d.get(name, 0)
+
+
+async def export_engine_stats_forever(metrics: SpecserveMetrics, stats: Callable[[], Any], engine: str,
+                                      period_s: float = 2.0) -> None:
+    """Background task for an engine deployment: export ``stats()`` every ``period_s`` seconds."""
+    if period_s <= 0:
+        raise ValueError("period_s must be > 0")
+    log = logging.getLogger("specserve.telemetry")
+    while True:
+        try:
+            metrics.record_engine_stats(stats(), engine)
+        except Exception:  # noqa: BLE001 - metrics must never take the replica down
+            log.exception("engine stats export failed")
+        await asyncio.sleep(period_s)

@@ -1,0 +1,2 @@
+"""Ray Serve deployments wrapping the ``cluster`` core: Router (gRPC ingress), SpecEngine,
+BatchEngine, DraftServer, and the app builder ``deployments.app:build``."""

@@ -1,0 +1,132 @@
+"""The service's user-facing configuration (the ``args`` of the Serve app), validated by pydantic.
+
+Owns: every knob of the app — models, drafter, placement, replicas and resources per deployment,
+router thresholds, limits, auth, telemetry, and ``engine_impl`` (the engine class to inject; tests
+use ``cluster.engine.fake_engine:FakeEngine``) — and their conversion into the internal dataclass
+configs (``EngineConfig``, ``RouterConfig``, ``Limits``). Unknown keys are errors (extra="forbid").
+Ignores: building deployments (``deployments.app``).
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.api.requests import Limits
+from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.routing.policy import RouterConfig
+
+
+class Placement(str, enum.Enum):
+    SHARED = "shared"  # draft and target in one SpecEngine replica
+    SEPARATE = "separate"  # draft in DraftServer replicas, kept in step over KVSync
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterKnobs(_Strict):
+    enter_threshold: int = Field(4, ge=1)
+    exit_threshold: int = Field(8, ge=1)
+    min_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    min_alpha_samples: int = Field(64, ge=0)
+
+
+class LimitsKnobs(_Strict):
+    max_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_message_bytes: int = Field(1 << 20, ge=64)
+    max_queue: int = Field(256, ge=1)
+
+
+class AuthKnobs(_Strict):
+    token_env: str | None = None  # name of the env var holding the bearer token; None = auth off
+
+
+class TelemetryKnobs(_Strict):
+    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317; None = no export
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    service_name: str = "specserve"
+
+
+class DeploymentKnobs(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)  # fractional allowed (shared placement on one GPU)
+
+
+class EngineKnobs(DeploymentKnobs):
+    max_num_seqs: int = Field(8, ge=1)
+    kv_cache_memory_mb: int = Field(512, ge=1)
+
+
+class DraftServerKnobs(DeploymentKnobs):
+    port: int = Field(0, ge=0, le=65535)  # 0: an ephemeral port, published to the SpecEngine
+    host: str | None = None  # bind/advertise address; None: this Ray node's IP (multi-node)
+    max_sequences: int = Field(4096, ge=1)
+    timeout_s: float = Field(2.0, gt=0)  # KVSync deadline per call; past it the engine falls back
+
+
+class EngineImpl(_Strict):
+    cls: str = "cluster.engine.async_engine:AsyncEngine"
+    options: dict[str, Any] = Field(default_factory=dict)  # extra constructor keywords
+
+    def load(self):
+        module, _, name = self.cls.partition(":")
+        if not name:
+            raise ValueError(f"engine_impl.cls must be 'module:Class', got {self.cls!r}")
+        return getattr(importlib.import_module(module), name)
+
+
+class AppConfig(_Strict):
+    model: str = "default"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    drafter: str = "ngram"  # ngram | self | self:L | a draft model spec | none
+    num_spec_tokens: int | Literal["auto"] = "auto"
+    placement: Placement = Placement.SHARED
+    torch_threads: int = Field(1, ge=1)
+    router: RouterKnobs = RouterKnobs()
+    limits: LimitsKnobs = LimitsKnobs()
+    auth: AuthKnobs = AuthKnobs()
+    telemetry: TelemetryKnobs = TelemetryKnobs()
+    router_deployment: DeploymentKnobs = DeploymentKnobs(num_cpus=0.25)
+    spec_engine: EngineKnobs = EngineKnobs(max_num_seqs=8)
+    batch_engine: EngineKnobs = EngineKnobs(max_num_seqs=64)
+    draft_server: DraftServerKnobs = DraftServerKnobs()
+    engine_impl: EngineImpl = EngineImpl()
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        self.router_config()  # hysteresis ordering etc. (raises ValueError -> ValidationError)
+        self.spec_config()
+        if self.placement is Placement.SEPARATE and not self.speculative:
+            raise ValueError("placement 'separate' needs a drafter (got drafter='none')")
+        return self
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter.strip().lower() not in ("", "none")
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(**self.router.model_dump())
+
+    def limits_config(self) -> Limits:
+        return Limits(max_tokens=self.limits.max_tokens,
+                      default_max_tokens=min(128, self.limits.max_tokens),
+                      max_prompt_tokens=self.limits.max_prompt_tokens,
+                      max_message_bytes=self.limits.max_message_bytes)
+
+    def spec_config(self) -> SpecConfig | None:
+        if not self.speculative:
+            return None
+        return SpecConfig(drafter=self.drafter, num_spec_tokens=self.num_spec_tokens)
+
+    def engine_config(self, speculative: bool) -> EngineConfig:
+        knobs = self.spec_engine if speculative else self.batch_engine
+        return EngineConfig(model=self.model, dtype=self.dtype, max_num_seqs=knobs.max_num_seqs,
+                            kv_cache_memory_mb=knobs.kv_cache_memory_mb, max_queue=self.limits.max_queue,
+                            torch_threads=self.torch_threads,
+                            spec=self.spec_config() if speculative else None)

@@ -1,0 +1,101 @@
+"""Shared body of the SpecEngine and BatchEngine deployments: one ``EngineProtocol`` per replica.
+
+Owns: constructing the injected engine class from ``AppConfig`` (torch threads per replica),
+starting it in the background so the replica is up at once and ``ready()`` reports the engine's
+real readiness, tokenizing + checking prompts next to the model, and streaming ``RequestOutput``
+deltas back to the Router — or one ``EngineFailure`` record instead of raising, so the Router can
+set a precise gRPC status. Closing the stream (client cancelled, deadline) aborts the request,
+which frees its KV blocks on target and draft. Ignores: routing, gRPC.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import AsyncIterator
+
+from cluster.api.requests import ValidatedRequest, to_generation_request
+from cluster.api.status import EngineFailure, FailureKind
+from cluster.engine.request import RequestOutput
+from deployments.app_config import AppConfig
+
+log = logging.getLogger("specserve.engine")
+
+
+class EngineServer:
+    speculative: bool = False
+
+    async def _init_engine(self, config: dict, proposer=None) -> None:
+        self.app = AppConfig(**config)
+        self.limits = self.app.limits_config()
+        self._set_threads(self.app.torch_threads)
+        engine_cls = self.app.engine_impl.load()
+        self.engine = engine_cls(self.app.engine_config(self.speculative), proposer=proposer,
+                                 **self.app.engine_impl.options)
+        self._set_threads(self.app.torch_threads)  # the engine may have imported torch just now
+        self._start_error: BaseException | None = None
+        self._start_task = asyncio.create_task(self._start())
+        self._in_flight = 0
+
+    @staticmethod
+    def _set_threads(n: int) -> None:
+        if "torch" in sys.modules:
+            import torch
+
+            torch.set_num_threads(n)
+
+    async def _start(self) -> None:
+        try:
+            await self.engine.start()
+        except BaseException as exc:  # surfaced by check_health: Serve restarts the replica
+            self._start_error = exc
+            log.exception("engine failed to start")
+
+    def check_health(self) -> None:
+        if self._start_error is not None:
+            raise RuntimeError(f"engine failed to start: {self._start_error!r}")
+
+    def ready(self) -> bool:
+        return self._start_error is None and self.engine.ready()
+
+    def stats(self) -> dict:
+        d = self.engine.stats().to_dict() if self.ready() else {}
+        d["ready"] = self.ready()
+        d["in_flight"] = self._in_flight
+        return d
+
+    def model_info(self) -> dict:
+        return self.engine.model_info() if self.ready() else {}
+
+    async def generate(self, req: ValidatedRequest) -> AsyncIterator[RequestOutput | EngineFailure]:
+        if not self.ready():
+            yield EngineFailure(FailureKind.UNAVAILABLE, "engine is not ready yet")
+            return
+        self._in_flight += 1
+        stream = None
+        finished = False
+        try:
+            try:
+                info_vocab = int(self.engine.model_info().get("vocab_size") or 0) or sys.maxsize
+                gen_req = to_generation_request(req, self.engine, self.limits, info_vocab,
+                                                arrival_time=time.monotonic())
+                stream = self.engine.generate(gen_req)
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                yield EngineFailure(FailureKind.INTERNAL, "engine produced no output")
+                return
+            except Exception as exc:  # InvalidRequestError, EngineOverloadedError, ...
+                yield EngineFailure.from_exception(exc)
+                return
+            finished = first.finished
+            yield first
+            async for out in stream:
+                finished = out.finished
+                yield out
+        finally:
+            self._in_flight -= 1
+            if stream is not None and not finished:
+                # client went away (cancel, deadline): free the request's KV now
+                await stream.aclose()
+                await self.engine.abort(req.request_id)

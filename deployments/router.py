@@ -1,0 +1,199 @@
+"""Router: the ingress deployment behind Ray Serve's gRPC proxy.
+
+Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelInfo) and
+``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
+RPC), bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
+own SpecEngine in-flight count and the engines' polled stats (readiness, α per segment, MoE gate),
+forwarding to SpecEngine/BatchEngine through streaming handles, and mapping failures to gRPC
+codes via ``grpc_context`` (set code + details, then return an empty message / raise in streams).
+Every decision is visible: ``route`` in the response, a span attribute, and the
+``specserve_route_decisions`` metric. In-flight hysteresis is per Router replica: with R replicas,
+divide the thresholds by R. Health checks are exempt from auth (probes send no metadata).
+Ignores: tokenization (engine side), engine internals.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+
+import grpc
+from ray import serve
+from ray.serve import metrics
+
+from cluster.api import stubs
+from cluster.api.auth import check_bearer
+from cluster.api.requests import ValidatedRequest, validate_request
+from cluster.api.responses import Accumulator, chunk
+from cluster.api.status import EngineFailure, ServiceError
+from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
+from deployments.app_config import AppConfig
+from deployments.tracing import build_tracer
+
+log = logging.getLogger("specserve.router")
+_POLL_S = 0.5
+_CALL_TIMEOUT_S = 5.0
+
+
+@serve.deployment(name="Router", max_ongoing_requests=2048)
+class Router:
+    async def __init__(self, spec_engine, batch_engine, config: dict) -> None:
+        self.app = AppConfig(**config)
+        self.policy = RouterPolicy(self.app.router_config())
+        self.limits = self.app.limits_config()
+        self.token = None
+        if self.app.auth.token_env:
+            self.token = os.environ.get(self.app.auth.token_env) or None
+            if self.token is None:
+                raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
+                                 "environment variable is empty in the Router replica")
+        self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
+        self.spec_in_flight = 0
+        self._spec_stats: dict = {}
+        self._batch_stats: dict = {}
+        self._tracer = build_tracer(self.app.telemetry)
+        self._routes = metrics.Counter("specserve_route_decisions",
+                                       description="Router decisions by path and reason",
+                                       tag_keys=("path", "reason"))
+        self._poll_task = asyncio.create_task(self._poll_loop())
+
+    # -- engine view -----------------------------------------------------------------------
+    async def _stats(self, handle) -> dict:
+        if handle is None:
+            return {}
+        try:
+            return await asyncio.wait_for(handle.stats.remote(), timeout=_CALL_TIMEOUT_S)
+        except Exception as exc:  # replica down or restarting: not ready
+            log.warning("stats call failed: %r", exc)
+            return {"ready": False}
+
+    async def _refresh(self) -> None:
+        self._spec_stats, self._batch_stats = await asyncio.gather(self._stats(self.spec),
+                                                                   self._stats(self.batch))
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self._refresh()
+            await asyncio.sleep(_POLL_S)
+
+    @property
+    def spec_ready(self) -> bool:
+        return bool(self._spec_stats.get("ready"))
+
+    @property
+    def batch_ready(self) -> bool:
+        return bool(self._batch_stats.get("ready"))
+
+    def _view(self) -> EngineView:
+        s = self._spec_stats
+        return EngineView.from_spec_by_segment(
+            s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
+            spec_in_flight=self.spec_in_flight, moe=bool(s.get("moe", False)),
+            moe_gate_open=bool(s.get("moe_gate_open", True)))
+
+    # -- request path ----------------------------------------------------------------------
+    def _admit(self, request, grpc_context) -> tuple[ValidatedRequest, RouteDecision]:
+        check_bearer(grpc_context.invocation_metadata(), self.token)
+        request_id = grpc_context.request_id() or uuid.uuid4().hex
+        vreq = validate_request(request, request_id, self.limits)
+        decision = self.policy.decide(
+            RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment),
+            self._view())
+        ready = self.spec_ready if decision.path is Path.SPECULATIVE else self.batch_ready
+        if not ready:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"the {decision.path.value} engine is not ready yet; retry later")
+        self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
+        return vreq, decision
+
+    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision):
+        speculative = decision.path is Path.SPECULATIVE
+        handle = self.spec if speculative else self.batch
+        if speculative:
+            self.spec_in_flight += 1
+        done = False
+        gen = handle.options(stream=True).generate.remote(vreq)
+        with self._tracer.start_as_current_span("specserve.generate") as span:
+            span.set_attribute("specserve.route.path", decision.path.value)
+            span.set_attribute("specserve.route.reason", decision.reason.value)
+            span.set_attribute("specserve.segment", vreq.segment)
+            try:
+                async for item in gen:
+                    if isinstance(item, EngineFailure):
+                        done = True
+                        raise item.to_service_error()
+                    done = item.finished
+                    yield item
+            finally:
+                if speculative:
+                    self.spec_in_flight -= 1
+                if not done:  # client cancelled / deadline: stop the engine-side request
+                    gen.cancel()
+
+    @staticmethod
+    def _fail(grpc_context, exc: ServiceError) -> None:
+        grpc_context.set_code(exc.code)
+        grpc_context.set_details(exc.message)
+
+    # -- gRPC methods ----------------------------------------------------------------------
+    async def Generate(self, request, grpc_context):  # noqa: N802 (gRPC naming)
+        try:
+            vreq, decision = self._admit(request, grpc_context)
+            acc = Accumulator(vreq.request_id, decision)
+            async for out in self._forward(vreq, decision):
+                acc.add(out)
+            return acc.response()
+        except ServiceError as exc:
+            self._fail(grpc_context, exc)
+            return stubs.generation_pb2().GenerateResponse()
+
+    async def GenerateStream(self, request, grpc_context):  # noqa: N802
+        try:
+            vreq, decision = self._admit(request, grpc_context)
+            first, total = True, 0
+            async for out in self._forward(vreq, decision):
+                total += len(out.new_token_ids)
+                yield chunk(out, decision, first, total)
+                first = False
+        except ServiceError as exc:
+            # A stream carries its status only through an exception once the code is set.
+            self._fail(grpc_context, exc)
+            raise
+
+    async def ModelInfo(self, request, grpc_context):  # noqa: N802
+        pb2 = stubs.generation_pb2()
+        try:
+            check_bearer(grpc_context.invocation_metadata(), self.token)
+        except ServiceError as exc:
+            self._fail(grpc_context, exc)
+            return pb2.ModelInfoResponse()
+        info: dict = {}
+        for handle in (self.batch, self.spec):
+            if handle is not None and not info:
+                try:
+                    info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
+                except Exception:
+                    info = {}
+        a, r = self.app, self.app.router
+        return pb2.ModelInfoResponse(
+            model=str(info.get("name") or a.model), architecture=str(info.get("architecture") or ""),
+            vocab_size=int(info.get("vocab_size") or 0), max_model_len=int(info.get("max_model_len") or 0),
+            dtype=a.dtype, moe=bool(info.get("moe", False)), drafter=a.drafter,
+            num_spec_tokens=str(a.num_spec_tokens), placement=a.placement.value,
+            max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
+            enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold, min_alpha=r.min_alpha,
+            spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight)
+
+    async def Check(self, request, grpc_context):  # noqa: N802 (grpc.health.v1)
+        from grpc_health.v1 import health_pb2
+
+        known = ("", "specserve.v1.Generation")
+        if request.service not in known:
+            self._fail(grpc_context, ServiceError(grpc.StatusCode.NOT_FOUND,
+                                                  f"unknown service {request.service!r}"))
+            return health_pb2.HealthCheckResponse()
+        await self._refresh()  # a probe wants the truth now, not the last poll
+        ok = self.batch_ready and (self.spec is None or self.spec_ready)
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

@@ -1,0 +1,100 @@
+"""One local Ray + Serve instance per test module: 127.0.0.1 only, bounded CPUs, no dashboard."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import grpc
+
+from cluster.api import stubs
+
+FAKE = {"cls": "cluster.engine.fake_engine:FakeEngine"}
+SMALL = {"num_replicas": 1, "num_cpus": 0.1, "num_gpus": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_args(**over) -> dict:
+    args = {"model": "fake", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+            "router_deployment": SMALL, "spec_engine": {**SMALL, "max_num_seqs": 8},
+            "batch_engine": {**SMALL, "max_num_seqs": 32}, "draft_server": {**SMALL, "host": "127.0.0.1"},
+            "engine_impl": {**FAKE, "options": {"token_delay_s": 0.01}}}
+    args.update(over)
+    return args
+
+
+@contextlib.contextmanager
+def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240):
+    """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC proxy on a free
+    port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from deployments.app import build
+
+    os.environ.update(env or {})
+    grpc_port, http_port = free_port(), free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=gRPCOptions(port=grpc_port,
+                                             grpc_servicer_functions=stubs.GRPC_SERVICER_FUNCTIONS))
+        deadline = time.monotonic() + timeout_s
+        for name, args in apps.items():
+            serve.run(build(args), name=name, route_prefix=f"/{name}", blocking=False)
+        while True:
+            status = serve.status().applications
+            if all(name in status and status[name].status == "RUNNING" for name in apps):
+                break
+            if any(name in status and status[name].status == "DEPLOY_FAILED" for name in apps):
+                raise RuntimeError(f"deploy failed: {status}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
+            time.sleep(0.5)
+        yield f"127.0.0.1:{grpc_port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+class Client:
+    """Thin test client over one channel; ``app`` selects the Serve application."""
+
+    def __init__(self, addr: str, app: str, token: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(addr)
+        self.stub = stubs.generation_grpc().GenerationStub(self.channel)
+        from grpc_health.v1 import health_pb2_grpc
+
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.md = [("application", app)] + ([("authorization", f"Bearer {token}")] if token else [])
+        self.pb2 = stubs.generation_pb2()
+
+    def generate(self, timeout=60, md=None, **fields):
+        return self.stub.Generate(self.pb2.GenerateRequest(**fields), metadata=md or self.md, timeout=timeout)
+
+    def stream(self, timeout=60, md=None, **fields):
+        return self.stub.GenerateStream(self.pb2.GenerateRequest(**fields), metadata=md or self.md,
+                                        timeout=timeout)
+
+    def wait_ready(self, timeout_s=120) -> None:
+        from grpc_health.v1 import health_pb2
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                r = self.health.Check(health_pb2.HealthCheckRequest(), metadata=self.md[:1], timeout=10)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("service not SERVING")

@@ -1,0 +1,252 @@
+"""The Serve app end to end with the fake engine: real Ray Serve, real gRPC on 127.0.0.1.
+
+Three apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
+thresholds and queue), ``moe`` (unvalidated MoE target, auth off), ``sep`` (placement separate:
+a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine).
+"""
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.deployments.harness import Client, fake_args, serve_apps
+
+pytestmark = pytest.mark.ray
+TOKEN = "test-token-123"
+CODE = grpc.StatusCode
+
+
+def expected(prompt: str, n: int) -> list[int]:
+    ids = [b + 3 for b in prompt.encode()]  # the fake engine's target repeats the prompt
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def addr():
+    apps = {
+        "main": fake_args(
+            auth={"token_env": "SPECSERVE_TEST_TOKEN"},
+            router={"enter_threshold": 2, "exit_threshold": 4, "min_alpha": 0.5, "min_alpha_samples": 8},
+            limits={"max_tokens": 256, "max_prompt_tokens": 64, "max_message_bytes": 8192, "max_queue": 4},
+            spec_engine={"num_cpus": 0.1, "max_num_seqs": 4}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 4},
+            engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                         "options": {"token_delay_s": 0.02, "alpha_by_segment": {"lowalpha": 0.2}}}),
+        "moe": fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                                      "options": {"moe": True}}),
+        "sep": fake_args(placement="separate",
+                         engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                                      "options": {"token_delay_s": 0.05}}),
+    }
+    with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN}) as a:
+        for name in apps:
+            Client(a, name, TOKEN).wait_ready()
+        yield a
+
+
+@pytest.fixture(scope="module")
+def main(addr):
+    return Client(addr, "main", TOKEN)
+
+
+def engine_stats(app: str, deployment: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result(timeout_s=10)
+
+
+def wait_for(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kv_full(app="main", deployment="SpecEngine") -> bool:
+    s = engine_stats(app, deployment)
+    return s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def code_of(fn):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def test_health_and_model_info(addr, main):
+    from grpc_health.v1 import health_pb2
+
+    r = main.health.Check(health_pb2.HealthCheckRequest(service="specserve.v1.Generation"),
+                          metadata=main.md[:1], timeout=10)
+    assert r.status == health_pb2.HealthCheckResponse.SERVING
+    code, _ = code_of(lambda: main.health.Check(health_pb2.HealthCheckRequest(service="nope"),
+                                                metadata=main.md[:1], timeout=10))
+    assert code == CODE.NOT_FOUND
+    info = main.stub.ModelInfo(main.pb2.ModelInfoRequest(), metadata=main.md, timeout=10)
+    assert info.model == "fake:fake" and info.vocab_size == 259 and info.placement == "shared"
+    assert (info.enter_threshold, info.exit_threshold, info.max_prompt_tokens) == (2, 4, 64)
+    assert info.spec_ready and info.batch_ready
+
+
+def test_auth_required_when_configured(addr, main):
+    for md in ([("application", "main")], [("application", "main"), ("authorization", "Bearer wrong")]):
+        assert code_of(lambda: main.generate(prompt="hi", max_tokens=2, md=md))[0] == CODE.UNAUTHENTICATED
+        assert code_of(lambda: list(main.stream(prompt="hi", max_tokens=2, md=md)))[0] == CODE.UNAUTHENTICATED
+        assert code_of(lambda: main.stub.ModelInfo(main.pb2.ModelInfoRequest(), metadata=md,
+                                                   timeout=10))[0] == CODE.UNAUTHENTICATED
+    # auth off on the other app: no token needed
+    assert Client(addr, "moe").generate(prompt="hi", max_tokens=2).token_ids
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="a", messages=[{"role": "user", "content": "b"}]), "prompt and messages"),
+    (dict(prompt="a", max_tokens=0), "max_tokens must be in [1, 256]"),
+    (dict(prompt="a", max_tokens=257), "max_tokens must be in [1, 256]"),
+    (dict(prompt="a", temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompt="a", top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt="x" * 65), "prompt too long: 65 tokens, limit is 64"),
+    (dict(prompt="a", json_schema=json.dumps({"type": 12})), "not a valid JSON Schema"),
+    (dict(prompt="a", regex="a(b"), "regex does not compile"),
+    (dict(prompt="x" * 9000), "8192-byte limit"),
+])
+def test_invalid_argument(main, fields, needle):
+    code, details = code_of(lambda: main.generate(**fields))
+    assert code == CODE.INVALID_ARGUMENT and needle in details
+    code, details = code_of(lambda: list(main.stream(**fields)))
+    assert code == CODE.INVALID_ARGUMENT and needle in details
+
+
+def test_generate_and_stream_agree_on_both_paths(main):
+    prompt = "the cat sat. "
+    for mode, path, reason in ((0, 1, "below_enter_threshold"), (2, 2, "mode_plain")):
+        r = main.generate(prompt=prompt, max_tokens=23, mode=mode, segment="code")
+        assert list(r.token_ids) == expected(prompt, 23) and r.text == (prompt * 2)[:23]
+        assert (r.route.path, r.route.reason) == (path, reason)
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 23
+        assert r.finish_reason == main.pb2.FINISH_REASON_LENGTH
+        chunks = list(main.stream(prompt=prompt, max_tokens=23, mode=mode, segment="code"))
+        assert [t for c in chunks for t in c.token_ids] == expected(prompt, 23)
+        assert chunks[0].route.reason == reason and chunks[-1].finished and not chunks[0].finished
+        assert chunks[-1].usage.completion_tokens == 23
+        if path == 1:
+            assert r.spec.draft_tokens > 0 and r.spec.acceptance_rate == pytest.approx(0.75)
+            assert len(chunks) < 23  # several committed tokens per verification step
+        else:
+            assert r.spec.draft_tokens == 0
+
+
+def test_constrained_goes_plain(main):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    for mode in (0, 1):
+        r = main.generate(prompt="{", max_tokens=3, json_schema=schema, mode=mode)
+        assert (r.route.path, r.route.reason) == (2, "constrained")
+    assert main.generate(prompt="x", max_tokens=3, regex="[a-z]+").route.reason == "constrained"
+    assert main.generate(prompt="x", max_tokens=3, mode=1).route.reason == "mode_speculative"
+
+
+def test_segment_below_break_even_goes_plain(main):
+    first = main.generate(prompt="abc", max_tokens=20, segment="lowalpha")
+    assert first.route.reason == "below_enter_threshold" and first.spec.acceptance_rate < 0.5
+    wait_for(lambda: main.generate(prompt="abc", max_tokens=2, segment="lowalpha").route.reason
+             == "below_break_even", what="router to see the segment's live alpha")
+    assert main.generate(prompt="abc", max_tokens=2, segment="code").route.path == 1
+
+
+def test_burst_moves_to_plain_and_back(main):
+    streams, reasons = [], []
+    try:
+        for _ in range(8):  # admitted one by one: each holds its slot until cancelled
+            it = main.stream(prompt="burst ", max_tokens=250)
+            reasons.append(next(it).route.reason)
+            streams.append(it)
+        assert reasons == ["below_enter_threshold", "below_enter_threshold",
+                           "hysteresis_speculative", "hysteresis_speculative",
+                           "above_exit_threshold", "hysteresis_plain", "hysteresis_plain",
+                           "hysteresis_plain"]
+    finally:
+        for it in streams:
+            it.cancel()
+    wait_for(lambda: main.stub.ModelInfo(main.pb2.ModelInfoRequest(), metadata=main.md,
+                                         timeout=10).spec_in_flight == 0, what="spec in-flight 0")
+    assert main.generate(prompt="calm", max_tokens=2).route.reason == "below_enter_threshold"
+    wait_for(kv_full, what="spec KV back to full")
+    wait_for(lambda: kv_full(deployment="BatchEngine"), what="batch KV back to full")
+
+
+def test_cancel_mid_stream_frees_kv(main):
+    it = main.stream(prompt="cancel me ", max_tokens=250)
+    next(it)
+    next(it)
+    s = engine_stats("main", "SpecEngine")
+    assert s["num_running"] == 1 and s["kv_blocks_free"] < s["kv_blocks_total"]
+    it.cancel()
+    wait_for(kv_full, what="KV freed after cancel")
+
+
+def test_deadline_exceeded_and_request_aborted(main):
+    t0 = time.monotonic()
+    code, _ = code_of(lambda: main.generate(prompt="slow ", max_tokens=250, mode=2, timeout=0.5))
+    assert code == CODE.DEADLINE_EXCEEDED and time.monotonic() - t0 < 3
+    wait_for(lambda: kv_full(deployment="BatchEngine"), what="KV freed after deadline")
+
+
+def test_queue_full_is_resource_exhausted(main):
+    def call(_):
+        try:
+            main.generate(prompt="q ", max_tokens=60, mode=2, timeout=30)
+            return CODE.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(call, range(12)))
+    # 4 running + 4 waiting fit (max_num_seqs=4, max_queue=4); the rest are turned away
+    assert codes.count(CODE.RESOURCE_EXHAUSTED) >= 1 and codes.count(CODE.OK) >= 8
+    assert set(codes) <= {CODE.OK, CODE.RESOURCE_EXHAUSTED}
+
+
+def test_moe_gate_keeps_speculation_off(addr):
+    c = Client(addr, "moe")
+    wait_for(lambda: c.generate(prompt="m", max_tokens=2).route.reason == "moe_unvalidated",
+             what="router to see the MoE gate")
+    r = c.generate(prompt="moe", max_tokens=5, mode=1)
+    assert (r.route.path, r.route.reason) == (2, "moe_unvalidated") and list(r.token_ids) == expected("moe", 5)
+
+
+def _kill_draft_server():
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if "sep#DraftServer" in a["name"]]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+
+
+def test_separate_placement_survives_draft_server_kill(addr):
+    c = Client(addr, "sep")
+    prompt = "one two three one two three "
+    r = c.generate(prompt=prompt, max_tokens=24)
+    assert list(r.token_ids) == expected(prompt, 24) and r.route.path == 1
+    assert r.spec.accepted_tokens > 0  # the n-gram drafter in the DraftServer, over KVSync
+    before = engine_stats("sep", "SpecEngine")
+    assert before["draft_tracked"] == 0  # finished sequences are released on the draft side
+
+    it = c.stream(prompt=prompt, max_tokens=120, timeout=120)
+    got = list(next(it).token_ids)
+    _kill_draft_server()
+    chunks = list(it)
+    got += [t for ch in chunks for t in ch.token_ids]
+    assert got == expected(prompt, 120) and chunks[-1].finished  # nothing lost or corrupted
+    assert engine_stats("sep", "SpecEngine")["draft_fallbacks"] > before["draft_fallbacks"]
+
+    def speculating_again():
+        r = c.generate(prompt=prompt, max_tokens=12)
+        assert list(r.token_ids) == expected(prompt, 12)
+        return r.spec.accepted_tokens > 0
+    wait_for(speculating_again, timeout=90, what="speculation to resume on a new DraftServer")
+    assert engine_stats("sep", "SpecEngine")["draft_epoch_changes"] >= 1

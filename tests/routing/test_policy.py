@@ -1,0 +1,80 @@
+"""Router policy rules and hysteresis, without Ray."""
+import pytest
+
+from cluster.engine.request import SpecMode
+from cluster.routing.policy import (EngineView, Path, RequestFeatures, RouteReason, RouterConfig,
+                                    RouterPolicy)
+
+SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
+
+
+def decide(policy, in_flight=0, **kw):
+    view_kw = {k: kw.pop(k) for k in list(kw) if k in ("spec_available", "moe", "moe_gate_open",
+                                                        "alpha_by_segment")}
+    d = policy.decide(RequestFeatures(**kw), EngineView(spec_in_flight=in_flight, **view_kw))
+    return d.path, d.reason
+
+
+def test_hysteresis_walk():
+    p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4))
+    # in-flight sequence of a burst rising and falling, with the expected decision at each point
+    table = [
+        (0, SPEC, RouteReason.BELOW_ENTER_THRESHOLD),
+        (1, SPEC, RouteReason.BELOW_ENTER_THRESHOLD),
+        (2, SPEC, RouteReason.HYSTERESIS_SPECULATIVE),
+        (3, SPEC, RouteReason.HYSTERESIS_SPECULATIVE),
+        (4, PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD),
+        (5, PLAIN, RouteReason.HYSTERESIS_PLAIN),
+        (3, PLAIN, RouteReason.HYSTERESIS_PLAIN),
+        (2, PLAIN, RouteReason.HYSTERESIS_PLAIN),
+        (1, SPEC, RouteReason.BELOW_ENTER_THRESHOLD),
+        (3, SPEC, RouteReason.HYSTERESIS_SPECULATIVE),
+    ]
+    for in_flight, path, reason in table:
+        assert decide(p, in_flight) == (path, reason), in_flight
+
+
+def test_mode_overrides_and_hysteresis_state_untouched():
+    p = RouterPolicy(RouterConfig(enter_threshold=1, exit_threshold=2))
+    assert decide(p, 100, mode=SpecMode.SPECULATIVE) == (SPEC, RouteReason.MODE_SPECULATIVE)
+    assert decide(p, 0, mode=SpecMode.PLAIN) == (PLAIN, RouteReason.MODE_PLAIN)
+    assert p.spec_open  # overrides never flip the hysteresis bit
+
+
+def test_constrained_goes_plain_even_when_forced():
+    p = RouterPolicy(RouterConfig())
+    assert decide(p, constrained=True) == (PLAIN, RouteReason.CONSTRAINED)
+    assert decide(p, constrained=True, mode=SpecMode.SPECULATIVE) == (PLAIN, RouteReason.CONSTRAINED)
+
+
+def test_moe_gate_and_unavailable_spec():
+    p = RouterPolicy(RouterConfig())
+    assert decide(p, moe=True, moe_gate_open=False) == (PLAIN, RouteReason.MOE_UNVALIDATED)
+    assert decide(p, moe=True, moe_gate_open=False, mode=SpecMode.SPECULATIVE) == (
+        PLAIN, RouteReason.MOE_UNVALIDATED)
+    assert decide(p, moe=True, moe_gate_open=True) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    assert decide(p, spec_available=False) == (PLAIN, RouteReason.SPEC_UNAVAILABLE)
+
+
+def test_break_even_per_segment():
+    p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10))
+    rows = (("chat", 0.3, 100), ("code", 0.8, 100), ("json", 0.1, 5))
+    assert decide(p, segment="chat", alpha_by_segment=rows) == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
+    assert decide(p, segment="code", alpha_by_segment=rows)[0] is SPEC
+    assert decide(p, segment="json", alpha_by_segment=rows)[0] is SPEC  # too few samples to judge
+    assert decide(p, segment="new", alpha_by_segment=rows)[0] is SPEC  # unmeasured segment
+    # an explicit SPECULATIVE wish beats the break-even gate (the client asked)
+    assert decide(p, segment="chat", mode=SpecMode.SPECULATIVE, alpha_by_segment=rows)[0] is SPEC
+
+
+def test_engine_view_from_stats():
+    v = EngineView.from_spec_by_segment({"code": {"acceptance_rate": 0.7, "draft_tokens": 40}},
+                                        spec_in_flight=3)
+    assert v.alpha("code") == (0.7, 40) and v.alpha("chat") is None and v.spec_in_flight == 3
+
+
+@pytest.mark.parametrize("kw", [dict(enter_threshold=0), dict(enter_threshold=5, exit_threshold=4),
+                                dict(min_alpha=1.5), dict(min_alpha_samples=-1)])
+def test_config_validation(kw):
+    with pytest.raises(ValueError):
+        RouterConfig(**kw)
