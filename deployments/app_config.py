@@ -47,9 +47,12 @@ class AuthKnobs(_Strict):
 
 
 class TelemetryKnobs(_Strict):
-    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317; None = no export
-    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0)
-    service_name: str = "specserve"
+    """Unset (None) fields fall back to the OTEL_* environment (cluster.telemetry.config)."""
+
+    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317; None = OTEL_EXPORTER_OTLP_ENDPOINT
+    sampling_ratio: float | None = Field(None, ge=0.0, le=1.0)  # None = OTEL_TRACES_SAMPLER_ARG or 1.0
+    service_name: str | None = None  # None = OTEL_SERVICE_NAME or "specserve"
+    enabled: bool | None = None  # None = on when an endpoint is known; OTEL_SDK_DISABLED=true wins
 
 
 class DeploymentKnobs(_Strict):

@@ -17,6 +17,7 @@ from ray import serve
 
 from cluster.spec.draft_server import DraftServerCore, start_server
 from cluster.spec.proposer import DrafterKind, parse_drafter_spec
+from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
 
 log = logging.getLogger("specserve.draft_server")
@@ -44,6 +45,7 @@ class DraftServer:
         import ray
 
         app = AppConfig(**config)
+        configure_from_section(app.telemetry)  # before start_server: its interceptor reads it per call
         if "torch" in sys.modules:
             import torch
 

@@ -18,6 +18,8 @@ from typing import AsyncIterator
 from cluster.api.requests import ValidatedRequest, to_generation_request
 from cluster.api.status import EngineFailure, FailureKind
 from cluster.engine.request import RequestOutput
+from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
+from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
 
 log = logging.getLogger("specserve.engine")
@@ -28,6 +30,7 @@ class EngineServer:
 
     async def _init_engine(self, config: dict, proposer=None) -> None:
         self.app = AppConfig(**config)
+        configure_from_section(self.app.telemetry)
         self.limits = self.app.limits_config()
         self._set_threads(self.app.torch_threads)
         engine_cls = self.app.engine_impl.load()
@@ -37,6 +40,9 @@ class EngineServer:
         self._start_error: BaseException | None = None
         self._start_task = asyncio.create_task(self._start())
         self._in_flight = 0
+        self._metrics = SpecserveMetrics()  # Ray Serve metrics inside the replica
+        self._stats_task = asyncio.create_task(export_engine_stats_forever(
+            self._metrics, self.stats, "spec" if self.speculative else "batch"))
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -68,7 +74,8 @@ class EngineServer:
     def model_info(self) -> dict:
         return self.engine.model_info() if self.ready() else {}
 
-    async def generate(self, req: ValidatedRequest) -> AsyncIterator[RequestOutput | EngineFailure]:
+    async def generate(self, req: ValidatedRequest,
+                       trace_carrier: dict[str, str] | None = None) -> AsyncIterator[RequestOutput | EngineFailure]:
         if not self.ready():
             yield EngineFailure(FailureKind.UNAVAILABLE, "engine is not ready yet")
             return
@@ -80,6 +87,7 @@ class EngineServer:
                 info_vocab = int(self.engine.model_info().get("vocab_size") or 0) or sys.maxsize
                 gen_req = to_generation_request(req, self.engine, self.limits, info_vocab,
                                                 arrival_time=time.monotonic())
+                gen_req.trace_carrier = trace_carrier or {}  # Router span -> engine spans
                 stream = self.engine.generate(gen_req)
                 first = await stream.__anext__()
             except StopAsyncIteration:

@@ -29,7 +29,9 @@ from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, ServiceError
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
 from deployments.app_config import AppConfig
-from deployments.tracing import build_tracer
+from cluster.telemetry.metrics import SpecserveMetrics
+from cluster.telemetry.router_telemetry import RequestTelemetry
+from cluster.telemetry.tracing import configure_from_section
 
 log = logging.getLogger("specserve.router")
 _POLL_S = 0.5
@@ -52,7 +54,8 @@ class Router:
         self.spec_in_flight = 0
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
-        self._tracer = build_tracer(self.app.telemetry)
+        configure_from_section(self.app.telemetry)
+        self.metrics = SpecserveMetrics()  # specserve_* via Ray Serve metrics
         self._routes = metrics.Counter("specserve_route_decisions",
                                        description="Router decisions by path and reason",
                                        tag_keys=("path", "reason"))
@@ -107,29 +110,27 @@ class Router:
         self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
         return vreq, decision
 
-    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision):
+    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str]):
         speculative = decision.path is Path.SPECULATIVE
         handle = self.spec if speculative else self.batch
         if speculative:
             self.spec_in_flight += 1
+            self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
         done = False
-        gen = handle.options(stream=True).generate.remote(vreq)
-        with self._tracer.start_as_current_span("specserve.generate") as span:
-            span.set_attribute("specserve.route.path", decision.path.value)
-            span.set_attribute("specserve.route.reason", decision.reason.value)
-            span.set_attribute("specserve.segment", vreq.segment)
-            try:
-                async for item in gen:
-                    if isinstance(item, EngineFailure):
-                        done = True
-                        raise item.to_service_error()
-                    done = item.finished
-                    yield item
-            finally:
-                if speculative:
-                    self.spec_in_flight -= 1
-                if not done:  # client cancelled / deadline: stop the engine-side request
-                    gen.cancel()
+        gen = handle.options(stream=True).generate.remote(vreq, carrier)  # trace context rides along
+        try:
+            async for item in gen:
+                if isinstance(item, EngineFailure):
+                    done = True
+                    raise item.to_service_error()
+                done = item.finished
+                yield item
+        finally:
+            if speculative:
+                self.spec_in_flight -= 1
+                self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
+            if not done:  # client cancelled / deadline: stop the engine-side request
+                gen.cancel()
 
     @staticmethod
     def _fail(grpc_context, exc: ServiceError) -> None:
@@ -138,28 +139,38 @@ class Router:
 
     # -- gRPC methods ----------------------------------------------------------------------
     async def Generate(self, request, grpc_context):  # noqa: N802 (gRPC naming)
-        try:
-            vreq, decision = self._admit(request, grpc_context)
-            acc = Accumulator(vreq.request_id, decision)
-            async for out in self._forward(vreq, decision):
-                acc.add(out)
-            return acc.response()
-        except ServiceError as exc:
-            self._fail(grpc_context, exc)
-            return stubs.generation_pb2().GenerateResponse()
+        with RequestTelemetry(self.metrics, model=self.app.model,
+                              metadata=grpc_context.invocation_metadata()) as tel:
+            try:
+                vreq, decision = self._admit(request, grpc_context)
+                tel.routed(vreq, decision, inflight=self.spec_in_flight)
+                acc = Accumulator(vreq.request_id, decision)
+                async for out in self._forward(vreq, decision, tel.carrier()):
+                    tel.output(out)
+                    acc.add(out)
+                return acc.response()
+            except ServiceError as exc:
+                tel.error(exc.message, exc.code.name)
+                self._fail(grpc_context, exc)
+                return stubs.generation_pb2().GenerateResponse()
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802
-        try:
-            vreq, decision = self._admit(request, grpc_context)
-            first, total = True, 0
-            async for out in self._forward(vreq, decision):
-                total += len(out.new_token_ids)
-                yield chunk(out, decision, first, total)
-                first = False
-        except ServiceError as exc:
-            # A stream carries its status only through an exception once the code is set.
-            self._fail(grpc_context, exc)
-            raise
+        with RequestTelemetry(self.metrics, model=self.app.model, stream=True,
+                              metadata=grpc_context.invocation_metadata()) as tel:
+            try:
+                vreq, decision = self._admit(request, grpc_context)
+                tel.routed(vreq, decision, inflight=self.spec_in_flight)
+                first, total = True, 0
+                async for out in self._forward(vreq, decision, tel.carrier()):
+                    tel.output(out)
+                    total += len(out.new_token_ids)
+                    yield chunk(out, decision, first, total)
+                    first = False
+            except ServiceError as exc:
+                tel.error(exc.message, exc.code.name)
+                # A stream carries its status only through an exception once the code is set.
+                self._fail(grpc_context, exc)
+                raise
 
     async def ModelInfo(self, request, grpc_context):  # noqa: N802
         pb2 = stubs.generation_pb2()

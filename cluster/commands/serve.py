@@ -9,6 +9,7 @@ Ignores: what the app does (``deployments``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -62,7 +63,9 @@ def _needed_cpus(app_args: dict) -> float:
     return sum(p.num_cpus * p.num_replicas for p in parts)
 
 
-def run(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float = 900.0):
+    """Start Ray + Serve + the app from a Serve config dict; yields (grpc address, app name)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -71,20 +74,17 @@ def run(args: argparse.Namespace) -> int:
     from cluster.errors import UserFacingError
     from deployments.app import build
 
-    cfg = load_config(args)
     app_cfg = cfg["applications"][0]
-    app_args = app_cfg["args"]
+    app_args = app_cfg.setdefault("args", {})
     grpc_cfg = cfg.get("grpc_options") or {}
     port = int(grpc_cfg.get("port", 9000))
     servicers = grpc_cfg.get("grpc_servicer_functions") or stubs.GRPC_SERVICER_FUNCTIONS
-    http = cfg.get("http_options") or {"host": "127.0.0.1", "port": 8000}
+    http = cfg.get("http_options") or {}
     # Logical CPUs: at least what the deployments reserve, so a small machine still schedules.
-    num_cpus = args.num_cpus or max(os.cpu_count() or 1, int(_needed_cpus(app_args) + 0.999))
+    num_cpus = num_cpus or max(os.cpu_count() or 1, int(_needed_cpus(app_args) + 0.999))
     stubs.generation_pb2()  # generate stubs now (fresh install) rather than in every process
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False)
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     try:
         serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))},
                     grpc_options=gRPCOptions(port=port, grpc_servicer_functions=list(servicers)))
@@ -93,20 +93,29 @@ def run(args: argparse.Namespace) -> int:
                   blocking=False)
         addr = f"127.0.0.1:{port}"
         print(f"specserve: deployed app {name!r}; loading models...", file=sys.stderr, flush=True)
-        if not _wait_serving(addr, name, args.ready_timeout):
-            raise UserFacingError(f"engines not SERVING after {args.ready_timeout}s; see Ray logs")
-        print(f"specserve: gRPC on {addr} (app {name!r}); try: specserve client --addr {addr} \"Hello\"",
-              flush=True)
-        while not stop["flag"]:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+        if not _wait_serving(addr, name, ready_timeout):
+            raise UserFacingError(f"engines not SERVING after {ready_timeout}s; see Ray logs")
+        yield addr, name
     finally:
         print("specserve: shutting down", file=sys.stderr, flush=True)
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    try:
+        with local_service(cfg, args.num_cpus, args.ready_timeout) as (addr, name):
+            print(f"specserve: gRPC on {addr} (app {name!r}); try: specserve client --addr {addr} \"Hello\"",
+                  flush=True)
+            while not stop["flag"]:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -23,6 +23,7 @@ from cluster.engine.runner import SeqChunk
 from cluster.engine.sampler import make_generator, sample
 from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
+from cluster.telemetry.engine_spans import start_request_trace
 
 
 @dataclass(slots=True)
@@ -85,6 +86,10 @@ class LLMEngine:
             generator=make_generator(request.params),
             speculate=speculate,
         )
+        seq.trace = start_request_trace(request.trace_carrier, request.request_id,
+                                        engine="spec" if self.spec is not None else "batch",
+                                        segment=request.segment,
+                                        drafter=self.spec.drafter_name if speculate else None)
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
@@ -111,6 +116,7 @@ class LLMEngine:
         for s in scheduled:
             if s.seq.scheduled_at is None:
                 s.seq.scheduled_at = now
+                s.seq.trace.admitted()
         drafts = self.spec.propose(scheduled) if self.spec is not None else {}
         chunks = []
         for s in scheduled:
@@ -144,8 +150,10 @@ class LLMEngine:
             if seq.seq_id in drafts:
                 k = len(drafts[seq.seq_id][0])
                 seq.spec.record(k, accepted[j])
+                seq.trace.step(k, accepted[j])
                 self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted[j])
             seq.append_committed(committed[j])
+            seq.trace.prefill_done()  # idempotent: marks the first token only
             j += 1
             if seq.finished:
                 outputs.append(self._retire(seq))
@@ -177,9 +185,11 @@ class LLMEngine:
         start = seq.scheduled_at if seq.scheduled_at is not None else time.monotonic()
         out.queue_time = start - seq.arrival
         out.first_token_time = (seq.first_token_at - seq.arrival) if seq.first_token_at else None
+        seq.trace.finish(seq.finish_reason, seq.num_output, seq.prompt_len)  # spans built off-thread
         return out
 
     def _on_preempt(self, seq: Sequence) -> None:
+        seq.trace.preempted()
         if self.spec is not None:
             self.spec.release(seq.seq_id)
 

@@ -139,6 +139,8 @@ class GenerationRequest:
     segment: str = "default"
     mode: SpecMode = SpecMode.AUTO
     arrival_time: float = 0.0
+    # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.
+    trace_carrier: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

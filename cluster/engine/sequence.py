@@ -15,6 +15,7 @@ import torch
 
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.request import FinishReason, GenerationRequest, SpecStats
+from cluster.telemetry.engine_spans import NOOP_TRACE
 
 
 class SeqStatus(enum.Enum):
@@ -41,6 +42,7 @@ class Sequence:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     num_preemptions: int = 0
+    trace: object = NOOP_TRACE  # cluster.telemetry.engine_spans.RequestTrace (no-op when not traced)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -23,6 +23,7 @@ from cluster.spec.moe import MoeGate
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.spec.rejection_sampler import rejection_sample
 from cluster.spec.types import DraftUnavailableError, ProposeInput, SpecBatchMetadata
+from cluster.telemetry.engine_spans import kvsync_context
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +71,20 @@ class SpecController:
                                s.seq.generator) for s in asks]
         t0 = time.perf_counter()
         try:
-            proposal = self.proposer.propose(inputs)
+            with kvsync_context(s.seq.trace for s in asks):  # KVSync spans under these requests
+                proposal = self.proposer.propose(inputs)
         except DraftUnavailableError as exc:
+            for s in asks:
+                s.seq.trace.fallback(str(exc))
             self.draft_fallbacks += 1
             self._retry_at = time.monotonic() + DRAFT_RETRY_S
             log.warning("drafter unavailable, continuing without speculation: %s", exc)
             return {}
         elapsed = time.perf_counter() - t0
+        resynced = getattr(self.proposer, "last_resynced", ())
+        for s in asks:
+            if s.seq.seq_id in resynced:
+                s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(max(s.num_lookahead for s in asks), elapsed)
         drafts = {}
@@ -125,7 +133,7 @@ class SpecController:
         st.moe = self.moe_gate.moe
         st.moe_gate_open = self.moe_gate.speculation_allowed
         st.draft_fallbacks = self.draft_fallbacks
-        st.draft_resyncs = int(getattr(self.proposer, "resyncs", 0))
+        st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
 
 
 def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None = None) -> SpecController | None:

@@ -22,6 +22,8 @@ from cluster.api import stubs
 from cluster.engine.request import SamplingParams
 from cluster.spec.proposer import Proposer
 from cluster.spec.types import ProposeInput
+from cluster.telemetry.grpc_interceptors import TracingServerInterceptor
+from cluster.telemetry.tracing import add_event
 
 
 class DraftServerCore:
@@ -80,6 +82,8 @@ class DraftServerCore:
                     held = list(s.new_tokens)
                 elif held is None or len(held) < s.base_len:
                     results[i].status = pb2.SEQ_STATUS_RESYNC
+                    add_event("draft.resync", {"specserve.request_id": s.seq_id,
+                                               "specserve.draft.reason": "prefix not held"})
                     self.num_resyncs_requested += 1
                     continue
                 else:
@@ -149,6 +153,7 @@ def start_server(core: DraftServerCore, host: str = "127.0.0.1", port: int = 0,
                  max_workers: int = 4) -> tuple[grpc.Server, int]:
     """Start a KVSync gRPC server; returns (server, bound port). Stop with ``server.stop(grace)``."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=[TracingServerInterceptor()],  # no-op while tracing is off
                          options=[("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.max_receive_message_length", 64 << 20)])
     stubs.kvsync_grpc().add_KVSyncServicer_to_server(_servicer(core), server)

@@ -19,6 +19,8 @@ from cluster.api import stubs
 from cluster.errors import VocabularyMismatchError
 from cluster.spec.proposer import DrafterKind
 from cluster.spec.types import DraftProposal, DraftUnavailableError, ProposeInput  # noqa: F401 (re-exported)
+from cluster.telemetry.grpc_interceptors import client_interceptors
+from cluster.telemetry.tracing import tracing_enabled
 
 
 class RemoteProposer:
@@ -41,6 +43,7 @@ class RemoteProposer:
         self.num_resyncs = 0  # sequences whose full prefix was resent
         self.num_epoch_changes = 0
         self.num_failures = 0
+        self.last_resynced: set[str] = set()  # seq ids whose prefix the last propose() resent
 
     @property
     def resyncs(self) -> int:  # the name the engine's stats read
@@ -79,6 +82,8 @@ class RemoteProposer:
             raise DraftUnavailableError(f"draft server {self._address} down; retrying later")
         self._channel = grpc.insecure_channel(self._address, options=[
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        if tracing_enabled():  # CLIENT spans + traceparent in metadata; no wrapper when tracing is off
+            self._channel = grpc.intercept_channel(self._channel, *client_interceptors())
         self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
         try:
             info = self._stub.Info(stubs.kvsync_pb2().InfoRequest(), timeout=self.timeout_s)
@@ -126,11 +131,13 @@ class RemoteProposer:
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
         pb2 = stubs.kvsync_pb2()
         with self._lock:
+            self.last_resynced = set()
             self._connect()
             resp = self._call(inputs, full=False)
             if resp.status == pb2.BATCH_STATUS_EPOCH_MISMATCH:  # the server restarted
                 self._set_epoch(resp.epoch)
                 self.num_resyncs += len(inputs)
+                self.last_resynced = {i.seq_id for i in inputs}
                 resp = self._call(inputs, full=True)
                 if resp.status != pb2.BATCH_STATUS_OK:
                     raise self._fail("keeps changing epoch")
@@ -138,6 +145,7 @@ class RemoteProposer:
             resync = [i for i in inputs if by_id[i.seq_id].status == pb2.SEQ_STATUS_RESYNC]
             if resync:
                 self.num_resyncs += len(resync)
+                self.last_resynced |= {i.seq_id for i in resync}
                 for inp in resync:
                     self._sent.pop(inp.seq_id, None)
                 again = self._call(resync, full=True)

@@ -49,7 +49,7 @@ def _finish(span: trace.Span, code: grpc.StatusCode | None, error: BaseException
     span.set_attribute(sc.RPC_GRPC_STATUS_CODE, _code_value(code))
     if error is not None:
         span.record_exception(error)
-    if code is not None and code != grpc.StatusCode.OK or error is not None:
+    if (code is not None and code != grpc.StatusCode.OK) or error is not None:
         span.set_status(Status(StatusCode.ERROR, code.name if code is not None else type(error).__name__))
     span.end()
 

@@ -250,3 +250,22 @@ def test_separate_placement_survives_draft_server_kill(addr):
         return r.spec.accepted_tokens > 0
     wait_for(speculating_again, timeout=90, what="speculation to resume on a new DraftServer")
     assert engine_stats("sep", "SpecEngine")["draft_epoch_changes"] >= 1
+
+
+def test_bench_serve_quick(addr, tmp_path):
+    import argparse
+
+    from cluster.bench import serve as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--json", str(tmp_path / "serve.json"), "--addr", addr, "--app", "sep",
+                         "--quick", "--segments", "code"])
+    assert bench.run(args) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    cells = {(c["policy"], c["concurrency"]): c for c in report["cells"]}
+    assert set(cells) == {(p, c) for p in ("fixed_spec", "fixed_plain", "routed") for c in (1, 4)}
+    assert all(k.startswith("speculative:") for k in cells[("fixed_spec", 1)]["route_mix"])
+    assert all(k.startswith("plain:") for k in cells[("fixed_plain", 4)]["route_mix"])
+    assert cells[("fixed_plain", 1)]["e2e_p50"] > 0 and cells[("routed", 4)]["tokens_per_s"] > 0
+    assert len(report["summary"]) == 2

@@ -109,9 +109,9 @@ def test_draft_server_killed_mid_stream_then_speculation_resumes(addr, hf):
     got += [t for ch in it for t in ch.token_ids]
     assert_greedy_equal(hf, prompt_ids, got, want)  # completed with the right tokens
 
-    def speculating_again():
-        r = c.generate(prompt=prompt, max_tokens=12, mode=1, timeout=120)
-        return r.spec.accepted_tokens > 0
+    def speculating_again():  # drafts reached verification again: the new DraftServer answers
+        r = c.generate(prompt=prompt, max_tokens=N, mode=1, timeout=120)
+        return r.spec.drafts > 0
     wait_for(speculating_again, timeout=120, what="speculation to resume on a new DraftServer")
     after = engine_stats("sep", "SpecEngine")
     assert after["draft_epoch_changes"] >= 1

@@ -84,7 +84,7 @@ def test_app_args_build_app_config(rendered):
 NOT_IN_CHART = {"engine_impl", "engine_impl.cls", "engine_impl.options"}
 # ... and the ones the chart derives from other values instead of `app`.
 DERIVED = {"auth", "auth.token_env", "telemetry", "telemetry.otlp_endpoint",
-           "telemetry.sampling_ratio", "telemetry.service_name"}
+           "telemetry.sampling_ratio", "telemetry.service_name", "telemetry.enabled"}
 
 
 def test_values_schema_covers_app_config_exactly():
@@ -208,7 +208,7 @@ def test_tracing_env_and_args_agree(render):
     r = render({"tracing": {"otlpEndpoint": "http://collector.obs:4317", "samplingRatio": 0.25,
                             "serviceName": "llm"}})
     assert r.app_args["telemetry"] == {"otlp_endpoint": "http://collector.obs:4317",
-                                       "sampling_ratio": 0.25, "service_name": "llm"}
+                                       "sampling_ratio": 0.25, "service_name": "llm", "enabled": True}
     for template in r.templates():
         env = _env(template)
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.obs:4317"

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from opentelemetry import trace  # noqa: E402
 
@@ -123,7 +122,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--step-ms", type=float, default=2.0)
     args = ap.parse_args()
-    from otlp_receiver import OtlpReceiver
+    from tests.telemetry.otlp_receiver import OtlpReceiver
 
     with OtlpReceiver() as receiver:
         cfg = TelemetryConfig.resolve({"otlp_endpoint": receiver.endpoint}, env={})

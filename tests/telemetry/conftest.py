@@ -5,7 +5,7 @@ import pytest
 
 from cluster.telemetry import tracing
 from cluster.telemetry.config import TelemetryConfig
-from otlp_receiver import OtlpReceiver
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from cluster.telemetry.config import TelemetryConfig
 from cluster.telemetry.engine_spans import NOOP_TRACE, kvsync_context, start_request_trace
 from cluster.telemetry.grpc_interceptors import client_interceptors
 from cluster.telemetry.request_span import NOOP_REQUEST_SPAN, request_span
-import fake_kvsync
+from tests.telemetry import fake_kvsync
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 SAMPLED = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -95,8 +95,8 @@ def test_disabled_is_a_noop_and_cheap(receiver):
     for _ in range(n):
         request_hooks()
     per_request_us = (time.perf_counter() - t0) / n * 1e6
-    # All hooks of a 100-step request with tracing off: ~20 us on an idle core (a few attribute
-    # reads and no-op calls per step). Bound with margin for a loaded shared machine: 500 us against
+    # All hooks of a 100-step request with tracing off: 55-85 us measured on the loaded shared CPU (a few
+    # no-op calls per step). Bound with margin: 500 us against
     # a request of 100 steps of >= 1 ms each (>= 100 ms) is < 0.5 %, below run-to-run noise.
     assert per_request_us < 500, per_request_us
 

@@ -15,7 +15,7 @@ from cluster.telemetry import tracing
 from cluster.telemetry.engine_spans import kvsync_context, start_request_trace
 from cluster.telemetry.grpc_interceptors import aio_client_interceptors, client_interceptors
 from cluster.telemetry.request_span import request_span
-import fake_kvsync
+from tests.telemetry import fake_kvsync
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"

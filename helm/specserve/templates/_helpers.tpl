@@ -98,7 +98,7 @@ tracing values so that the pods' environment and the app agree.
   "router" $a.router
   "limits" $a.limits
   "auth" (dict "token_env" "SPECSERVE_AUTH_TOKEN")
-  "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName)
+  "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName "enabled" .Values.tracing.enabled)
   "router_deployment" $a.router_deployment
   "spec_engine" $a.spec_engine
   "batch_engine" $a.batch_engine

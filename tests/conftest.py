@@ -1,0 +1,75 @@
+"""Shared fixtures: the real default model (loaded once per session), the HF reference, and
+tiny random Llama-family models for fast unit tests."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from cluster.models.loader import resolve_model
+
+    return resolve_model("default").path
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """The default model loaded once; engines built on it share the weights."""
+    from cluster.engine.config import EngineConfig
+    from cluster.models.load import load_model
+
+    return load_model("default", EngineConfig())
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_dir, default_model):
+    from tests.reference import HFReference
+
+    return HFReference(default_model_dir, default_model.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(default_model_dir):
+    return default_model_dir
+
+
+def make_tiny_model_dir(path, model_type: str = "llama", tokenizer_dir=None, **overrides):
+    """A tiny random model of the given family saved as an HF directory (config + safetensors
+    [+ the default tokenizer so engines can detokenize])."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    cfg_cls, model_cls = classes[model_type]
+    kw = dict(vocab_size=49152 if tokenizer_dir else 512, hidden_size=64, intermediate_size=128,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    kw.update(overrides)
+    if model_type == "mistral":
+        kw["sliding_window"] = None
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kw)).eval()
+    model.save_pretrained(str(path))
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            src = tokenizer_dir / name
+            if src.exists():
+                (path / name).write_bytes(src.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == model_type
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=default_model_dir)

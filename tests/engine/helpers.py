@@ -1,0 +1,48 @@
+"""Drive a synchronous engine to completion and collect per-request results."""
+from __future__ import annotations
+
+from cluster.engine.request import GenerationRequest, SamplingParams
+
+
+def prompt_ids(tokenizer, row: dict) -> list[int]:
+    from cluster.commands.common import prompt_token_ids
+
+    return prompt_token_ids(tokenizer, row)
+
+
+def run_to_completion(engine, requests: list[GenerationRequest], join_at: dict[str, int] | None = None,
+                      abort_at: dict[str, int] | None = None) -> dict[str, dict]:
+    """Step until all finish. join_at: request id -> step at which it is submitted (default 0);
+    abort_at: request id -> step after which it is cancelled."""
+    join_at = join_at or {}
+    abort_at = abort_at or {}
+    pending = {r.request_id: r for r in requests}
+    res: dict[str, dict] = {}
+    step = 0
+    while pending or engine.has_work():
+        for rid in [rid for rid, r in pending.items() if join_at.get(rid, 0) <= step]:
+            engine.add_request(pending.pop(rid))
+        for rid, at in abort_at.items():
+            if at == step:
+                out = engine.abort(rid)
+                if out is not None:
+                    _collect(res, out)
+        for out in engine.step():
+            _collect(res, out)
+        step += 1
+        assert step < 10_000, "engine did not finish"
+    return res
+
+
+def _collect(res: dict, out) -> None:
+    r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None})
+    r["ids"] += out.new_token_ids
+    r["text"] += out.text_delta
+    if out.finished:
+        r["finish"] = out.finish_reason
+        r["spec"] = out.spec
+
+
+def greedy_requests(tokenizer, rows: list[dict], max_tokens: int) -> list[GenerationRequest]:
+    return [GenerationRequest(r["id"], prompt_ids(tokenizer, r), SamplingParams(max_tokens=max_tokens),
+                              segment=r.get("segment", "default")) for r in rows]

@@ -1,0 +1,126 @@
+"""Speculative decoding through the engine on the real default model: every drafter is lossless
+against Hugging Face generate of the target alone (concurrent batch of workload prompts, mixed
+K including K=0 in the same step), draft == target gives α = 1, frequent rejections stay exact,
+seeded sampling is reproducible, and a vocabulary mismatch is refused."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.engine.llm_engine import LLMEngine, LoadedModel
+from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.runner import ModelRunner
+from cluster.spec.controller import build_spec_controller
+from tests.engine.helpers import greedy_requests, prompt_ids, run_to_completion
+from tests.reference import check_greedy_match, workload_rows
+
+MAX_TOKENS = 32  # same as the engine tests, so the HF reference is computed once
+
+
+def spec_engine(model: LoadedModel, spec: SpecConfig, proposer=None) -> LLMEngine:
+    config = EngineConfig(spec=spec)
+    runner = ModelRunner(model.runner.model, None, config.block_size, config.kv_cache_memory_mb)
+    m = LoadedModel(model.name, model.path, runner, model.tokenizer, model.eos_token_ids, model.hf_config, model.dtype)
+    return LLMEngine(config, m, build_spec_controller(config, m, proposer))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return workload_rows(per_segment=4)
+
+
+@pytest.fixture(scope="module")
+def draft_proposer(default_model):
+    """The default model as its own draft (own runner and KV pool, shared weights)."""
+    from cluster.spec.draft_model import DraftModelProposer
+
+    return DraftModelProposer(ModelRunner(default_model.runner.model, None, 16, 256))
+
+
+@pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto")])
+def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k):
+    proposer = draft_proposer if drafter == "draft-model" else None
+    eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
+                                                num_spec_tokens=k), proposer)
+    reqs = greedy_requests(default_model.tokenizer, rows, MAX_TOKENS)
+    for r in reqs[::5]:  # some requests decode plainly in the same steps (K = 0 rows)
+        r.mode = SpecMode.PLAIN
+    res = run_to_completion(eng, reqs)
+    verdicts = {r.request_id: check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
+                for r in reqs}
+    assert sum(v == "equal" for v in verdicts.values()) >= len(reqs) - 2, verdicts
+    drafted = sum(res[r.request_id]["spec"].draft_tokens for r in reqs if r.mode is not SpecMode.PLAIN)
+    assert drafted > 0, "nothing was speculated"
+    assert all(res[r.request_id]["spec"] is None for r in reqs if r.mode is SpecMode.PLAIN)
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+    if proposer is not None:
+        assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
+
+
+def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):
+    k = 4
+    eng = spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=k), draft_proposer)
+    tok = default_model.tokenizer
+    # 1 token from the prefill, then 4 verification steps of K+1 = 5 tokens each
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=1 + 4 * (k + 1), ignore_eos=True))
+            for r in rows[:3]]
+    res = run_to_completion(eng, reqs)
+    for r in reqs:
+        s = res[r.request_id]["spec"]
+        assert s.acceptance_rate == 1.0 and s.drafts == 4
+        assert s.mean_acceptance_length == k + 1
+        assert s.accepted_per_position == s.drafted_per_position == [4] * k
+
+
+def test_frequent_rejections_still_equal_plain(default_model, rows):
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::4]]
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4)),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
+    eng = spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4))
+    res = run_to_completion(eng, reqs)
+    rejected = 0
+    for r in reqs:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        s = res[r.request_id]["spec"]
+        rejected += s.draft_tokens - s.accepted_tokens
+    total = sum(res[r.request_id]["spec"].draft_tokens for r in reqs)
+    assert rejected > total / 2, f"self:4 should reject often ({rejected}/{total})"
+
+
+def test_seeded_sampling_is_reproducible(default_model, rows):
+    tok = default_model.tokenizer
+
+    def run():
+        eng = spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3))
+        reqs = [GenerationRequest(r["id"], prompt_ids(tok, r),
+                                  SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234 + i))
+                for i, r in enumerate(rows[:6])]
+        return {k: v["ids"] for k, v in run_to_completion(eng, reqs).items()}
+
+    a, b = run(), run()
+    assert a == b
+    assert len({tuple(v) for v in a.values()}) == len(a)
+
+
+def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from cluster.errors import VocabularyMismatchError
+    from cluster.spec.controller import build_draft_model_proposer
+    from tests.conftest import make_tiny_model_dir
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50 + ["def f(x): return x"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    other = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    d = make_tiny_model_dir(tmp_path / "draft", "llama", vocab_size=len(other))
+    other.save_pretrained(str(d))
+    spec = SpecConfig(drafter=str(d), num_spec_tokens=3)
+    with pytest.raises(VocabularyMismatchError) as info:
+        build_draft_model_proposer(str(d), spec, EngineConfig(), default_model.tokenizer)
+    assert "vocab" in str(info.value).lower()
+    forced = SpecConfig(drafter=str(d), num_spec_tokens=3, force_vocab_mismatch=True)
+    assert build_draft_model_proposer(str(d), forced, EngineConfig(), default_model.tokenizer) is not None
