@@ -71,6 +71,7 @@ class DraftServerKnobs(DeploymentKnobs):
     host: str | None = None  # bind/advertise address; None: this Ray node's IP (multi-node)
     max_sequences: int = Field(4096, ge=1)
     timeout_s: float = Field(2.0, gt=0)  # KVSync deadline per call; past it the engine falls back
+    kv_cache_memory_mb: int = Field(512, ge=1)  # the draft model's own KV pool (model drafters)
 
 
 class EngineImpl(_Strict):
@@ -89,6 +90,7 @@ class AppConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     drafter: str = "ngram"  # ngram | self | self:L | a draft model spec | none
     num_spec_tokens: int | Literal["auto"] = "auto"
+    force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED
     torch_threads: int = Field(1, ge=1)
     router: RouterKnobs = RouterKnobs()
@@ -125,7 +127,8 @@ class AppConfig(_Strict):
     def spec_config(self) -> SpecConfig | None:
         if not self.speculative:
             return None
-        return SpecConfig(drafter=self.drafter, num_spec_tokens=self.num_spec_tokens)
+        return SpecConfig(drafter=self.drafter, num_spec_tokens=self.num_spec_tokens,
+                          force_vocab_mismatch=self.force_vocab_mismatch)
 
     def engine_config(self, speculative: bool) -> EngineConfig:
         knobs = self.spec_engine if speculative else self.batch_engine

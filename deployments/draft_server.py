@@ -11,7 +11,6 @@ Ignores: verification, routing.
 from __future__ import annotations
 
 import logging
-import sys
 
 from ray import serve
 
@@ -32,11 +31,13 @@ def build_proposer(app: AppConfig):
         from cluster.spec.ngram import NgramProposer
 
         return NgramProposer(), 0
-    # Model drafters (an independent draft model, or the target's first L layers) come from the
-    # engine core; the factory returns the proposer and its vocabulary size.
-    from cluster.spec.draft_model import build_remote_proposer
+    # Model drafters: an independent draft model (vocabulary checked against the target's
+    # tokenizer), or the target's first L layers as a draft model with this replica's own KV.
+    from cluster.spec.remote_drafters import build_remote_proposer
 
-    return build_remote_proposer(spec, target_model=app.model, dtype=app.dtype)
+    return build_remote_proposer(spec, target_model=app.model, dtype=app.dtype,
+                                 force_vocab_mismatch=app.force_vocab_mismatch,
+                                 kv_cache_memory_mb=app.draft_server.kv_cache_memory_mb)
 
 
 @serve.deployment(name="DraftServer", max_ongoing_requests=64, health_check_period_s=2)
@@ -46,10 +47,9 @@ class DraftServer:
 
         app = AppConfig(**config)
         configure_from_section(app.telemetry)  # before start_server: its interceptor reads it per call
-        if "torch" in sys.modules:
-            import torch
+        import torch  # before loading a draft model: loading and drafting use these threads
 
-            torch.set_num_threads(app.torch_threads)
+        torch.set_num_threads(app.torch_threads)
         proposer, vocab_size = build_proposer(app)
         self.core = DraftServerCore(proposer, vocab_size=vocab_size, drafter=app.drafter,
                                     max_sequences=app.draft_server.max_sequences)

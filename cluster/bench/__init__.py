@@ -1,0 +1,1 @@
+"""Benchmarks (the workload mapper): each prints a table and writes JSON; none is a test."""

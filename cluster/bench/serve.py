@@ -2,52 +2,72 @@
 
 Owns: driving a running service (``--addr``) or a local one started from a Serve config with
 fixed-spec (mode SPECULATIVE), fixed-plain (mode PLAIN) and routed (AUTO) policies at each
-concurrency level over workload segments, and reporting per cell TTFT, TPOT, end-to-end p50/p99,
-tokens/s, α and the route mix, as JSON. Streaming calls give TTFT (first chunk with tokens).
-Bounded: ``--requests`` per cell (at least the concurrency), ``--quick`` for a smoke run.
-Ignores: engine-internal timing (``bench spec``/``bench decode``).
+concurrency level over workload segments — policies side by side per level, so they see the same
+machine state — and reporting per cell TTFT, TPOT, end-to-end p50/p99, tokens/s, α and the route
+mix (table on stdout, JSON file). Streaming calls give TTFT (first chunk with tokens). Then the
+front-door overhead at concurrency 1: the same requests straight through an in-process
+``AsyncEngine`` built from the same app config (the engine's own latency, tokenization included)
+and through gRPC (proxy -> Router -> engine replica), interleaved request by request; the ratio of
+medians per path (goal <= 1.10). ``--quick`` is a smoke run for a loaded 2-core machine.
+Ignores: engine-internal timing (``bench spec``/``bench decode``), plots.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}
+POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
+PATH_NAMES = {1: "speculative", 2: "plain"}  # proto RoutePath
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+ROUTED_GOAL = 1.05  # routed p50 e2e <= 1.05 x the better fixed policy
+FRONT_DOOR_GOAL = 1.10  # the front door adds <= 10% at concurrency 1
+QUICK = {"levels": [1, 4, 16], "segments": 2, "requests": 4, "max_tokens": 16, "overhead_requests": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="output JSON file")
     p.add_argument("--addr", default=None, help="a running service; default: start one locally")
     p.add_argument("--app", default="specserve")
-    p.add_argument("--config", type=Path, default=None, help="Serve config for the local service")
+    p.add_argument("--config", type=Path, default=None,
+                   help="Serve config of the local service (and of the in-process engine for the "
+                        "front-door overhead); default deployments/serve_config.yaml")
     p.add_argument("--token", default=None)
     p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     p.add_argument("--segments", default="code,summarize,chat", help="comma-separated workload names")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--requests", type=int, default=16, help="requests per cell (>= concurrency)")
+    p.add_argument("--requests", type=int, default=16, help="requests per cell (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--quick", action="store_true", help="concurrency 1,4; one segment; 4 requests; 16 tokens")
+    p.add_argument("--overhead-requests", type=int, default=8,
+                   help="request pairs (in-process vs gRPC) per path for the front-door overhead; 0 = skip")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: concurrency 1,4,16; first two segments; 4 requests per cell "
+                        "(at least the concurrency); 16 tokens; 4 overhead pairs")
 
 
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 5)
 
 
 def load_prompts(workloads: Path, segment: str, limit: int) -> list[dict]:
+    path = workloads / f"{segment}.jsonl"
+    if not path.is_file():
+        from cluster.errors import UserFacingError
+
+        raise UserFacingError(f"no workload {segment!r}: {path} not found")
     rows = []
-    with open(workloads / f"{segment}.jsonl") as f:
+    with open(path) as f:
         for line in f:
             if line.strip():
                 rows.append(json.loads(line))
@@ -56,9 +76,16 @@ def load_prompts(workloads: Path, segment: str, limit: int) -> list[dict]:
     return rows
 
 
+def _max_tokens(row: dict, cap: int) -> int:
+    return min(cap, int(row.get("max_tokens", cap)))
+
+
+# -- through the front door -------------------------------------------------------------------
 def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
-    req = pb2.GenerateRequest(max_tokens=min(max_tokens, int(row.get("max_tokens", max_tokens))),
-                              mode=mode, segment=row.get("segment", ""))
+    import grpc
+
+    req = pb2.GenerateRequest(max_tokens=_max_tokens(row, max_tokens), mode=mode,
+                              segment=row.get("segment", ""))
     if row.get("chat"):
         req.messages.append(pb2.ChatMessage(role="user", content=row["prompt"]))
     else:
@@ -67,15 +94,19 @@ def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
     ttft = None
     ntok = 0
     last = None
-    for ch in stub.GenerateStream(req, metadata=md, timeout=600):
-        if ch.token_ids and ttft is None:
-            ttft = time.perf_counter() - t0
-        ntok += len(ch.token_ids)
-        last = ch
+    try:
+        for ch in stub.GenerateStream(req, metadata=md, timeout=600):
+            if ch.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            ntok += len(ch.token_ids)
+            last = ch
+    except grpc.RpcError as exc:  # counted per cell, never fatal: a full queue is a result too
+        return {"error": exc.code().name, "e2e": time.perf_counter() - t0, "ttft": None, "tokens": 0,
+                "tpot": None, "path": "error", "reason": exc.code().name, "drafted": 0, "accepted": 0}
     e2e = time.perf_counter() - t0
-    return {"e2e": e2e, "ttft": ttft, "tokens": ntok,
+    return {"error": None, "e2e": e2e, "ttft": ttft, "tokens": ntok,
             "tpot": (e2e - ttft) / (ntok - 1) if ttft is not None and ntok > 1 else None,
-            "path": {1: "speculative", 2: "plain"}.get(last.route.path, "?") if last else "?",
+            "path": PATH_NAMES.get(last.route.path, "?") if last else "?",
             "reason": last.route.reason if last else "", "drafted": last.spec.draft_tokens if last else 0,
             "accepted": last.spec.accepted_tokens if last else 0}
 
@@ -86,48 +117,153 @@ def run_cell(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n: in
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda r: _one(stub, pb2, md, r, mode, max_tokens), jobs))
     wall = time.perf_counter() - t0
-    e2e = [r["e2e"] for r in results]
-    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
-    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
-    drafted = sum(r["drafted"] for r in results)
-    return {"requests": len(results), "wall_s": round(wall, 4),
-            "tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 2),
+    ok = [r for r in results if r["error"] is None]
+    e2e = [r["e2e"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    drafted = sum(r["drafted"] for r in ok)
+    return {"requests": len(results), "errors": dict(Counter(r["error"] for r in results if r["error"])),
+            "wall_s": round(wall, 4), "tokens": sum(r["tokens"] for r in ok),
+            "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
             "e2e_p50": _pct(e2e, 0.5), "e2e_p99": _pct(e2e, 0.99),
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
             "tpot_p50": _pct(tpot, 0.5), "tpot_p99": _pct(tpot, 0.99),
-            "acceptance_rate": round(sum(r["accepted"] for r in results) / drafted, 4) if drafted else None,
+            "draft_tokens": drafted,
+            "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None,
             "route_mix": dict(Counter(f"{r['path']}:{r['reason']}" for r in results))}
 
 
-def _bench(args, addr: str, app: str) -> dict:
+# -- front-door overhead: in-process AsyncEngine vs gRPC, concurrency 1 ------------------------
+def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dict:
+    from cluster.engine.request import GenerationRequest, SamplingParams
+
+    async def go() -> dict:
+        t0 = time.perf_counter()
+        if row.get("chat"):  # tokenization counted: the service's engine replica does it too
+            ids = engine.apply_chat_template([{"role": "user", "content": row["prompt"]}])
+        else:
+            ids = engine.tokenize(row["prompt"])
+        req = GenerationRequest(rid, ids, SamplingParams(max_tokens=_max_tokens(row, max_tokens)),
+                                segment=row.get("segment", "default"), mode=mode)
+        ttft, ntok = None, 0
+        async for out in engine.generate(req):
+            if out.new_token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            ntok += len(out.new_token_ids)
+        return {"e2e": time.perf_counter() - t0, "ttft": ttft, "tokens": ntok}
+
+    return loop.run_until_complete(go())
+
+
+def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
+                        pairs: int) -> dict:
+    """Per path (speculative / plain): the same requests through an in-process engine — the
+    class and engine config the service's replicas build (``engine_impl``, normally
+    ``AsyncEngine``) — and through gRPC, alternating, after one warm-up pair. With placement
+    ``separate`` the in-process spec engine drafts locally (no DraftServer in this process)."""
+    from cluster.engine.request import SpecMode
+    from deployments.app_config import AppConfig
+
+    app = AppConfig(**app_args)
+    engine_cls = app.engine_impl.load()
+    paths = ([("speculative", True, 1, SpecMode.SPECULATIVE)] if app.speculative else []) + \
+        [("plain", False, 2, SpecMode.PLAIN)]
+    out: dict = {"concurrency": 1, "pairs": pairs, "goal_ratio": FRONT_DOOR_GOAL,
+                 "engine": app.engine_impl.cls, "placement": app.placement.value, "paths": {}}
+    loop = asyncio.new_event_loop()
+    try:
+        for name, speculative, proto_mode, mode in paths:
+            engine = engine_cls(app.engine_config(speculative), **app.engine_impl.options)
+            loop.run_until_complete(engine.start())  # loads the model here, in the bench process
+            try:
+                direct, grpc_ = [], []
+                jobs = [rows[i % len(rows)] for i in range(pairs + 1)]
+                for i, row in enumerate(jobs):  # pair 0 warms both up and is not counted
+                    d = _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}")
+                    g = _one(stub, pb2, md, row, proto_mode, max_tokens)
+                    if i and g["error"] is None:
+                        direct.append(d)
+                        grpc_.append(g)
+                out["paths"][name] = _overhead_summary(direct, grpc_)
+                print(f"front door {name:>11}: grpc/direct e2e p50 = {out['paths'][name]['e2e_ratio']}",
+                      file=sys.stderr, flush=True)
+            finally:
+                loop.run_until_complete(engine.shutdown())
+                del engine
+                gc.collect()
+    finally:
+        loop.close()
+    ratios = [p["e2e_ratio"] for p in out["paths"].values() if p["e2e_ratio"] is not None]
+    out["worst_e2e_ratio"] = max(ratios) if ratios else None
+    out["meets_goal"] = bool(ratios) and max(ratios) <= FRONT_DOOR_GOAL
+    return out
+
+
+def _overhead_summary(direct: list[dict], grpc_: list[dict]) -> dict:
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 5) if xs else None
+
+    d_e2e, g_e2e = med([r["e2e"] for r in direct]), med([r["e2e"] for r in grpc_])
+    d_ttft, g_ttft = med([r["ttft"] for r in direct]), med([r["ttft"] for r in grpc_])
+    return {"requests": len(direct),
+            "direct_e2e_p50": d_e2e, "grpc_e2e_p50": g_e2e,
+            "e2e_ratio": round(g_e2e / d_e2e, 4) if d_e2e and g_e2e else None,
+            "e2e_added_ms_p50": round(1000 * med([g["e2e"] - d["e2e"] for d, g in zip(direct, grpc_)]), 2)
+            if direct else None,
+            "direct_ttft_p50": d_ttft, "grpc_ttft_p50": g_ttft,
+            "ttft_ratio": round(g_ttft / d_ttft, 4) if d_ttft and g_ttft else None,
+            "same_token_counts": [d["tokens"] for d in direct] == [g["tokens"] for g in grpc_]}
+
+
+# -- the run ----------------------------------------------------------------------------------
+def _plan(args) -> dict:
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
+    segments = [s for s in args.segments.split(",") if s]
+    if args.quick:
+        return {"levels": QUICK["levels"], "segments": segments[: QUICK["segments"]], "policies": policies,
+                "requests": QUICK["requests"], "max_tokens": QUICK["max_tokens"],
+                "overhead_requests": min(args.overhead_requests, QUICK["overhead_requests"])}
+    return {"levels": [int(x) for x in args.concurrency.split(",") if x], "segments": segments,
+            "policies": policies, "requests": args.requests, "max_tokens": args.max_tokens,
+            "overhead_requests": args.overhead_requests}
+
+
+def _bench(args, addr: str, app: str, app_args: dict) -> dict:
     import grpc
 
     from cluster.api import stubs
 
     pb2 = stubs.generation_pb2()
     md = [("application", app)] + ([("authorization", f"Bearer {args.token}")] if args.token else [])
-    levels = [1, 4] if args.quick else [int(x) for x in args.concurrency.split(",")]
-    segments = args.segments.split(",")[:1] if args.quick else args.segments.split(",")
-    n_req = 4 if args.quick else args.requests
-    max_tokens = 16 if args.quick else args.max_tokens
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = set(policies) - set(POLICIES)
-    if unknown:
-        raise ValueError(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
+    plan = _plan(args)
     cells = []
+    t_start = time.perf_counter()
     with grpc.insecure_channel(addr) as channel:
         stub = stubs.generation_grpc().GenerationStub(channel)
-        for segment in segments:
-            rows = load_prompts(args.workloads, segment, limit=max(levels) * 2)
-            for c in levels:
-                for policy in policies:  # side by side per level: same machine state
-                    cell = run_cell(stub, pb2, md, rows, POLICIES[policy], c, max(n_req, c), max_tokens)
+        seg_rows = {s: load_prompts(args.workloads, s, limit=max(max(plan["levels"]), plan["requests"]))
+                    for s in plan["segments"]}
+        for segment, rows in seg_rows.items():
+            for c in plan["levels"]:
+                for policy in plan["policies"]:  # side by side per level: same machine state
+                    cell = run_cell(stub, pb2, md, rows, POLICIES[policy], c,
+                                    max(plan["requests"], c), plan["max_tokens"])
                     cell.update(segment=segment, concurrency=c, policy=policy)
                     cells.append(cell)
-                    print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']:.3f}s "
-                          f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}", file=sys.stderr)
-    return {"addr": addr, "app": app, "max_tokens": max_tokens, "cells": cells,
-            "summary": summarize(cells)}
+                    print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']}s "
+                          f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
+                          file=sys.stderr, flush=True)
+        overhead = None
+        if plan["overhead_requests"] > 0 and app_args is not None:
+            rows = [r for rs in seg_rows.values() for r in rs]
+            overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
+                                           plan["overhead_requests"])
+    return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
+            "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
+            "cells": cells, "summary": summarize(cells), "front_door": overhead}
 
 
 def summarize(cells: list[dict]) -> list[dict]:
@@ -136,24 +272,80 @@ def summarize(cells: list[dict]) -> list[dict]:
     keys = sorted({(c["segment"], c["concurrency"]) for c in cells})
     for seg, conc in keys:
         by = {c["policy"]: c for c in cells if c["segment"] == seg and c["concurrency"] == conc}
-        fixed = [by[p]["e2e_p50"] for p in ("fixed_spec", "fixed_plain") if p in by]
-        if "routed" in by and fixed:
-            out.append({"segment": seg, "concurrency": conc,
-                        "routed_over_best_fixed": round(by["routed"]["e2e_p50"] / min(fixed), 4)})
+        fixed = {p: by[p]["e2e_p50"] for p in ("fixed_spec", "fixed_plain") if p in by and by[p]["e2e_p50"]}
+        if "routed" in by and by["routed"]["e2e_p50"] and fixed:
+            best = min(fixed, key=fixed.get)
+            ratio = round(by["routed"]["e2e_p50"] / fixed[best], 4)
+            out.append({"segment": seg, "concurrency": conc, "best_fixed": best,
+                        "routed_over_best_fixed": ratio, "meets_goal": ratio <= ROUTED_GOAL})
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.addr:
-        report = _bench(args, args.addr, args.app)
-    else:
-        from cluster.commands.serve import DEFAULT_CONFIG, load_config, local_service
+def _f(x, scale: float = 1.0, nd: int = 1) -> str:
+    return "-" if x is None else f"{x * scale:.{nd}f}"
 
-        ns = argparse.Namespace(config=args.config or DEFAULT_CONFIG, port=None, model=None,
-                                drafter=None, placement=None)
-        cfg = load_config(ns)
+
+def format_report(report: dict) -> str:
+    head = (f"{'segment':<12} {'conc':>4} {'policy':<11} {'n':>3} {'err':>3} {'ttft50':>7} {'tpot50':>7} "
+            f"{'e2e50':>7} {'e2e99':>7} {'tok/s':>7} {'alpha':>5}  route mix")
+    lines = ["latencies in ms", head, "-" * len(head)]
+    for c in report["cells"]:
+        mix = ", ".join(f"{k}={v}" for k, v in sorted(c["route_mix"].items()))
+        lines.append(f"{c['segment']:<12} {c['concurrency']:>4} {c['policy']:<11} {c['requests']:>3} "
+                     f"{sum(c['errors'].values()):>3} {_f(c['ttft_p50'], 1e3):>7} {_f(c['tpot_p50'], 1e3):>7} "
+                     f"{_f(c['e2e_p50'], 1e3):>7} {_f(c['e2e_p99'], 1e3):>7} {_f(c['tokens_per_s']):>7} "
+                     f"{_f(c['acceptance_rate'], 1, 2):>5}  {mix}")
+    if report["summary"]:
+        lines += ["", f"routed p50 e2e / better fixed policy (goal <= {ROUTED_GOAL}):"]
+        lines += [f"  {s['segment']:<12} c={s['concurrency']:<3} {s['routed_over_best_fixed']:.3f} "
+                  f"(best fixed: {s['best_fixed']}){'' if s['meets_goal'] else '  MISSES GOAL'}"
+                  for s in report["summary"]]
+    fd = report.get("front_door")
+    if fd:
+        lines += ["", f"front-door overhead at concurrency 1, {fd['pairs']} request pairs "
+                      f"(gRPC / in-process AsyncEngine, goal <= {FRONT_DOOR_GOAL}):"]
+        for name, p in fd["paths"].items():
+            lines.append(f"  {name:<11} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p['grpc_e2e_p50'], 1e3)} ms "
+                         f"(ratio {p['e2e_ratio']}, +{p['e2e_added_ms_p50']} ms); ttft p50 "
+                         f"{_f(p['direct_ttft_p50'], 1e3)} -> {_f(p['grpc_ttft_p50'], 1e3)} ms (ratio {p['ttft_ratio']})")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_config(args) -> dict:
+    """The Serve config; a local service gets free loopback ports (others may run one too)."""
+    from cluster.commands.serve import DEFAULT_CONFIG, load_config
+
+    ns = argparse.Namespace(config=args.config or DEFAULT_CONFIG, model=None, drafter=None,
+                            placement=None, port=None if args.addr else _free_port())
+    cfg = load_config(ns)
+    if not args.addr:
+        cfg["http_options"] = {**(cfg.get("http_options") or {}), "host": "127.0.0.1", "port": _free_port()}
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _local_config(args)
+    app_args = cfg["applications"][0].get("args", {})
+    if args.addr:
+        if args.config is None:  # a running service: its config is unknown unless given
+            print("front-door overhead skipped: pass --config with the service's Serve config",
+                  file=sys.stderr)
+            app_args = None
+        report = _bench(args, args.addr, args.app, app_args)
+    else:
+        from cluster.commands.serve import local_service
+
         with local_service(cfg) as (addr, app):
-            report = _bench(args, addr, app)
+            report = _bench(args, addr, app, app_args)
+    print(format_report(report), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}", file=sys.stderr)

@@ -117,7 +117,11 @@ class ModelRunner:
             mask = (key_pos <= q_pos) & valid_q
             mask[:, :, 0] = True  # padding queries attend to key 0 so no row is all -inf (NaN)
             mask = mask.unsqueeze(1)  # [G, 1, Qmax, Lmax]
-        return AttentionGroup(q_index, kv_slots, mask, torch.tensor(out_rows), torch.tensor(out_src))
+        row0s = [row0 for row0, _ in items]
+        dense = None
+        if all(q == qmax for q in q_lens) and row0s == list(range(row0s[0], row0s[0] + G * qmax, qmax)):
+            dense = (row0s[0], G, qmax)
+        return AttentionGroup(q_index, kv_slots, mask, torch.tensor(out_rows), torch.tensor(out_src), dense)
 
     def forward(self, chunks: list[SeqChunk], num_layers: int | None = None,
                 commit: bool = True) -> torch.Tensor:  # [sum num_logits, V] float32

@@ -80,6 +80,9 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [G, 1, Qmax, Lmax] bool, True = attend; None = attend to all
     out_rows: torch.Tensor  # [Tg] int64 rows of the flat [T] output these queries fill
     out_src: torch.Tensor  # [Tg] int64 rows of the flattened [G*Qmax] padded output
+    # (first row, G, Q) when the group's queries are the contiguous rows [first, first + G*Q) with
+    # Q queries each: no padding, so queries and outputs are views instead of gathers/scatters.
+    dense: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -227,13 +230,22 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    groups: list[AttentionGroup], T: int) -> torch.Tensor:
         H, D = self.arch.num_heads, self.arch.head_dim
+        if len(groups) == 1 and groups[0].dense == (0, groups[0].kv_slots.shape[0], T // groups[0].kv_slots.shape[0]):
+            g = groups[0]
+            _, G, Q = g.dense
+            return self._group_attention(q.view(G, Q, H, D), kc, vc, g).reshape(T, H * D)
         q_ext = torch.cat([q, q.new_zeros(1, H, D)])  # [T+1, H, D]; row T is padding
         out = q.new_empty(T, H * D)
         for g in groups:
-            qg = q_ext[g.q_index].transpose(1, 2)  # [G, H, Qmax, D]
-            kg = kc[g.kv_slots].transpose(1, 2)  # [G, Hkv, Lmax, D]
-            vg = vc[g.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
-            og = og.transpose(1, 2).reshape(-1, H * D)  # [G*Qmax, H*D]
+            og = self._group_attention(q_ext[g.q_index], kc, vc, g).reshape(-1, H * D)  # [G*Qmax, H*D]
             out[g.out_rows] = og[g.out_src]
         return out
+
+    @staticmethod
+    def _group_attention(qg: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                         g: AttentionGroup) -> torch.Tensor:
+        """qg [G, Qmax, H, D] -> [G, Qmax, H, D] attention over each sequence's cached keys."""
+        kg = kc[g.kv_slots].transpose(1, 2)  # [G, Hkv, Lmax, D]
+        vg = vc[g.kv_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask, enable_gqa=True)
+        return og.transpose(1, 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,20 @@ log = logging.getLogger(__name__)
 DRAFT_RETRY_S = 1.0  # back-off after the drafter failed, before speculating again
 
 
+@dataclass(slots=True)
+class SpecTiming:
+    """Cheap cumulative counters for cost measurements (``bench spec``): time inside the
+    drafter and in target forwards that verified drafts or decoded plainly. Read deltas."""
+
+    propose_s: float = 0.0
+    proposals: int = 0  # propose calls that returned (one per speculating step)
+    draft_rounds: int = 0  # sum over proposals of max K asked (draft rounds run)
+    verify_forward_s: float = 0.0
+    verify_steps: int = 0
+    plain_forward_s: float = 0.0
+    plain_steps: int = 0
+
+
 class SpecController:
     def __init__(self, config: SpecConfig, proposer: Proposer, drafter_name: str,
                  moe_gate: MoeGate, max_model_len: int) -> None:
@@ -42,6 +57,7 @@ class SpecController:
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}
+        self.timing = SpecTiming()
 
     # -- before scheduling: K per running sequence -----------------------------------------------
     def plan(self, running: list[Sequence]) -> None:
@@ -81,6 +97,9 @@ class SpecController:
             log.warning("drafter unavailable, continuing without speculation: %s", exc)
             return {}
         elapsed = time.perf_counter() - t0
+        self.timing.propose_s += elapsed
+        self.timing.proposals += 1
+        self.timing.draft_rounds += max(s.num_lookahead for s in asks)
         resynced = getattr(self.proposer, "last_resynced", ())
         for s in asks:
             if s.seq.seq_id in resynced:
@@ -108,6 +127,8 @@ class SpecController:
             [s.seq.request.params for s in sampling], [s.seq.generator for s in sampling])
         committed = [result.committed(i) for i in range(len(sampling))]
         accepted = [int(a) for a in result.num_accepted]
+        self.timing.verify_forward_s += forward_s
+        self.timing.verify_steps += 1
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
             for s, k, a in zip(sampling, counts, accepted):
@@ -116,6 +137,8 @@ class SpecController:
         return committed, accepted
 
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
+        self.timing.plain_forward_s += forward_s
+        self.timing.plain_steps += 1
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
 

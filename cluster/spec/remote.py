@@ -38,6 +38,7 @@ class RemoteProposer:
         self._stub = None
         self._epoch = 0
         self._sent: dict[str, list[int]] = {}  # seq id -> committed tokens the server holds
+        self._lost: set[str] = set()  # tracked when the server's epoch changed: resent in full next
         self._down_until = 0.0
         self._lock = threading.RLock()
         self.num_resyncs = 0  # sequences whose full prefix was resent
@@ -102,6 +103,7 @@ class RemoteProposer:
             if self._epoch != 0:
                 self.num_epoch_changes += 1
             self._epoch = epoch
+            self._lost |= self._sent.keys()  # their next propose resends the whole prefix: a resync
             self._sent.clear()  # a new server holds nothing we sent to the old one
 
     # -- Proposer --------------------------------------------------------------------------
@@ -135,12 +137,15 @@ class RemoteProposer:
             self._connect()
             resp = self._call(inputs, full=False)
             if resp.status == pb2.BATCH_STATUS_EPOCH_MISMATCH:  # the server restarted
-                self._set_epoch(resp.epoch)
-                self.num_resyncs += len(inputs)
-                self.last_resynced = {i.seq_id for i in inputs}
+                self._set_epoch(resp.epoch)  # marks the tracked sequences lost (counted below)
                 resp = self._call(inputs, full=True)
                 if resp.status != pb2.BATCH_STATUS_OK:
                     raise self._fail("keeps changing epoch")
+            lost = [i.seq_id for i in inputs if i.seq_id in self._lost]
+            if lost:  # the draft restarted (new epoch at connect or in the reply) and lost them
+                self.num_resyncs += len(lost)
+                self.last_resynced |= set(lost)
+                self._lost.difference_update(lost)
             by_id = {s.seq_id: s for s in resp.seqs}
             resync = [i for i in inputs if by_id[i.seq_id].status == pb2.SEQ_STATUS_RESYNC]
             if resync:
@@ -180,6 +185,7 @@ class RemoteProposer:
 
     def release(self, seq_id: str) -> None:
         with self._lock:
+            self._lost.discard(seq_id)
             if self._sent.pop(seq_id, None) is None or self._stub is None:
                 return
             try:

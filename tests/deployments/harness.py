@@ -30,9 +30,11 @@ def fake_args(**over) -> dict:
 
 
 @contextlib.contextmanager
-def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240):
+def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
+               ray_kwargs: dict | None = None):
     """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC proxy on a free
-    port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address."""
+    port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address. ``ray_kwargs`` adds
+    ``ray.init`` keywords (e.g. ``_metrics_export_port``)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -42,7 +44,7 @@ def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout
     os.environ.update(env or {})
     grpc_port, http_port = free_port(), free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=False)
+             configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port,

@@ -19,6 +19,10 @@ TOKEN = "test-token-123"
 CODE = grpc.StatusCode
 
 
+SEP_ARGS = fake_args(placement="separate", engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                                                       "options": {"token_delay_s": 0.05}})
+
+
 def expected(prompt: str, n: int) -> list[int]:
     ids = [b + 3 for b in prompt.encode()]  # the fake engine's target repeats the prompt
     return [ids[i % len(ids)] for i in range(n)]
@@ -36,9 +40,7 @@ def addr():
                          "options": {"token_delay_s": 0.02, "alpha_by_segment": {"lowalpha": 0.2}}}),
         "moe": fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                       "options": {"moe": True}}),
-        "sep": fake_args(placement="separate",
-                         engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
-                                      "options": {"token_delay_s": 0.05}}),
+        "sep": SEP_ARGS,
     }
     with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN}) as a:
         for name in apps:
@@ -259,13 +261,23 @@ def test_bench_serve_quick(addr, tmp_path):
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
+    import yaml
+
+    config = tmp_path / "sep.yaml"  # the service's config: the in-process engine is built from it
+    config.write_text(yaml.safe_dump({"applications": [{"name": "sep", "args": SEP_ARGS}]}))
     args = p.parse_args(["--json", str(tmp_path / "serve.json"), "--addr", addr, "--app", "sep",
-                         "--quick", "--segments", "code"])
+                         "--config", str(config), "--quick", "--segments", "code",
+                         "--overhead-requests", "2"])
     assert bench.run(args) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
     cells = {(c["policy"], c["concurrency"]): c for c in report["cells"]}
-    assert set(cells) == {(p, c) for p in ("fixed_spec", "fixed_plain", "routed") for c in (1, 4)}
+    assert set(cells) == {(p, c) for p in ("fixed_spec", "fixed_plain", "routed") for c in (1, 4, 16)}
     assert all(k.startswith("speculative:") for k in cells[("fixed_spec", 1)]["route_mix"])
     assert all(k.startswith("plain:") for k in cells[("fixed_plain", 4)]["route_mix"])
     assert cells[("fixed_plain", 1)]["e2e_p50"] > 0 and cells[("routed", 4)]["tokens_per_s"] > 0
-    assert len(report["summary"]) == 2
+    assert not any(c["errors"] for c in cells.values())
+    assert len(report["summary"]) == 3
+    fd = report["front_door"]
+    assert fd["engine"] == "cluster.engine.fake_engine:FakeEngine" and set(fd["paths"]) == {"speculative", "plain"}
+    for path in fd["paths"].values():  # same tokens both ways; the front door costs something
+        assert path["requests"] == 2 and path["same_token_counts"] and path["e2e_ratio"] > 0.5

@@ -76,6 +76,7 @@ def test_restart_down_then_new_epoch_resyncs():
         out = remote.propose([inp("a", [1, 2, 1, 2])])
         assert core2.epoch != core.epoch and remote.num_epoch_changes == 1
         assert core2.held("a") == [1, 2, 1, 2] and out.draft_token_ids == [[1, 2]]
+        assert remote.num_resyncs == 1 and remote.last_resynced == {"a"}  # the lost prefix was resent
     finally:
         server2.stop(0)
 

@@ -93,6 +93,7 @@ tracing values so that the pods' environment and the app agree.
   "dtype" $a.dtype
   "drafter" $a.drafter
   "num_spec_tokens" $a.num_spec_tokens
+  "force_vocab_mismatch" (default false $a.force_vocab_mismatch)
   "placement" $a.placement
   "torch_threads" $a.torch_threads
   "router" $a.router

@@ -1,0 +1,445 @@
+"""`specserve bench spec`: speculative decoding per workload segment and drafter, at concurrency 1,
+against our own plain decoding and against Hugging Face's assisted generation on the same prompts.
+
+Owns: building engines that share one loaded target (plain; ngram, self:L and draft model, each
+with a fixed K and with ``auto`` K), deriving the draft model (first L target layers, see
+``cluster.models.derive``), picking L by a quick measurement, driving one request at a time with
+per-step timing, the HF peers (plain ``generate``, ``prompt_lookup_num_tokens``,
+``assistant_model``, ``assistant_early_exit``), the cost model, the goals, the table and the JSON.
+Ignores: concurrency > 1 and the service path (``bench serve``), raw forward speed (``bench decode``).
+
+Method. For every prompt, every method runs once, back to back (ours plain, ours spec variants, HF
+plain, HF variants), so machine noise hits all of them alike; a row reports medians over prompts.
+speedup = median over prompts of plain wall-clock / spec wall-clock (whole request, prefill
+included). Costs are relative to t, the median wall time of one plain decode step (same segment):
+c = draft time per draft round / t, v = (verification step wall time - its draft time) / t
+(median over verification steps; the engine's bookkeeping and rejection sampling are in v).
+predicted_speedup = (1-α^(K+1)) / ((1-α)(K·c + v)) with K the mean draft tokens per verification
+step; when some decode steps of the spec run drafted nothing (ngram found no match, auto chose 0)
+they count as plain steps: (n_v·E(α,K) + n_p) / (n_v·(K·c + v) + n_p), which is the formula
+itself when n_p = 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
+DRAFTER_KINDS = ("ngram", "self", "draft")
+SELF_CANDIDATES = (4, 8, 12, 16, 20)
+AUTO_SLOWDOWN_LIMIT = 0.97  # auto K: no segment more than 3% slower than plain
+GOAL_NGRAM = 2.0
+GOAL_PRED = 0.9
+GOAL_VS_HF = 1.3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="target model spec (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
+    p.add_argument("--json", type=Path, required=True, help="output JSON file")
+    p.add_argument("--segments", default=",".join(SEGMENTS), help="comma-separated segment names")
+    p.add_argument("--drafters", default=",".join(DRAFTER_KINDS), help="comma-separated: ngram, self, draft")
+    p.add_argument("--prompts-per-segment", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
+    p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
+    p.add_argument("--model-k", type=int, default=3, help="fixed K of the self and draft-model rows")
+    p.add_argument("--self-layers", type=int, default=None, help="L of self:L (default: measured)")
+    p.add_argument("--draft-layers", type=int, default=None, help="layers of the derived draft (default: L of self)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+# -- one request at a time, timed per step ------------------------------------------------------
+@dataclass(slots=True)
+class Run:
+    wall_s: float
+    tokens: int
+    ids: list[int]
+    decode_steps: list[float] = field(default_factory=list)  # plain decode step walls (no prefill)
+    verify_steps: list[float] = field(default_factory=list)  # verify step wall - its draft time
+    round_costs: list[float] = field(default_factory=list)  # draft seconds per round, per step
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafts: int = 0
+
+
+def _timing(engine):
+    t = getattr(engine.spec, "timing", None)
+    return None if t is None else (t.propose_s, t.draft_rounds, t.verify_steps)
+
+
+def run_ours(engine, request) -> Run:
+    ids: list[int] = []
+    spec = None
+    walls, kinds = [], []
+    t0 = time.perf_counter()
+    engine.add_request(request)
+    while engine.has_work():
+        before = _timing(engine)
+        ts = time.perf_counter()
+        outs = engine.step()
+        walls.append(time.perf_counter() - ts)
+        after = _timing(engine)
+        kinds.append(None if before is None else tuple(a - b for a, b in zip(after, before)))
+        for o in outs:
+            ids += o.new_token_ids
+            if o.finished:
+                spec = o.spec
+    run = Run(time.perf_counter() - t0, len(ids), ids)
+    for i, (w, k) in enumerate(zip(walls, kinds)):
+        if i == 0:
+            continue  # the prefill step
+        if k is not None and k[2] > 0:  # a verification step
+            run.verify_steps.append(w - k[0])
+            if k[1] > 0:
+                run.round_costs.append(k[0] / k[1])
+        else:
+            run.decode_steps.append(w - (k[0] if k else 0.0))
+    if spec is not None:
+        run.draft_tokens, run.accepted_tokens, run.drafts = spec.draft_tokens, spec.accepted_tokens, spec.drafts
+    return run
+
+
+def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) -> Run:
+    import torch
+
+    with torch.inference_mode():
+        inp = torch.tensor([prompt_ids])
+        t0 = time.perf_counter()
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+        wall = time.perf_counter() - t0
+    ids = out[0, len(prompt_ids):].tolist()
+    return Run(wall, len(ids), ids)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+def _engine(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.llm_engine import LLMEngine, LoadedModel
+    from cluster.engine.runner import ModelRunner
+    from cluster.spec.controller import build_spec_controller
+
+    config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb)
+    runner = ModelRunner(target.runner.model, None, config.block_size, kv_mb)
+    m = LoadedModel(target.name, target.path, runner, target.tokenizer, target.eos_token_ids,
+                    target.hf_config, target.dtype)
+    spec = build_spec_controller(config, m, proposer) if spec_cfg is not None else None
+    return LLMEngine(config, m, spec)
+
+
+def _request(rid: str, ids: list[int], max_tokens: int, segment: str):
+    from cluster.engine.request import GenerationRequest, SamplingParams
+
+    return GenerationRequest(rid, list(ids), SamplingParams(max_tokens=max_tokens), segment=segment)
+
+
+def expected_committed(alpha: float, k: float) -> float:
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_tokens: int = 32,
+                       candidates=SELF_CANDIDATES) -> tuple[int, dict]:
+    """Quick measurement: for each L, run a few prompts with self:L at K=k and predict the speedup
+    from the measured α, c and v (less noisy than timing whole requests); pick the best L."""
+    from cluster.engine.config import SpecConfig
+
+    plain = _engine(target)
+    n = target.runner.model.arch.num_layers
+    t_plain = []
+    for i, (seg, ids) in enumerate(rows):
+        t_plain += run_ours(plain, _request(f"cal-p{i}", ids, max_tokens, seg)).decode_steps
+    t = statistics.median(t_plain)
+    found = {}
+    for L in [c for c in candidates if c < n]:
+        eng = _engine(target, SpecConfig(drafter=f"self:{L}", num_spec_tokens=k))
+        runs = [run_ours(eng, _request(f"cal-{L}-{i}", ids, max_tokens, seg)) for i, (seg, ids) in enumerate(rows)]
+        drafted = sum(r.draft_tokens for r in runs)
+        alpha = sum(r.accepted_tokens for r in runs) / max(drafted, 1)
+        c = statistics.median([x for r in runs for x in r.round_costs] or [0.0]) / t
+        v = statistics.median([x for r in runs for x in r.verify_steps] or [t]) / t
+        pred = expected_committed(alpha, k) / (k * c + v)
+        found[L] = {"acceptance_rate": round(alpha, 4), "c": round(c, 4), "v": round(v, 4), "predicted_speedup": round(pred, 4)}
+    best = max(found, key=lambda L: found[L]["predicted_speedup"])
+    return best, found
+
+
+# -- aggregation -------------------------------------------------------------------------------------
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def _r(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None, hf: list[Run] | None,
+                  k_label: int | str) -> dict:
+    t = _med([x for r in plain for x in r.decode_steps])
+    drafted = sum(r.draft_tokens for r in spec)
+    drafts = sum(r.drafts for r in spec)
+    alpha = sum(r.accepted_tokens for r in spec) / drafted if drafted else 0.0
+    mal = (sum(r.accepted_tokens for r in spec) + drafts) / drafts if drafts else 1.0
+    k_mean = drafted / drafts if drafts else 0.0
+    c = _med([x for r in spec for x in r.round_costs])
+    v = _med([x for r in spec for x in r.verify_steps])
+    c = (c / t) if (c is not None and t) else 0.0
+    v = (v / t) if (v is not None and t) else 1.0
+    n_v = sum(len(r.verify_steps) for r in spec)
+    n_p = sum(len(r.decode_steps) for r in spec)
+    denom = n_v * (k_mean * c + v) + n_p
+    predicted = (n_v * expected_committed(alpha, k_mean) + n_p) / denom if denom > 0 else 1.0
+    row = {
+        "k": k_label,
+        "k_mean": _r(k_mean, 3),
+        "acceptance_rate": _r(alpha),
+        "mean_acceptance_length": _r(mal),
+        "speedup": _r(_med([p.wall_s / s.wall_s for p, s in zip(plain, spec)])),
+        "predicted_speedup": _r(predicted),
+        "c": _r(c),
+        "v": _r(v),
+        "ms_per_token": _r(_med([1e3 * s.wall_s / max(s.tokens, 1) for s in spec]), 3),
+        "plain_ms_per_token": _r(_med([1e3 * p.wall_s / max(p.tokens, 1) for p in plain]), 3),
+        "outputs_equal_plain": sum(p.ids == s.ids for p, s in zip(plain, spec)),
+        "hf_speedup": None,
+        "hf_ms_per_token": None,
+        "vs_hf": None,
+    }
+    if hf and hf_plain:
+        row["hf_speedup"] = _r(_med([p.wall_s / s.wall_s for p, s in zip(hf_plain, hf)]))
+        row["hf_ms_per_token"] = _r(_med([1e3 * s.wall_s / max(s.tokens, 1) for s in hf]), 3)
+        row["vs_hf"] = _r(row["hf_ms_per_token"] / row["ms_per_token"]) if row["ms_per_token"] else None
+    return row
+
+
+def goals(segments: dict, ngram_key: str | None) -> dict:
+    out = {}
+    vals = {s: segments[s][ngram_key]["speedup"] for s in ("summarize", "edit")
+            if ngram_key and s in segments and ngram_key in segments[s]}
+    out["ngram_summarize_edit_2x"] = {"goal": f">= {GOAL_NGRAM}x over plain ({ngram_key})", "measured": vals,
+                                      "pass": bool(vals) and all(x is not None and x >= GOAL_NGRAM for x in vals.values())}
+    ratios = {f"{s}/{d}": _r(r["speedup"] / r["predicted_speedup"], 3)
+              for s, rows in segments.items() for d, r in rows.items()
+              if r["k"] != "auto" and r["speedup"] and r["predicted_speedup"]}
+    worst = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+    out["measured_vs_predicted"] = {"goal": f"speedup >= {GOAL_PRED} x predicted (fixed-K rows)", "worst": worst,
+                                    "failing": {k: v for k, v in ratios.items() if v < GOAL_PRED},
+                                    "pass": bool(ratios) and all(v >= GOAL_PRED for v in ratios.values())}
+    vs = {f"{s}/{d}": r["vs_hf"] for s, rows in segments.items() for d, r in rows.items() if r["vs_hf"] is not None}
+    worst = min(vs.items(), key=lambda kv: kv[1]) if vs else None
+    out["faster_than_hf_same_method"] = {"goal": f">= {GOAL_VS_HF}x faster than HF's same method (ms/token)",
+                                         "worst": worst, "failing": {k: v for k, v in vs.items() if v < GOAL_VS_HF},
+                                         "pass": bool(vs) and all(v >= GOAL_VS_HF for v in vs.values())}
+    auto = {f"{s}/{d}": r["speedup"] for s, rows in segments.items() for d, r in rows.items() if r["k"] == "auto"}
+    worst = min(auto.items(), key=lambda kv: kv[1]) if auto else None
+    out["auto_k_never_3pct_slower"] = {"goal": f"auto K speedup >= {AUTO_SLOWDOWN_LIMIT} in every segment",
+                                       "worst": worst,
+                                       "failing": {k: v for k, v in auto.items() if v < AUTO_SLOWDOWN_LIMIT},
+                                       "pass": bool(auto) and all(v >= AUTO_SLOWDOWN_LIMIT for v in auto.values())}
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def _load_rows(workloads: Path, segment: str, n: int) -> list[dict]:
+    rows = []
+    with open(workloads / f"{segment}.jsonl") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cluster.commands.common import prompt_token_ids
+    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.models.derive import derive_truncated_draft
+    from cluster.models.load import load_model
+    from cluster.models.loader import cache_root
+    from cluster.spec.draft_model import DraftModelProposer
+    from cluster.spec.vocab_check import require_vocab_compatible
+    from cluster.engine.runner import ModelRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    segments = [s.strip() for s in args.segments.split(",") if s.strip()]
+    kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    bad = [d for d in kinds if d not in DRAFTER_KINDS]
+    if bad:
+        _log(f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}")
+        return 2
+    target = load_model(args.model, EngineConfig())
+    tok = target.tokenizer
+    eos = sorted(target.eos_token_ids)
+    prompts = {seg: [(r["id"], prompt_token_ids(tok, r), min(int(r.get("max_tokens", args.max_tokens)), args.max_tokens))
+                     for r in _load_rows(args.workloads, seg, args.prompts_per_segment)] for seg in segments}
+
+    # L for self:L (and the draft's depth): a quick measurement on a few prompts
+    calibration = None
+    self_layers = args.self_layers
+    need_layers = "self" in kinds or ("draft" in kinds and args.draft_layers is None)
+    if need_layers and self_layers is None:
+        cal_rows = [(seg, ids) for seg in segments for _, ids, _ in prompts[seg][:1]][:3]
+        t0 = time.perf_counter()
+        self_layers, found = choose_self_layers(target, cal_rows, args.model_k, max_tokens=min(32, args.max_tokens))
+        calibration = {"candidates": found, "chosen": self_layers, "seconds": round(time.perf_counter() - t0, 1)}
+        _log(f"self:L quick measurement -> L={self_layers} {found}")
+    draft_layers = args.draft_layers or self_layers
+
+    methods: dict[str, tuple] = {"plain": (_engine(target), None)}  # name -> (engine, k label)
+    draft_dir = None
+    if "ngram" in kinds:
+        methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens=args.ngram_k)), args.ngram_k)
+        methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens="auto")), "auto")
+    if "self" in kinds:
+        for k in (args.model_k, "auto"):
+            methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
+                _engine(target, SpecConfig(drafter=f"self:{self_layers}", num_spec_tokens=k)), k)
+    if "draft" in kinds:
+        draft_dir = derive_truncated_draft(target.path, draft_layers, cache_root() / "derived" / f"{Path(target.path).name}-first{draft_layers}")
+        draft = load_model(str(draft_dir), EngineConfig())
+        require_vocab_compatible(tok, draft.tokenizer)
+        for k in (args.model_k, "auto"):
+            proposer = DraftModelProposer(ModelRunner(draft.runner.model, None, 16, 128))
+            methods[f"draft-l{draft_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
+                _engine(target, SpecConfig(drafter="draft", num_spec_tokens=k), proposer), k)
+
+    hf_methods: dict[str, dict] = {}
+    hf_model = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+        hf_methods["hf_plain"] = {}
+        if "ngram" in kinds:
+            hf_methods[f"hf_lookup/k{args.ngram_k}"] = {"prompt_lookup_num_tokens": args.ngram_k}
+        if "self" in kinds:
+            hf_methods[f"hf_early_exit/k{args.model_k}"] = {"assistant_early_exit": self_layers, "_cfg": hf_model, "_k": args.model_k}
+            hf_methods["hf_early_exit/auto"] = {"assistant_early_exit": self_layers, "_cfg": hf_model, "_k": None}
+        if "draft" in kinds:
+            hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+            hf_draft_auto = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+            hf_methods[f"hf_assisted/k{args.model_k}"] = {"assistant_model": hf_draft, "_cfg": hf_draft, "_k": args.model_k}
+            hf_methods["hf_assisted/auto"] = {"assistant_model": hf_draft_auto, "_cfg": hf_draft_auto, "_k": None}
+
+    def hf_call(name: str, ids, max_tokens):
+        kw = dict(hf_methods[name])
+        cfg_model, k = kw.pop("_cfg", None), kw.pop("_k", None)
+        if cfg_model is not None:
+            g = cfg_model.generation_config
+            if k is not None:  # fixed K: exactly K drafts per round, like ours
+                g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = k, "constant", 0.0
+            elif name.startswith("hf_early_exit"):  # HF's defaults (the target's config is shared)
+                g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = 20, "constant", 0.4
+        return run_hf(hf_model, ids, max_tokens, eos, **kw)
+
+    # warm-up: one short request per method (allocations, first-call overheads)
+    seg0, (_, ids0, _) = segments[0], prompts[segments[0]][0]
+    for name, (eng, _) in methods.items():
+        run_ours(eng, _request(f"warm-{name}", ids0[:64], 4, seg0))
+    for name in hf_methods:
+        hf_call(name, ids0[:64], 4)
+
+    results: dict[str, dict[str, list[Run]]] = {}
+    t_start = time.perf_counter()
+    for seg in segments:
+        per = results.setdefault(seg, {m: [] for m in list(methods) + list(hf_methods)})
+        for pid, ids, max_tokens in prompts[seg]:
+            for name, (eng, _) in methods.items():  # interleaved: every method on this prompt
+                per[name].append(run_ours(eng, _request(f"{pid}-{name}", ids, max_tokens, seg)))
+            for name in hf_methods:
+                per[name].append(hf_call(name, ids, max_tokens))
+            _log(f"[{time.perf_counter() - t_start:7.1f}s] {seg} {pid}: " + " ".join(
+                f"{n}={1e3 * per[n][-1].wall_s / max(per[n][-1].tokens, 1):.1f}" for n in per) + " ms/token")
+
+    hf_peer = {}
+    for name in methods:
+        if name.startswith("ngram/"):
+            hf_peer[name] = f"hf_lookup/k{args.ngram_k}"  # HF has no adaptive prompt lookup
+        elif name.startswith("self:"):
+            hf_peer[name] = f"hf_early_exit/{name.split('/')[1]}"
+        elif name.startswith("draft-"):
+            hf_peer[name] = f"hf_assisted/{name.split('/')[1]}"
+    table: dict[str, dict] = {}
+    for seg, per in results.items():
+        table[seg] = {}
+        for name, (_, k) in methods.items():
+            if name == "plain":
+                continue
+            peer = hf_peer.get(name)
+            table[seg][name] = summarize_row(per["plain"], per[name], per.get("hf_plain"),
+                                             per.get(peer) if peer in hf_methods else None, k)
+    plain_rows = {seg: {"ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in per["plain"]]), 3),
+                        "decode_step_ms": _r(1e3 * (_med([x for r in per["plain"] for x in r.decode_steps]) or 0), 3),
+                        "hf_ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in per.get("hf_plain", [])]), 3)}
+                  for seg, per in results.items()}
+    ngram_key = f"ngram/k{args.ngram_k}" if "ngram" in kinds else None
+    report = {
+        "model": target.name,
+        "config": {"segments": segments, "drafters": list(methods)[1:], "prompts_per_segment": args.prompts_per_segment,
+                   "max_tokens_cap": args.max_tokens, "ngram_k": args.ngram_k, "model_k": args.model_k,
+                   "self_layers": self_layers, "draft_layers": draft_layers if "draft" in kinds else None,
+                   "draft_dir": str(draft_dir) if draft_dir else None, "threads": torch.get_num_threads(),
+                   "hf_peers": {k: v for k, v in hf_peer.items() if v in hf_methods}, "concurrency": 1, "greedy": True},
+        "calibration": calibration,
+        "plain": plain_rows,
+        "segments": table,
+        "summary": goals(table, ngram_key),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    return 0
+
+
+def format_table(report: dict) -> str:
+    cols = ("α", "acc.len", "K", "c", "v", "speedup", "pred", "ms/tok", "HF spd", "HF ms/tok", "vs HF")
+    lines = [f"{'segment':<13}{'drafter':<16}" + "".join(f"{c:>10}" for c in cols)]
+
+    def f(x, nd=2):
+        return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+    for seg, rows in report["segments"].items():
+        p = report["plain"][seg]
+        lines.append(f"{seg:<13}{'plain':<16}" + f"{'':>10}" * 7 + f"{f(p['ms_per_token'], 1):>10}" + f"{'':>10}"
+                     + f"{f(p['hf_ms_per_token'], 1):>10}")
+        for name, r in rows.items():
+            vals = (r["acceptance_rate"], r["mean_acceptance_length"], r["k"] if r["k"] != "auto" else f"a{f(r['k_mean'], 1)}",
+                    r["c"], r["v"], r["speedup"], r["predicted_speedup"], r["ms_per_token"], r["hf_speedup"],
+                    r["hf_ms_per_token"], r["vs_hf"])
+            lines.append(f"{'':<13}{name:<16}" + "".join(f"{f(v) if not isinstance(v, str) else v:>10}" for v in vals))
+    lines.append("")
+    for name, g in report["summary"].items():
+        shown = g.get("measured", g.get("worst"))
+        lines.append(f"{'PASS' if g['pass'] else 'FAIL'}  {name}: {g['goal']}; {'measured' if 'measured' in g else 'worst'} {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specserve bench spec", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""`specserve bench {decode,spec,serve}`: benchmarks that print numbers and write JSON.
+
+Each benchmark lives in ``cluster.bench.<name>`` and exposes ``add_arguments(parser)`` and
+``run(args) -> int``; this module only wires them up."""
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {
+    "decode": "batch-1 latency vs Hugging Face and the bandwidth floor, verify cost, throughput",
+    "spec": "acceptance and speedup per workload segment and drafter, vs Hugging Face",
+    "serve": "the gRPC front door: fixed-spec, fixed-plain and routed policies per concurrency",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    for name, help_text in BENCHES.items():
+        try:
+            module = importlib.import_module(f"cluster.bench.{name}")
+        except ModuleNotFoundError as exc:  # a benchmark not present in this build
+            if exc.name != f"cluster.bench.{name}":
+                raise
+            continue
+        bp = bsub.add_parser(name, help=help_text)
+        module.add_arguments(bp)
+        bp.set_defaults(func=module.run)

@@ -1,0 +1,37 @@
+"""`specserve generate` end to end (in-process CLI on the real default model)."""
+from __future__ import annotations
+
+import json
+
+from cluster.cli import main
+
+
+def test_prompts_file_to_jsonl_with_spec_stats(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    rows = [
+        {"id": "a", "segment": "code", "chat": False, "prompt": "def add(a, b):\n"},
+        {"id": "b", "segment": "chat", "chat": True, "prompt": "Say hello."},
+        {"id": "c", "segment": "summarize", "chat": False, "prompt": "one two three one two three one two"},
+    ]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out),
+               "--max-tokens", "8", "--draft", "ngram", "--num-spec-tokens", "3", "--limit", "3"])
+    assert rc == 0
+    got = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == ["a", "b", "c"]
+    for g in got:
+        assert {"id", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "timing", "spec"} <= set(g)
+        assert 1 <= len(g["output_token_ids"]) <= 8 and g["finish_reason"] in ("length", "eos", "stop")
+        assert g["timing"]["e2e_s"] > 0 and g["timing"]["ttft_s"] <= g["timing"]["e2e_s"]
+        assert {"draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"} <= set(g["spec"])
+    # the chat row was wrapped in the chat template (im_start marker id 1 first)
+    assert got[1]["prompt_token_ids"][0] == 1 and got[0]["prompt_token_ids"][0] != 1
+
+
+def test_single_prompt_prints_text_and_bad_model_is_one_line(capsys):
+    assert main(["generate", "--model", "default", "The capital of France is", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["generate", "--model", "/nonexistent/model", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specserve: error:") and "unknown model" in err[0]

@@ -1,0 +1,18 @@
+"""The DraftServer deployment's drafter factory: every drafter kind builds for placement
+``separate`` from the app config (no Ray needed: the factory is plain code)."""
+from cluster.spec.proposer import DrafterKind
+from deployments.app_config import AppConfig
+from deployments.draft_server import build_proposer
+
+
+def test_ngram_is_vocabulary_agnostic():
+    proposer, vocab = build_proposer(AppConfig(drafter="ngram", placement="separate"))
+    assert proposer.kind is DrafterKind.NGRAM and vocab == 0
+
+
+def test_self_layers_run_as_a_draft_model_with_their_own_kv():
+    app = AppConfig(drafter="self:4", placement="separate", draft_server={"kv_cache_memory_mb": 8})
+    proposer, vocab = build_proposer(app)
+    assert proposer.kind is DrafterKind.SELF and vocab == 49152  # SmolLM2's vocabulary
+    assert proposer.runner.model.arch.num_layers == 4 and len(proposer.runner.k_cache) == 4
+    assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks

@@ -1,0 +1,92 @@
+"""Async engine: concurrent streams equal the synchronous engine, closing a stream cancels the
+request and frees its KV at once, the bounded queue refuses with EngineOverloadedError."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.request import (
+    EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams,
+)
+from tests.engine.helpers import run_to_completion
+from tests.engine.test_engine_default import engine_on
+
+
+def _reqs(tok, n=3, max_tokens=12):
+    prompts = ["def add(a, b):\n", "The three primary colors are", "Bonjour, je m'appelle"]
+    return [GenerationRequest(f"r{i}", tok(prompts[i % 3], add_special_tokens=False)["input_ids"],
+                              SamplingParams(max_tokens=max_tokens)) for i in range(n)]
+
+
+def test_streams_match_sync_engine_and_cancel_frees_kv(default_model):
+    tok = default_model.tokenizer
+    expected = run_to_completion(engine_on(default_model), _reqs(tok))
+    eng = AsyncEngine(engine_on(default_model).config, engine=engine_on(default_model))
+
+    async def consume(req):
+        ids, text, last = [], "", None
+        async for out in eng.generate(req):
+            ids += out.new_token_ids
+            text += out.text_delta
+            last = out
+        return ids, text, last
+
+    async def cancel_midway(req):
+        n = 0
+        async for out in eng.generate(req):
+            n += len(out.new_token_ids)
+            if n >= 3:
+                break  # closing the iterator cancels the request
+        return n
+
+    async def main():
+        await eng.start()
+        got = await asyncio.gather(*(consume(r) for r in _reqs(tok)))
+        long = GenerationRequest("long", tok("Once upon a time", add_special_tokens=False)["input_ids"],
+                                 SamplingParams(max_tokens=200))
+        n = await cancel_midway(long)
+        for _ in range(200):  # the loop thread frees the blocks at its next step boundary
+            st = eng.stats()
+            if st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(InvalidRequestError):
+            async for _ in eng.generate(GenerationRequest("bad", [], SamplingParams())):
+                pass
+        await eng.shutdown()
+        return got, n, st
+
+    got, n, st = asyncio.run(main())
+    for req, (ids, text, last) in zip(_reqs(tok), got):
+        assert ids == expected[req.request_id]["ids"]
+        assert text == expected[req.request_id]["text"]
+        assert last.finished and last.finish_reason is expected[req.request_id]["finish"]
+    assert n >= 3
+    assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0 and st.num_waiting == 0
+
+
+def test_bounded_queue_refuses_when_full(default_model):
+    tok = default_model.tokenizer
+    base = engine_on(default_model, max_queue=1, max_num_seqs=1)
+    eng = AsyncEngine(base.config, engine=base)
+
+    async def main():
+        await eng.start()
+        reqs = _reqs(tok, n=3, max_tokens=30)
+        gens = [eng.generate(r) for r in reqs]
+        first = await gens[0].__anext__()  # r0 running
+        second = asyncio.ensure_future(gens[1].__anext__())  # r1 waiting (queue now full)
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineOverloadedError):
+            await gens[2].__anext__()
+        await gens[0].aclose()
+        out = await second
+        await gens[1].aclose()
+        await eng.shutdown()
+        return first, out
+
+    first, out = asyncio.run(main())
+    assert first.request_id == "r0" and out.request_id == "r1"
+    assert base.runner.kv.num_free_blocks == base.runner.kv.num_blocks
