@@ -33,6 +33,7 @@ class RouterKnobs(_Strict):
     exit_threshold: int = Field(8, ge=1)
     min_alpha: float = Field(0.5, ge=0.0, le=1.0)
     min_alpha_samples: int = Field(64, ge=0)
+    probe_every: int = Field(16, ge=0)  # 1 in N requests of a gated segment still speculates
 
 
 class LimitsKnobs(_Strict):

@@ -33,7 +33,7 @@ from pathlib import Path
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
 DRAFTER_KINDS = ("ngram", "self", "draft")
-SELF_CANDIDATES = (4, 8, 12, 16, 20)
+SELF_CANDIDATES = (4, 8, 15, 22)
 AUTO_SLOWDOWN_LIMIT = 0.97  # auto K: no segment more than 3% slower than plain
 GOAL_NGRAM = 2.0
 GOAL_PRED = 0.9
@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-layers", type=int, default=None, help="L of self:L (default: measured)")
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the derived draft (default: L of self)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    p.add_argument("--hf-auto", action="store_true",
+                   help="also run HF's adaptive variants (default assistant schedule) as peers of the auto rows")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -298,9 +300,9 @@ def run(args: argparse.Namespace) -> int:
     self_layers = args.self_layers
     need_layers = "self" in kinds or ("draft" in kinds and args.draft_layers is None)
     if need_layers and self_layers is None:
-        cal_rows = [(seg, ids) for seg in segments for _, ids, _ in prompts[seg][:1]][:3]
+        cal_rows = [(seg, ids) for seg in segments for _, ids, _ in prompts[seg][:1]][:2]
         t0 = time.perf_counter()
-        self_layers, found = choose_self_layers(target, cal_rows, args.model_k, max_tokens=min(32, args.max_tokens))
+        self_layers, found = choose_self_layers(target, cal_rows, args.model_k, max_tokens=min(24, args.max_tokens))
         calibration = {"candidates": found, "chosen": self_layers, "seconds": round(time.perf_counter() - t0, 1)}
         _log(f"self:L quick measurement -> L={self_layers} {found}")
     draft_layers = args.draft_layers or self_layers
@@ -334,12 +336,14 @@ def run(args: argparse.Namespace) -> int:
             hf_methods[f"hf_lookup/k{args.ngram_k}"] = {"prompt_lookup_num_tokens": args.ngram_k}
         if "self" in kinds:
             hf_methods[f"hf_early_exit/k{args.model_k}"] = {"assistant_early_exit": self_layers, "_cfg": hf_model, "_k": args.model_k}
-            hf_methods["hf_early_exit/auto"] = {"assistant_early_exit": self_layers, "_cfg": hf_model, "_k": None}
+            if args.hf_auto:
+                hf_methods["hf_early_exit/auto"] = {"assistant_early_exit": self_layers, "_cfg": hf_model, "_k": None}
         if "draft" in kinds:
             hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-            hf_draft_auto = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
             hf_methods[f"hf_assisted/k{args.model_k}"] = {"assistant_model": hf_draft, "_cfg": hf_draft, "_k": args.model_k}
-            hf_methods["hf_assisted/auto"] = {"assistant_model": hf_draft_auto, "_cfg": hf_draft_auto, "_k": None}
+            if args.hf_auto:
+                hf_draft_auto = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+                hf_methods["hf_assisted/auto"] = {"assistant_model": hf_draft_auto, "_cfg": hf_draft_auto, "_k": None}
 
     def hf_call(name: str, ids, max_tokens):
         kw = dict(hf_methods[name])

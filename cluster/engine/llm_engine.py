@@ -39,6 +39,9 @@ class LoadedModel:
     dtype: str
 
 
+RECENT_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel, spec=None) -> None:
         self.config = config
@@ -53,7 +56,9 @@ class LLMEngine:
             on_preempt=self._on_preempt,
         )
         self.seqs: dict[str, Sequence] = {}
-        self.segment_stats: dict[str, SpecStats] = {}
+        self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per segment
+        # per segment [accepted, drafted], exponentially decayed: the router's "live" α
+        self._recent_alpha: dict[str, list[float]] = {}
 
     # -- admission ----------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -152,6 +157,7 @@ class LLMEngine:
                 seq.spec.record(k, accepted[j])
                 seq.trace.step(k, accepted[j])
                 self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted[j])
+                self._observe_recent(seq.request.segment, k, accepted[j])
             seq.append_committed(committed[j])
             seq.trace.prefill_done()  # idempotent: marks the first token only
             j += 1
@@ -188,6 +194,14 @@ class LLMEngine:
         seq.trace.finish(seq.finish_reason, seq.num_output, seq.prompt_len)  # spans built off-thread
         return out
 
+    def _observe_recent(self, segment: str, k: int, num_accepted: int) -> None:
+        if k == 0:
+            return
+        w = self._recent_alpha.setdefault(segment, [0.0, 0.0])
+        decay = 0.5 ** (k / RECENT_ALPHA_HALF_LIFE)
+        w[0] = w[0] * decay + num_accepted
+        w[1] = w[1] * decay + k
+
     def _on_preempt(self, seq: Sequence) -> None:
         seq.trace.preempted()
         if self.spec is not None:
@@ -203,6 +217,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             spec_by_segment={k: v.to_dict() for k, v in self.segment_stats.items()},
         )
+        for seg, (acc, drafted) in self._recent_alpha.items():
+            st.spec_by_segment[seg]["recent_acceptance_rate"] = round(acc / drafted, 4) if drafted else 0.0
+            st.spec_by_segment[seg]["recent_draft_tokens"] = int(drafted)
         if self.spec is not None:
             self.spec.fill_stats(st)
         return st

@@ -13,7 +13,10 @@ Rule order (first match wins):
 4. MoE target whose acceptance is not yet validated -> plain (MOE_UNVALIDATED).
 5. mode SPECULATIVE -> speculative (MODE_SPECULATIVE); the client asked and nothing forbids it.
 6. live α of the request's segment below ``min_alpha`` (with at least ``min_alpha_samples`` draft
-   tokens measured) -> plain (BELOW_BREAK_EVEN).
+   tokens measured) -> plain (BELOW_BREAK_EVEN) — except every ``probe_every``-th such request,
+   which goes through the hysteresis rule as a probe (PROBE_BELOW_BREAK_EVEN when it speculates),
+   so that the segment's α keeps being measured and a segment that improves comes back. Live α
+   is the engine's recent (decayed) estimate, not a lifetime average.
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
@@ -39,6 +42,7 @@ class RouteReason(enum.Enum):
     SPEC_UNAVAILABLE = "spec_unavailable"
     MOE_UNVALIDATED = "moe_unvalidated"
     BELOW_BREAK_EVEN = "below_break_even"
+    PROBE_BELOW_BREAK_EVEN = "probe_below_break_even"  # a gated segment's periodic measurement
     BELOW_ENTER_THRESHOLD = "below_enter_threshold"
     ABOVE_EXIT_THRESHOLD = "above_exit_threshold"
     HYSTERESIS_SPECULATIVE = "hysteresis_speculative"  # between thresholds, staying speculative
@@ -57,12 +61,14 @@ class RouterConfig:
     exit_threshold: leave spec once its in-flight count reaches this (> enter_threshold: the gap is
     the hysteresis band). min_alpha: a segment whose live acceptance rate is below this goes plain
     (break-even of verification overhead, ~0.5 per the seed). min_alpha_samples: draft tokens a
-    segment needs before its α is trusted."""
+    segment needs before its α is trusted. probe_every: one in this many requests of a segment
+    below break-even still speculates, to keep measuring it (0: never)."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
     min_alpha: float = 0.5
     min_alpha_samples: int = 64
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
         if self.enter_threshold < 1:
@@ -72,6 +78,8 @@ class RouterConfig:
                              f"enter_threshold ({self.enter_threshold})")
         if not 0.0 <= self.min_alpha <= 1.0:
             raise ValueError(f"router.min_alpha must be in [0, 1], got {self.min_alpha}")
+        if self.probe_every < 0:
+            raise ValueError("router.probe_every must be >= 0")
         if self.min_alpha_samples < 0:
             raise ValueError("router.min_alpha_samples must be >= 0")
 
@@ -102,7 +110,9 @@ class EngineView:
 
     @classmethod
     def from_spec_by_segment(cls, spec_by_segment: dict[str, dict], **kw) -> "EngineView":
-        rows = tuple((seg, float(d.get("acceptance_rate", 0.0)), int(d.get("draft_tokens", 0)))
+        # prefer the engine's recent (decayed) estimate; fall back to lifetime counters
+        rows = tuple((seg, float(d.get("recent_acceptance_rate", d.get("acceptance_rate", 0.0))),
+                      int(d.get("recent_draft_tokens", d.get("draft_tokens", 0))))
                      for seg, d in sorted(spec_by_segment.items()))
         return cls(alpha_by_segment=rows, **kw)
 
@@ -114,6 +124,7 @@ class RouterPolicy:
         self.config = config
         self._spec_open = True
         self._lock = threading.Lock()
+        self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
 
     @property
     def spec_open(self) -> bool:
@@ -134,8 +145,22 @@ class RouterPolicy:
         if measured is not None:
             alpha, samples = measured
             if samples >= self.config.min_alpha_samples and alpha < self.config.min_alpha:
-                return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
+                if not self._probe_due(req.segment):
+                    return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
+                decision = self._hysteresis(view.spec_in_flight)
+                if decision.path is Path.SPECULATIVE:
+                    return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
+                return decision
         return self._hysteresis(view.spec_in_flight)
+
+    def _probe_due(self, segment: str) -> bool:
+        if self.config.probe_every == 0:
+            return False
+        with self._lock:
+            n = self._gated.get(segment, 0) + 1
+            due = n >= self.config.probe_every
+            self._gated[segment] = 0 if due else n
+            return due
 
     def _hysteresis(self, in_flight: int) -> RouteDecision:
         with self._lock:

@@ -119,6 +119,10 @@ class StepCostModel:
 
     draft_cost_prior: float = 0.002
     target_a_prior: float = 0.02
+    # draft cost per round as a fraction of a target decode step, used until the first draft is
+    # timed (ngram: 0; self:L and draft models: their share of the target's weights). Seconds
+    # priors are machine-specific; a ratio times the measured decode step is not.
+    draft_cost_ratio_prior: float | None = None
     slope_prior_ratio: float = 1.0 / 256  # a 256-token forward costs twice a decode step
     intercept_prior_weight: float = 0.01
     slope_prior_weight: float = 64.0
@@ -132,6 +136,8 @@ class StepCostModel:
     def __post_init__(self) -> None:
         if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:
             raise ValueError("cost priors must be >= 0")
+        if self.draft_cost_ratio_prior is not None and self.draft_cost_ratio_prior < 0:
+            raise ValueError("draft_cost_ratio_prior must be >= 0")
         if self.intercept_prior_weight <= 0 or self.slope_prior_weight <= 0 or self.window < 2:
             raise ValueError("prior weights must be > 0 and window >= 2")
         if not 0.0 < self.draft_ewma <= 1.0:
@@ -141,6 +147,8 @@ class StepCostModel:
     def observe_draft(self, rounds: int, seconds: float) -> None:
         if rounds <= 0 or seconds < 0:
             return
+        if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
+            self._draft_cost = seconds / rounds  # the ratio prior served until now; trust data
         self._draft_n += 1
         beta = max(self.draft_ewma, 1.0 / (self._draft_n + 1))
         self._draft_cost += beta * (seconds / rounds - self._draft_cost)
@@ -155,6 +163,8 @@ class StepCostModel:
 
     @property
     def draft_cost(self) -> float:
+        if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
+            return self.draft_cost_ratio_prior * self.target_time(1)
         return self._draft_cost
 
     @property
@@ -242,8 +252,12 @@ class AdaptiveK:
     others' tokens and rounds), for up to ``passes`` sweeps or until nothing changes. A local
     optimum, cheap for B up to a few dozen.
 
-    Exploration: a sequence that has been at K = 0 for ``explore_every`` consecutive steps gets
-    K = min(explore_k, k_max) once (deterministic schedule), so its α can recover."""
+    Exploration: a sequence that has been at K = 0 for its segment's probe interval (initially
+    ``explore_every``) consecutive steps gets K = min(explore_k, k_max) once (deterministic
+    schedule), so its α can recover. A probe that is not fully accepted doubles the segment's
+    interval (up to ``explore_max_every``); a fully accepted one resets it. Probes cost about one
+    extra verification each, so fixed-interval probing alone kept hopeless segments (α ≈ 0 for an
+    untrained layer-skip draft) several percent slower than plain."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
@@ -251,7 +265,10 @@ class AdaptiveK:
     explore_k: int = 2
     min_gain: float = 0.05
     passes: int = 2
+    explore_max_every: int = 256
     _plain_streak: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per segment
+    _probing: set[str] = field(default_factory=set, init=False, repr=False)  # seq ids probed last step
 
     def __post_init__(self) -> None:
         if self.explore_every < 1 or self.explore_k < 1 or self.passes < 1:
@@ -273,13 +290,15 @@ class AdaptiveK:
             if rate([uniform] * n) > rate(ks) * (1.0 + self.min_gain):
                 ks = [uniform] * n
             self._coordinate_ascent(alphas, ks, k_max, extra_tokens, extra_committed)
-        for i, (seq_id, _) in enumerate(seqs):
+        for i, (seq_id, segment) in enumerate(seqs):
+            self._probing.discard(seq_id)
             if ks[i] > 0 or k_max <= 0:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
-            if streak >= self.explore_every:
+            if streak >= self._probe_every.get(segment, self.explore_every):
                 ks[i] = min(self.explore_k, k_max)
+                self._probing.add(seq_id)
                 streak = 0
             self._plain_streak[seq_id] = streak
         return ks
@@ -304,10 +323,16 @@ class AdaptiveK:
 
     def observe(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
         self.estimator.update(seq_id, segment, k, num_accepted)
+        if k > 0 and seq_id in self._probing:
+            self._probing.discard(seq_id)
+            every = self._probe_every.get(segment, self.explore_every)
+            self._probe_every[segment] = (self.explore_every if num_accepted >= k
+                                          else min(2 * every, max(self.explore_max_every, self.explore_every)))
 
     def release(self, seq_id: str) -> None:
         self.estimator.release(seq_id)
         self._plain_streak.pop(seq_id, None)
+        self._probing.discard(seq_id)
 
     def to_dict(self) -> dict:
         return {"segments": self.estimator.to_dict(), "costs": self.costs.to_dict()}

@@ -19,7 +19,7 @@ from cluster.engine.config import EngineConfig, SpecConfig
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.spec.adaptive_k import AdaptiveK
+from cluster.spec.adaptive_k import AdaptiveK, StepCostModel
 from cluster.spec.moe import MoeGate
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.spec.rejection_sampler import rejection_sample
@@ -47,13 +47,15 @@ class SpecTiming:
 
 class SpecController:
     def __init__(self, config: SpecConfig, proposer: Proposer, drafter_name: str,
-                 moe_gate: MoeGate, max_model_len: int) -> None:
+                 moe_gate: MoeGate, max_model_len: int, draft_cost_ratio_prior: float | None = None) -> None:
         self.config = config
         self.proposer = proposer
         self.drafter_name = drafter_name
         self.moe_gate = moe_gate
         self.max_model_len = max_model_len
-        self.adaptive = AdaptiveK() if config.adaptive else None
+        self.adaptive = None
+        if config.adaptive:
+            self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior))
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}
@@ -159,6 +161,28 @@ class SpecController:
         st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
 
 
+def draft_cost_ratio(proposer, target_runner) -> float | None:
+    """Prior for one draft round relative to a target decode step, before any is timed: ngram
+    ~0; self:L and local draft models their share of the weights a decode step reads (decoder
+    layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
+    kind = getattr(proposer, "kind", None)
+    if kind is DrafterKind.NGRAM:
+        return 0.0
+    runner = getattr(proposer, "runner", None)
+    arch = getattr(getattr(runner, "model", None), "arch", None)
+    if arch is None or kind not in (DrafterKind.SELF, DrafterKind.DRAFT_MODEL):
+        return None
+
+    def weights(a, layers: int) -> float:
+        attn = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+        return layers * (attn + 3 * a.hidden_size * a.intermediate_size) + a.vocab_size * a.hidden_size
+
+    if kind is DrafterKind.SELF:
+        return weights(arch, proposer.num_layers) / weights(arch, arch.num_layers)
+    target_arch = getattr(getattr(target_runner, "model", None), "arch", None)
+    return None if target_arch is None else weights(arch, arch.num_layers) / weights(target_arch, target_arch.num_layers)
+
+
 def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None = None) -> SpecController | None:
     """Build the drafter named by config.spec.drafter (or use an injected one, e.g. remote)."""
     from cluster.spec.moe import MoeGate
@@ -171,7 +195,8 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated)
-    return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len)
+    return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
+                          draft_cost_ratio(proposer, model.runner))
 
 
 def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:

@@ -1,16 +1,17 @@
 """Model drafters hosted by a DraftServer (placement ``separate``): built from a ``DrafterSpec``
 without a target engine next to them.
 
-Owns: ``build_remote_proposer`` -> (proposer, vocabulary size) for the model drafters —
+Owns: ``build_remote_proposer`` -> (proposer, vocabulary size) for the model drafters.
 ``DRAFT_MODEL``: load the draft model (own runner, own KV pool), check its tokenizer against the
-target's (``require_vocab_compatible``, refused unless forced), optional trimmed LM head;
+target's (``require_vocab_compatible``, refused unless forced), optional trimmed LM head.
 ``SELF``: layer skip without the target's KV. In the shared placement layer skip reads the
-target's own cached K/V; a DraftServer has none, so it hosts the target's first L layers (+ final
-norm and LM head, weights shared with nothing else in this process) as an independent draft
-model with its own L-layer KV pool (``first_layers``), wrapped in ``DraftModelProposer``. Greedy
-drafts are the same tokens the shared layer-skip drafter proposes: layers < L compute the same
-K/V from the same committed tokens. ``NGRAM`` needs no model (the DraftServer deployment builds it).
-Ignores: serving (``cluster.spec.draft_server``), verification, K.
+target's own cached K/V; a DraftServer has none, so it hosts the target's first L layers
+(+ embedding, final norm and LM head; the deeper layers' weights are dropped after loading) as an
+independent draft model with its own L-layer KV pool (``first_layers``), wrapped in
+``DraftModelProposer``. Greedy drafts are the tokens the shared layer-skip drafter proposes:
+layers < L compute the same K/V from the same committed tokens.
+Ignores: ``NGRAM`` (no model; the DraftServer deployment builds it), serving
+(``cluster.spec.draft_server``), verification, K.
 """
 from __future__ import annotations
 

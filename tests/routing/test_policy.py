@@ -67,6 +67,16 @@ def test_break_even_per_segment():
     assert decide(p, segment="chat", mode=SpecMode.SPECULATIVE, alpha_by_segment=rows)[0] is SPEC
 
 
+def test_gated_segment_is_probed_periodically():
+    p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, probe_every=4))
+    rows = (("chat", 0.3, 100),)
+    reasons = [decide(p, segment="chat", alpha_by_segment=rows)[1] for _ in range(8)]
+    gated, probe = RouteReason.BELOW_BREAK_EVEN, RouteReason.PROBE_BELOW_BREAK_EVEN
+    assert reasons == [gated, gated, gated, probe, gated, gated, gated, probe]
+    never = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, probe_every=0))
+    assert {decide(never, segment="chat", alpha_by_segment=rows)[1] for _ in range(40)} == {gated}
+
+
 def test_engine_view_from_stats():
     v = EngineView.from_spec_by_segment({"code": {"acceptance_rate": 0.7, "draft_tokens": 40}},
                                         spec_in_flight=3)

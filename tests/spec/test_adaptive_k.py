@@ -214,3 +214,32 @@ def test_k_max_zero_means_plain():
     ak = _fixed_adaptive(LinearCosts(0.0, 0.02, 0.0), 0.9, explore_every=1)
     assert ak.choose([("a", "x"), ("b", "x")], k_max=0) == [0, 0]
     assert choose_k(0.99, 0, LinearCosts(0.0, 0.02, 0.0)) == 0
+
+
+def test_failed_probes_back_off_per_segment_and_success_resets():
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
+    probes = []
+    for step in range(60):
+        k = ak.choose([("s", "chat")], k_max=6)[0]
+        if k:
+            probes.append(step)
+            ak.observe("s", "chat", k, 0)  # the probe is rejected
+    # intervals 4, 8, 16, 16: steps 3, 11, 27, 43, 59
+    assert probes == [3, 11, 27, 43, 59]
+    ak.release("s")
+    # a new sequence of the same segment inherits the backed-off interval
+    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)] == [0] * 15 + [2]
+    ak.observe("t", "chat", 2, 2)  # a fully accepted probe resets the interval
+    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(4)][-1] == 2
+
+
+def test_draft_cost_ratio_prior_scales_with_the_measured_decode_step():
+    m = StepCostModel(draft_cost_ratio_prior=0.25, target_a_prior=0.02)
+    for _ in range(5):
+        m.observe_target(1, 0.060)  # this machine's decode step
+    assert m.draft_cost == pytest.approx(0.25 * m.target_time(1))
+    assert m.target_time(1) == pytest.approx(0.060, rel=0.01)
+    m.observe_draft(3, 0.030)  # the first timed draft replaces the prior
+    assert m.draft_cost == pytest.approx(0.010)
+    assert StepCostModel(draft_cost_ratio_prior=0.0).draft_cost == 0.0
