@@ -48,6 +48,14 @@ def total(samples, name: str, **labels) -> float:
     return sum(v for _, v in series(samples, name, **labels))
 
 
+def _idle_gauges(samples) -> bool:
+    """Gauges are exported periodically: wait until the last export shows the idle state."""
+    inflight = series(samples, "ray_specserve_inflight", path="speculative")
+    gauges = [series(samples, name, engine=e) for name in ("ray_specserve_queue_depth", "ray_specserve_running_requests")
+              for e in ("spec", "batch")]
+    return bool(inflight) and inflight[0][1] == 0 and all(g and g[0][1] == 0 for g in gauges)
+
+
 @pytest.fixture(scope="module")
 def scraped():
     """Drive a few requests (spec and plain, then a DraftServer kill), then poll the scrape until
@@ -91,7 +99,8 @@ def scraped():
                     >= stats["spec_by_segment"]["code"]["draft_tokens"]
                     and series(samples, "ray_specserve_spec_k_chosen_total")
                     and series(samples, "ray_specserve_kv_usage_ratio", engine="spec")
-                    and series(samples, "ray_specserve_queue_depth", engine="spec"))
+                    and series(samples, "ray_specserve_queue_depth", engine="spec")
+                    and _idle_gauges(samples))
 
         deadline = time.monotonic() + 60
         samples: list = []
