@@ -42,8 +42,8 @@ class HFRunner:
     def truncate(self, seq_id: str, length: int) -> None:
         self.kv.truncate(seq_id, length)
         cache = self._caches.get(seq_id)
-        if cache is not None and cache.get_seq_length() > length:
-            cache.crop(length)
+        if cache is not None:
+            _crop(cache, length, self._caches, seq_id)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], num_layers: int | None = None,
@@ -65,7 +65,7 @@ class HFRunner:
                 cache = DynamicCache()
                 self._caches[c.seq_id] = cache
             if cache.get_seq_length() > c.start_pos:
-                cache.crop(c.start_pos)
+                cache = _crop(cache, c.start_pos, self._caches, c.seq_id)
             ids = torch.tensor([c.token_ids], dtype=torch.int64)  # [1, Q]
             pos = torch.arange(c.start_pos, c.start_pos + len(c.token_ids)).unsqueeze(0)
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
@@ -76,3 +76,17 @@ class HFRunner:
         if not outs:
             return torch.empty(0, self.vocab_size)
         return torch.cat(outs)
+
+
+def _crop(cache, length: int, caches: dict, seq_id: str):
+    """Keep the first ``length`` tokens of an HF cache (newer transformers take a negative count)."""
+    from transformers import DynamicCache
+
+    have = cache.get_seq_length()
+    if have <= length:
+        return cache
+    if length == 0:
+        caches[seq_id] = DynamicCache()
+        return caches[seq_id]
+    cache.crop(length - have)
+    return cache
