@@ -124,3 +124,46 @@ def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
     assert "vocab" in str(info.value).lower()
     forced = SpecConfig(drafter=str(d), num_spec_tokens=3, force_vocab_mismatch=True)
     assert build_draft_model_proposer(str(d), forced, EngineConfig(), default_model.tokenizer) is not None
+
+
+def test_vocab_trimmed_draft_head_is_lossless(default_model, rows):
+    """A draft LM head restricted to the 8000 most frequent (lowest BPE rank) ids plus specials:
+    drafts can only use those ids, the target still decides every token."""
+    from cluster.spec.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
+
+    runner = ModelRunner(_clone_model(default_model.runner.model), None, 16, 128)
+    keep = frequent_ids(default_model.tokenizer, 8000)
+    trimmed = TrimmedHead(runner, keep)
+    assert runner.model.lm_head.shape[1] == trimmed.keep.numel() < default_model.runner.vocab_size
+    assert default_model.runner.model.lm_head.shape[1] == default_model.runner.vocab_size  # target untouched
+    proposer = DraftModelProposer(runner, trimmed)
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=20)) for r in rows[:6]]
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3)),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
+    res = run_to_completion(spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=3), proposer), reqs)
+    allowed = set(trimmed.keep.tolist())
+    for r in reqs:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"]
+        s = res[r.request_id]["spec"]
+        assert s.draft_tokens > 0 and s.accepted_tokens > 0
+    assert all(t in allowed for t in proposer_drafted(proposer))
+
+
+def _clone_model(model):
+    """A LlamaModel sharing every weight tensor with ``model`` (so trimming its head is local)."""
+    import copy
+
+    clone = copy.copy(model)
+    clone.layers = list(model.layers)
+    return clone
+
+
+def proposer_drafted(proposer) -> list[int]:
+    """The draft tokens the proposer produces for a fresh probe sequence (then released)."""
+    from cluster.engine.request import SamplingParams as SP
+    from cluster.spec.types import ProposeInput
+
+    out = proposer.propose([ProposeInput("probe", list(range(300, 340)), 5, SP())])
+    proposer.release("probe")
+    return out.draft_token_ids[0]
