@@ -20,6 +20,7 @@ from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
 from cluster.spec.adaptive_k import AdaptiveK, StepCostModel
+from cluster.spec.calibration import StepCosts, measure_step_costs
 from cluster.spec.moe import MoeGate
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.spec.rejection_sampler import rejection_sample
@@ -47,7 +48,8 @@ class SpecTiming:
 
 class SpecController:
     def __init__(self, config: SpecConfig, proposer: Proposer, drafter_name: str,
-                 moe_gate: MoeGate, max_model_len: int, draft_cost_ratio_prior: float | None = None) -> None:
+                 moe_gate: MoeGate, max_model_len: int, draft_cost_ratio_prior: float | None = None,
+                 step_costs: StepCosts | None = None) -> None:
         self.config = config
         self.proposer = proposer
         self.drafter_name = drafter_name
@@ -55,7 +57,10 @@ class SpecController:
         self.max_model_len = max_model_len
         self.adaptive = None
         if config.adaptive:
-            self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior))
+            priors = {}
+            if step_costs is not None:  # measured on this machine at start-up
+                priors = dict(target_a_prior=step_costs.decode_s, slope_prior_ratio=step_costs.slope_ratio)
+            self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior, **priors))
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}
@@ -195,8 +200,9 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated)
+    step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
-                          draft_cost_ratio(proposer, model.runner))
+                          draft_cost_ratio(proposer, model.runner), step_costs)
 
 
 def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
