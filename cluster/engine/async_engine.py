@@ -8,6 +8,7 @@ stops iterating. Ignores: scheduling and model details (``LLMEngine``), transpor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -113,7 +114,18 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # A consumer slower than the engine gets the deltas already waiting as one
+                # (fewer messages through the serving hops; same tokens and text).
+                pending_exc = None
+                while not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending_exc = nxt
+                        break
+                    item = _merge(item, nxt)
                 yield item
+                if pending_exc is not None:
+                    raise pending_exc
                 if item.finished:
                     finished = True
                     return
@@ -211,3 +223,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # caller's loop is closed
             pass
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (the later one's status and counters)."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               text_delta=earlier.text_delta + later.text_delta)

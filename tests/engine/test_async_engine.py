@@ -90,3 +90,24 @@ def test_bounded_queue_refuses_when_full(default_model):
     first, out = asyncio.run(main())
     assert first.request_id == "r0" and out.request_id == "r1"
     assert base.runner.kv.num_free_blocks == base.runner.kv.num_blocks
+
+
+def test_slow_consumer_gets_merged_deltas_with_identical_tokens(default_model):
+    tok = default_model.tokenizer
+    expected = run_to_completion(engine_on(default_model), _reqs(tok, n=1, max_tokens=16))["r0"]
+    eng = AsyncEngine(engine_on(default_model).config, engine=engine_on(default_model))
+
+    async def main():
+        await eng.start()
+        deltas = []
+        async for out in eng.generate(_reqs(tok, n=1, max_tokens=16)[0]):
+            deltas.append(out)
+            await asyncio.sleep(0.3)  # slower than the engine's steps
+        await eng.shutdown()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [t for d in deltas for t in d.new_token_ids] == expected["ids"]
+    assert "".join(d.text_delta for d in deltas) == expected["text"]
+    assert len(deltas) < len(expected["ids"]) and deltas[-1].finished
+    assert sum(d.finished for d in deltas) == 1
