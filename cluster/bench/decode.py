@@ -45,12 +45,9 @@ def measure_read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
 
 
 def _engine(model, config):
-    from cluster.engine.llm_engine import LLMEngine, LoadedModel
-    from cluster.engine.runner import ModelRunner
+    from cluster.engine.llm_engine import LLMEngine
 
-    runner = ModelRunner(model.runner.model, None, config.block_size, config.kv_cache_memory_mb)
-    return LLMEngine(config, LoadedModel(model.name, model.path, runner, model.tokenizer,
-                                         model.eos_token_ids, model.hf_config, model.dtype))
+    return LLMEngine(config, model.with_fresh_kv(config))
 
 
 def ours_ms_per_token(engine, prompt_ids: list[int], n: int) -> float:

@@ -24,6 +24,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cluster.commands.common import read_prompt_rows
+
 POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
 PATH_NAMES = {1: "speculative", 2: "plain"}  # proto RoutePath
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
@@ -66,14 +68,7 @@ def load_prompts(workloads: Path, segment: str, limit: int) -> list[dict]:
         from cluster.errors import UserFacingError
 
         raise UserFacingError(f"no workload {segment!r}: {path} not found")
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if len(rows) >= limit:
-                break
-    return rows
+    return read_prompt_rows(path, limit)
 
 
 def _max_tokens(row: dict, cap: int) -> int:

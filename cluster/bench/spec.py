@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.commands.common import read_prompt_rows
+
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
 DRAFTER_KINDS = ("ngram", "self", "draft")
@@ -125,14 +127,11 @@ def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) 
 # -- engines ---------------------------------------------------------------------------------------
 def _engine(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
     from cluster.engine.config import EngineConfig
-    from cluster.engine.llm_engine import LLMEngine, LoadedModel
-    from cluster.engine.runner import ModelRunner
+    from cluster.engine.llm_engine import LLMEngine
     from cluster.spec.controller import build_spec_controller
 
     config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb)
-    runner = ModelRunner(target.runner.model, None, config.block_size, kv_mb)
-    m = LoadedModel(target.name, target.path, runner, target.tokenizer, target.eos_token_ids,
-                    target.hf_config, target.dtype)
+    m = target.with_fresh_kv(config)
     spec = build_spec_controller(config, m, proposer) if spec_cfg is not None else None
     return LLMEngine(config, m, spec)
 
@@ -254,17 +253,6 @@ def goals(segments: dict, ngram_key: str | None) -> dict:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-def _load_rows(workloads: Path, segment: str, n: int) -> list[dict]:
-    rows = []
-    with open(workloads / f"{segment}.jsonl") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if len(rows) >= n:
-                break
-    return rows
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -293,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     tok = target.tokenizer
     eos = sorted(target.eos_token_ids)
     prompts = {seg: [(r["id"], prompt_token_ids(tok, r), min(int(r.get("max_tokens", args.max_tokens)), args.max_tokens))
-                     for r in _load_rows(args.workloads, seg, args.prompts_per_segment)] for seg in segments}
+                     for r in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment)] for seg in segments}
 
     # L for self:L (and the draft's depth): a quick measurement on a few prompts
     calibration = None

@@ -38,6 +38,15 @@ class LoadedModel:
     hf_config: dict
     dtype: str
 
+    def with_fresh_kv(self, config: EngineConfig, num_blocks: int | None = None) -> "LoadedModel":
+        """The same weights behind a new native runner with its own KV pool (several engines,
+        e.g. plain and speculative side by side, on one loaded model)."""
+        from cluster.engine.runner import ModelRunner
+
+        runner = ModelRunner(self.runner.model, num_blocks, config.block_size, config.kv_cache_memory_mb)
+        return LoadedModel(self.name, self.path, runner, self.tokenizer, self.eos_token_ids,
+                           self.hf_config, self.dtype)
+
 
 RECENT_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half
 

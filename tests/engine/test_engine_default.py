@@ -8,7 +8,6 @@ import pytest
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine, LoadedModel
 from cluster.engine.request import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
-from cluster.engine.runner import ModelRunner
 from tests.engine.helpers import greedy_requests, prompt_ids, run_to_completion
 from tests.reference import check_greedy_match, workload_rows
 
@@ -18,9 +17,7 @@ MAX_TOKENS = 32
 def engine_on(model: LoadedModel, num_blocks: int | None = None, **cfg) -> LLMEngine:
     """A fresh engine (own KV pool) sharing the loaded weights."""
     config = EngineConfig(**cfg)
-    runner = ModelRunner(model.runner.model, num_blocks, config.block_size, config.kv_cache_memory_mb)
-    m = LoadedModel(model.name, model.path, runner, model.tokenizer, model.eos_token_ids, model.hf_config, model.dtype)
-    return LLMEngine(config, m)
+    return LLMEngine(config, model.with_fresh_kv(config, num_blocks))
 
 
 @pytest.fixture(scope="module")

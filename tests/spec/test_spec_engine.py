@@ -19,8 +19,7 @@ MAX_TOKENS = 32  # same as the engine tests, so the HF reference is computed onc
 
 def spec_engine(model: LoadedModel, spec: SpecConfig, proposer=None) -> LLMEngine:
     config = EngineConfig(spec=spec)
-    runner = ModelRunner(model.runner.model, None, config.block_size, config.kv_cache_memory_mb)
-    m = LoadedModel(model.name, model.path, runner, model.tokenizer, model.eos_token_ids, model.hf_config, model.dtype)
+    m = model.with_fresh_kv(config)
     return LLMEngine(config, m, build_spec_controller(config, m, proposer))
 
 
