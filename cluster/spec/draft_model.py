@@ -29,7 +29,7 @@ class TrimmedHead:
             raise ValueError(f"trimmed vocabulary ids must lie in [0, {vocab})")
         self.keep = keep  # [Vk]
         self.vocab = vocab
-        model.lm_head = model.lm_head[:, keep].contiguous()  # [hidden, Vk]
+        model.lm_head = model.lm_head.select_outputs(keep)  # [hidden, Vk]
 
     def expand(self, logits: torch.Tensor) -> torch.Tensor:  # [N, Vk] -> [N, V]
         full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))

@@ -1,0 +1,162 @@
+// Skinny GEMM for CPU inference: y[M, N] = x[M, K] @ W[K, N] (+ add[M, N]) with M small (decode is
+// 1 row per sequence, verification K+1 rows). MKL's sgemm packs W on every call, which doubles the
+// memory traffic at small M; here W is packed once at load into column tiles [T, K, 64] that are
+// streamed exactly once per call whatever M is. Rows are processed 6 at a time (24 vector
+// accumulators) so a tile, once in L2, serves every row.
+//
+// Every output element is summed over k = 0..K-1 in the same order whatever M is, so a row's
+// result does not depend on how many other rows share the call (decode and verification agree
+// bit for bit).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+constexpr int NB = 64;            // output columns per tile
+constexpr int VL = 16;            // floats per vector
+constexpr int NV = NB / VL;       // vectors per tile row
+constexpr int MR = 6;             // rows per register block
+constexpr int PREFETCH_ROWS = 16; // tile rows ahead (4 KiB) for the software prefetch
+constexpr int PREFETCH_LOCALITY = 1;  // into L2/L3, not L1 (measured best of 0..3)
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+
+template <int R>
+inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                  int ncols, const float* add, int64_t ldadd) {
+  vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) {
+      if (add != nullptr && ncols == NB) std::memcpy(&acc[r][j], add + r * ldadd + j * VL, sizeof(vec));
+      else acc[r][j] = vec{};
+    }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * NB;
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(wk + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
+    vec wv[NV];
+    for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * VL, sizeof(vec));
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * ldx + k];
+      for (int j = 0; j < NV; ++j) acc[r][j] += xs * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == NB) {
+      for (int j = 0; j < NV; ++j) std::memcpy(y + r * ldy + j * VL, &acc[r][j], sizeof(vec));
+    } else {  // last, partial tile: the add (if any) was not folded into the accumulators
+      float tmp[NB];
+      for (int j = 0; j < NV; ++j) std::memcpy(tmp + j * VL, &acc[r][j], sizeof(vec));
+      for (int c = 0; c < ncols; ++c) y[r * ldy + c] = add ? add[r * ldadd + c] + tmp[c] : tmp[c];
+    }
+  }
+}
+
+// One row over two full tiles at once: two independent streams per core keep more cache misses in
+// flight, which is what a single row (batch-1 decode) is bound by. Same k order as block<1>.
+inline void one_row_two_tiles(const float* x, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+                              const float* adda, const float* addb) {
+  vec a[NV], b[NV];
+  for (int j = 0; j < NV; ++j) {
+    if (adda) { std::memcpy(&a[j], adda + j * VL, sizeof(vec)); std::memcpy(&b[j], addb + j * VL, sizeof(vec)); }
+    else { a[j] = vec{}; b[j] = vec{}; }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* pa = wa + k * NB;
+    const float* pb = wb + k * NB;
+    for (int j = 0; j < NV; ++j) {
+      __builtin_prefetch(pa + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
+      __builtin_prefetch(pb + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
+    }
+    const float xs = x[k];
+    for (int j = 0; j < NV; ++j) { vec w; std::memcpy(&w, pa + j * VL, sizeof(vec)); a[j] += xs * w; }
+    for (int j = 0; j < NV; ++j) { vec w; std::memcpy(&w, pb + j * VL, sizeof(vec)); b[j] += xs * w; }
+  }
+  for (int j = 0; j < NV; ++j) {
+    std::memcpy(ya + j * VL, &a[j], sizeof(vec));
+    std::memcpy(yb + j * VL, &b[j], sizeof(vec));
+  }
+}
+
+void tile_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+               int ncols, const float* add, int64_t ldadd) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR)
+    block<MR>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, ncols, add ? add + m * ldadd : nullptr, ldadd);
+  x += m * ldx;
+  y += m * ldy;
+  if (add) add += m * ldadd;
+  switch (M - m) {
+    case 0: break;
+    case 1: block<1>(x, ldx, w, K, y, ldy, ncols, add, ldadd); break;
+    case 2: block<2>(x, ldx, w, K, y, ldy, ncols, add, ldadd); break;
+    case 3: block<3>(x, ldx, w, K, y, ldy, ncols, add, ldadd); break;
+    case 4: block<4>(x, ldx, w, K, y, ldy, ncols, add, ldadd); break;
+    case 5: block<5>(x, ldx, w, K, y, ldy, ncols, add, ldadd); break;
+  }
+}
+
+// [K, N] float32 -> [ceil(N / 64), K, 64], zero-padded columns.
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "skinny_pack wants a 2-D float32 CPU tensor [in, out], got ", w.sizes(), " ", w.scalar_type());
+  const int64_t K = w.size(0), N = w.size(1), T = (N + NB - 1) / NB;
+  auto padded = at::zeros({K, T * NB}, w.options());
+  padded.narrow(1, 0, N).copy_(w);
+  return padded.view({K, T, NB}).permute({1, 0, 2}).contiguous();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& add) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
+              "skinny_linear wants x as float32 CPU rows [M, K] with unit column stride, got ", x.sizes(), " ",
+              x.strides(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous() && packed.scalar_type() == at::kFloat,
+              "skinny_linear wants a packed weight [T, K, 64] from skinny_pack");
+  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " columns, the packed weight has ", packed.size(1), " rows");
+  TORCH_CHECK(N > (T - 1) * NB && N <= T * NB, "n_out ", N, " does not match ", T, " tiles of ", NB);
+  const float* addp = nullptr;
+  int64_t ldadd = 0;
+  if (add.has_value()) {
+    TORCH_CHECK(add->dim() == 2 && add->size(0) == M && add->size(1) == N && add->scalar_type() == at::kFloat &&
+                    add->stride(1) == 1,
+                "skinny_linear add must be float32 [", M, ", ", N, "] with unit column stride, got ", add->sizes());
+    addp = add->data_ptr<float>();
+    ldadd = add->stride(0);  // 0 for a broadcast bias
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1 && N % NB == 0) {  // batch-1 decode: pair tile t with tile t + half in each thread's range
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      const int64_t half = (end - begin) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t ta = begin + i, tb = begin + half + i;
+        one_row_two_tiles(xp, wp + ta * K * NB, wp + tb * K * NB, K, yp + ta * NB, yp + tb * NB,
+                          addp ? addp + ta * NB : nullptr, addp ? addp + tb * NB : nullptr);
+      }
+      if ((end - begin) % 2) {
+        const int64_t t = end - 1;
+        tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, NB, addp ? addp + t * NB : nullptr, ldadd);
+      }
+    });
+    return y;
+  }
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NB, N - t * NB));
+      tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, ncols, addp ? addp + t * NB : nullptr, ldadd);
+    }
+  });
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY(specserve, m) {
+  m.def("skinny_pack(Tensor w) -> Tensor", &pack);
+  m.def("skinny_linear(Tensor x, Tensor packed, int n_out, Tensor? add=None) -> Tensor", &linear);
+}
