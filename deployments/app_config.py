@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 class RouterKnobs(_Strict):
     enter_threshold: int = Field(4, ge=1)
     exit_threshold: int = Field(8, ge=1)
-    min_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    min_alpha: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     min_alpha_samples: int = Field(64, ge=0)
     probe_every: int = Field(16, ge=0)  # 1 in N requests of a gated segment still speculates
 

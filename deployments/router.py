@@ -93,7 +93,7 @@ class Router:
         return EngineView.from_spec_by_segment(
             s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
             spec_in_flight=self.spec_in_flight, moe=bool(s.get("moe", False)),
-            moe_gate_open=bool(s.get("moe_gate_open", True)))
+            moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
 
     # -- request path ----------------------------------------------------------------------
     def _admit(self, request, grpc_context) -> tuple[ValidatedRequest, RouteDecision]:

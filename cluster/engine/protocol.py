@@ -25,6 +25,8 @@ class EngineStats:
     moe_gate_open: bool = True  # False: MoE target not yet validated, speculation off
     draft_fallbacks: int = 0
     draft_resyncs: int = 0
+    # lowest acceptance rate at which speculating pays under the measured step costs (adaptive K)
+    break_even_alpha: float | None = None
     # segment -> SpecStats.to_dict()
     spec_by_segment: dict[str, dict] = field(default_factory=dict)
 

@@ -12,7 +12,8 @@ Rule order (first match wins):
 3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
 4. MoE target whose acceptance is not yet validated -> plain (MOE_UNVALIDATED).
 5. mode SPECULATIVE -> speculative (MODE_SPECULATIVE); the client asked and nothing forbids it.
-6. live α of the request's segment below ``min_alpha`` (with at least ``min_alpha_samples`` draft
+6. live α of the request's segment below ``min_alpha`` — by default ("auto") the SpecEngine's
+   break-even α from its measured step costs, ``FALLBACK_MIN_ALPHA`` while it reports none — (with at least ``min_alpha_samples`` draft
    tokens measured) -> plain (BELOW_BREAK_EVEN) — except every ``probe_every``-th such request,
    which goes through the hysteresis rule as a probe (PROBE_BELOW_BREAK_EVEN when it speculates),
    so that the segment's α keeps being measured and a segment that improves comes back. Live α
@@ -55,18 +56,23 @@ class RouteDecision:
     reason: RouteReason
 
 
+FALLBACK_MIN_ALPHA = 0.5  # the seed's break-even rule of thumb, used until the engine measures one
+
+
 @dataclass(slots=True)
 class RouterConfig:
     """enter_threshold: route to spec again once its in-flight count is below this.
     exit_threshold: leave spec once its in-flight count reaches this (> enter_threshold: the gap is
-    the hysteresis band). min_alpha: a segment whose live acceptance rate is below this goes plain
-    (break-even of verification overhead, ~0.5 per the seed). min_alpha_samples: draft tokens a
+    the hysteresis band). min_alpha: a segment whose live acceptance rate is below this goes plain;
+    "auto" takes the break-even α the SpecEngine derives from its measured draft and verification
+    costs (with a cheap verification it is far below the seed's rule of thumb of 0.5, which is
+    the fallback while the engine reports none). min_alpha_samples: draft tokens a
     segment needs before its α is trusted. probe_every: one in this many requests of a segment
     below break-even still speculates, to keep measuring it (0: never)."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
-    min_alpha: float = 0.5
+    min_alpha: float | str = "auto"
     min_alpha_samples: int = 64
     probe_every: int = 16
 
@@ -76,8 +82,9 @@ class RouterConfig:
         if self.exit_threshold < self.enter_threshold:
             raise ValueError(f"router.exit_threshold ({self.exit_threshold}) must be >= "
                              f"enter_threshold ({self.enter_threshold})")
-        if not 0.0 <= self.min_alpha <= 1.0:
-            raise ValueError(f"router.min_alpha must be in [0, 1], got {self.min_alpha}")
+        if self.min_alpha != "auto" and (isinstance(self.min_alpha, (str, bool))
+                                         or not 0.0 <= float(self.min_alpha) <= 1.0):
+            raise ValueError(f"router.min_alpha must be \"auto\" or a number in [0, 1], got {self.min_alpha!r}")
         if self.probe_every < 0:
             raise ValueError("router.probe_every must be >= 0")
         if self.min_alpha_samples < 0:
@@ -101,6 +108,7 @@ class EngineView:
     moe_gate_open: bool = True
     # segment -> (acceptance rate α, draft tokens measured)
     alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
+    break_even_alpha: float | None = None  # from the SpecEngine's measured step costs
 
     def alpha(self, segment: str) -> tuple[float, int] | None:
         for name, alpha, n in self.alpha_by_segment:
@@ -144,7 +152,7 @@ class RouterPolicy:
         measured = view.alpha(req.segment)
         if measured is not None:
             alpha, samples = measured
-            if samples >= self.config.min_alpha_samples and alpha < self.config.min_alpha:
+            if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
                 if not self._probe_due(req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
                 decision = self._hysteresis(view.spec_in_flight)
@@ -152,6 +160,11 @@ class RouterPolicy:
                     return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
                 return decision
         return self._hysteresis(view.spec_in_flight)
+
+    def min_alpha(self, view: EngineView) -> float:
+        if self.config.min_alpha != "auto":
+            return float(self.config.min_alpha)
+        return FALLBACK_MIN_ALPHA if view.break_even_alpha is None else view.break_even_alpha
 
     def _probe_due(self, segment: str) -> bool:
         if self.config.probe_every == 0:

@@ -230,6 +230,24 @@ def choose_k(alpha: float, k_max: int, costs: CostModel, batch_tokens_other: int
     return best if rates[best] > rates[0] + min_gain / max(plain_step, 1e-9) else 0
 
 
+def break_even_alpha(costs: CostModel, k_max: int, min_gain: float = 0.05, tol: float = 1e-3) -> float:
+    """The lowest acceptance rate at which a lone sequence speculates at all (``choose_k`` > 0)
+    under these costs: below it, the verification of even one draft token costs more than it
+    commits. 1.0 when no α pays (e.g. a draft step dearer than a target step)."""
+    if k_max <= 0 or choose_k(1.0 - tol, k_max, costs, min_gain=min_gain) == 0:
+        return 1.0
+    lo, hi = 0.0, 1.0 - tol  # choose_k(hi) > 0; choose_k is monotone in α
+    if choose_k(lo, k_max, costs, min_gain=min_gain) > 0:
+        return 0.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if choose_k(mid, k_max, costs, min_gain=min_gain) > 0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def batch_rate(alphas: list[float], ks: list[int], costs: CostModel, extra_tokens: int = 0,
                extra_committed: float = 0.0) -> float:
     """Committed tokens per second of a step in which sequence i drafts ks[i] tokens, sharing the
@@ -320,6 +338,9 @@ class AdaptiveK:
                     committed[i] = expected_committed(alphas[i], best)
             if not changed:
                 return
+
+    def break_even_alpha(self, k_max: int) -> float:
+        return break_even_alpha(self.costs, k_max, self.min_gain)
 
     def observe(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
         self.estimator.update(seq_id, segment, k, num_accepted)

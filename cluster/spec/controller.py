@@ -164,6 +164,8 @@ class SpecController:
         st.moe_gate_open = self.moe_gate.speculation_allowed
         st.draft_fallbacks = self.draft_fallbacks
         st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
+        if self.adaptive is not None:  # from the measured step costs; the router's default gate
+            st.break_even_alpha = round(self.adaptive.break_even_alpha(self.config.k_max), 4)
 
 
 def draft_cost_ratio(proposer, target_runner) -> float | None:

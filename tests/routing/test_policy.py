@@ -10,7 +10,7 @@ SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
 
 def decide(policy, in_flight=0, **kw):
     view_kw = {k: kw.pop(k) for k in list(kw) if k in ("spec_available", "moe", "moe_gate_open",
-                                                        "alpha_by_segment")}
+                                                        "alpha_by_segment", "break_even_alpha")}
     d = policy.decide(RequestFeatures(**kw), EngineView(spec_in_flight=in_flight, **view_kw))
     return d.path, d.reason
 
@@ -67,6 +67,21 @@ def test_break_even_per_segment():
     assert decide(p, segment="chat", mode=SpecMode.SPECULATIVE, alpha_by_segment=rows)[0] is SPEC
 
 
+def test_auto_min_alpha_is_the_engines_break_even():
+    """Default min_alpha "auto": the SpecEngine's measured break-even gates; without one the
+    seed's 0.5; an explicit number in the config wins over both."""
+    auto = RouterPolicy(RouterConfig(min_alpha_samples=10))
+    rows = (("code", 0.3, 100),)
+    assert decide(auto, segment="code", alpha_by_segment=rows, break_even_alpha=0.12)[0] is SPEC
+    assert decide(auto, segment="code", alpha_by_segment=rows, break_even_alpha=0.35) == (
+        PLAIN, RouteReason.BELOW_BREAK_EVEN)
+    assert decide(auto, segment="code", alpha_by_segment=rows) == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
+    fixed = RouterPolicy(RouterConfig(min_alpha=0.2, min_alpha_samples=10))
+    assert decide(fixed, segment="code", alpha_by_segment=rows, break_even_alpha=0.9)[0] is SPEC
+    v = EngineView.from_spec_by_segment({}, break_even_alpha=0.2)
+    assert auto.min_alpha(v) == 0.2
+
+
 def test_gated_segment_is_probed_periodically():
     p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, probe_every=4))
     rows = (("chat", 0.3, 100),)
@@ -84,7 +99,8 @@ def test_engine_view_from_stats():
 
 
 @pytest.mark.parametrize("kw", [dict(enter_threshold=0), dict(enter_threshold=5, exit_threshold=4),
-                                dict(min_alpha=1.5), dict(min_alpha_samples=-1)])
+                                dict(min_alpha=1.5), dict(min_alpha="half"),
+                                dict(min_alpha_samples=-1)])
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         RouterConfig(**kw)

@@ -12,6 +12,7 @@ from cluster.spec.adaptive_k import (
     AdaptiveK,
     StepCostModel,
     batch_rate,
+    break_even_alpha,
     choose_k,
     expected_committed,
 )
@@ -243,3 +244,19 @@ def test_draft_cost_ratio_prior_scales_with_the_measured_decode_step():
     m.observe_draft(3, 0.030)  # the first timed draft replaces the prior
     assert m.draft_cost == pytest.approx(0.010)
     assert StepCostModel(draft_cost_ratio_prior=0.0).draft_cost == 0.0
+
+
+def test_break_even_alpha_is_where_speculation_starts_to_pay():
+    """Free drafts, t(n) = a + b·n: K = 1 pays when (1 + α)·(1 - g) > (a + 2b)/(a + b), g the
+    min_gain margin; the break-even is that α, and dearer verification or drafts raise it."""
+    cheap = LinearCosts(draft_cost=0.0, a=0.030, b=0.0005)
+    be = break_even_alpha(cheap, k_max=8, min_gain=0.0)
+    assert be == pytest.approx((0.030 + 0.001) / (0.030 + 0.0005) - 1, abs=2e-3)
+    assert choose_k(be + 0.01, 8, cheap, min_gain=0.0) > 0 and choose_k(be - 0.01, 8, cheap, min_gain=0.0) == 0
+    dear_verify = LinearCosts(draft_cost=0.0, a=0.030, b=0.010)
+    dear_draft = LinearCosts(draft_cost=0.010, a=0.030, b=0.0005)
+    assert break_even_alpha(dear_verify, 8) > break_even_alpha(cheap, 8) + 0.2
+    assert break_even_alpha(dear_draft, 8) > break_even_alpha(cheap, 8) + 0.2
+    assert break_even_alpha(LinearCosts(draft_cost=1.0, a=0.03, b=0.0005), 8) == 1.0  # nothing pays
+    assert break_even_alpha(cheap, 0) == 1.0
+    assert AdaptiveK(costs=StepCostModel()).break_even_alpha(4) < 1.0

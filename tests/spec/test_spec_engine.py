@@ -54,6 +54,8 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
     if proposer is not None:
         assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
+    break_even = eng.stats().break_even_alpha  # the router's default gate: from measured costs (auto K only)
+    assert (0.0 < break_even < 1.0) if k == "auto" else break_even is None
 
 
 def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):
