@@ -46,11 +46,15 @@ class _Counts:
 
 @dataclass(slots=True)
 class AcceptanceEstimator:
-    """α per segment: Beta-like posterior mean with ``prior_weight`` pseudo trials at
-    ``prior_alpha``. α per sequence: its own counts shrunk towards the segment estimate with
-    ``seq_prior_weight`` pseudo trials, so a sequence dominates once it has several times that
-    many trials and a fresh sequence inherits its segment. Counts decay by ``decay`` per update
-    (old behaviour fades; half-life ≈ 0.69 / (1 - decay) updates)."""
+    """Three levels, each shrunk towards the one above with pseudo trials:
+    - pooled: every segment of one draft context together (a segment key "chat|n2" pools under
+      "n2"; a plain segment name under "*"), ``prior_weight`` pseudo trials at ``prior_alpha`` —
+      so a new segment starts from what this drafter achieves elsewhere, not from a fixed guess
+      (a useless drafter stops wasting verification on every segment it meets);
+    - segment: its counts plus ``prior_weight`` pseudo trials at the pooled estimate;
+    - sequence: its counts plus ``seq_prior_weight`` pseudo trials at the segment estimate, so a
+      sequence dominates once it has several times that many trials.
+    Counts decay by ``decay`` per update (old behaviour fades; half-life ≈ 0.69 / (1 - decay))."""
 
     prior_alpha: float = 0.6
     prior_weight: float = 4.0
@@ -58,6 +62,7 @@ class AcceptanceEstimator:
     decay: float = 0.99
     _segments: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
     _seqs: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
+    _pools: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -74,11 +79,20 @@ class AcceptanceEstimator:
             raise ValueError(f"num_accepted {num_accepted} outside [0, {k}]")
         rejected = 1 if num_accepted < k else 0
         self._segments.setdefault(segment, _Counts()).add(self.decay, num_accepted, rejected)
+        self._pools.setdefault(self.pool_of(segment), _Counts()).add(self.decay, num_accepted, rejected)
         self._seqs.setdefault(seq_id, _Counts()).add(self.decay, num_accepted, rejected)
+
+    @staticmethod
+    def pool_of(segment: str) -> str:
+        return segment.rpartition("|")[2] if "|" in segment else "*"
+
+    def pooled_estimate(self, segment: str) -> float:
+        c = self._pools.get(self.pool_of(segment), _Counts())
+        return (c.accepted + self.prior_weight * self.prior_alpha) / (c.trials + self.prior_weight)
 
     def segment_estimate(self, segment: str) -> float:
         c = self._segments.get(segment, _Counts())
-        return (c.accepted + self.prior_weight * self.prior_alpha) / (c.trials + self.prior_weight)
+        return (c.accepted + self.prior_weight * self.pooled_estimate(segment)) / (c.trials + self.prior_weight)
 
     def estimate(self, seq_id: str, segment: str) -> float:
         seg = self.segment_estimate(segment)

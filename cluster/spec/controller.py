@@ -64,6 +64,9 @@ class SpecController:
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}
+        # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
         self.timing = SpecTiming()
 
     # -- before scheduling: K per running sequence -----------------------------------------------
@@ -75,10 +78,30 @@ class SpecController:
         if not eligible:
             return
         if self.adaptive is not None:
-            ks = self.adaptive.choose([(s.seq_id, s.request.segment) for s in eligible], self.config.k_max)
+            eligible, keys = self._adaptive_keys(eligible)
+            ks = self.adaptive.choose(keys, self.config.k_max)
+            self._keys = {s.seq_id: key for s, key in zip(eligible, keys)}
         else:
             ks = [int(self.config.num_spec_tokens)] * len(eligible)
         self._plan = {s.seq_id: k for s, k in zip(eligible, ks)}
+
+    def _adaptive_keys(self, eligible: list[Sequence]) -> tuple[list[Sequence], list[tuple[str, str]]]:
+        """(sequence, segment) keys for adaptive K. A drafter with a draft context (ngram: the
+        match length) splits both by it, so acceptance is learnt per context; sequences it has
+        nothing to draft for are left out (K = 0, no probe wasted on them)."""
+        context = getattr(self.proposer, "draft_context", None)
+        if context is None:
+            return eligible, [(s.seq_id, s.request.segment) for s in eligible]
+        kept, keys = [], []
+        for s in eligible:
+            ctx = context(s.seq_id, s.token_ids)
+            if ctx is None:
+                continue
+            sub_id = f"{s.seq_id}|{ctx}"
+            self._derived.setdefault(s.seq_id, set()).add(sub_id)
+            kept.append(s)
+            keys.append((sub_id, f"{s.request.segment}|{ctx}"))
+        return kept, keys
 
     def lookahead(self, seq: Sequence) -> int:
         k = self._plan.get(seq.seq_id, 0)
@@ -140,7 +163,8 @@ class SpecController:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
             for s, k, a in zip(sampling, counts, accepted):
                 if k:
-                    self.adaptive.observe(s.seq.seq_id, s.seq.request.segment, k, a)
+                    sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, s.seq.request.segment))
+                    self.adaptive.observe(sub_id, key, k, a)
         return committed, accepted
 
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
@@ -152,6 +176,8 @@ class SpecController:
     def release(self, seq_id: str) -> None:
         if self.adaptive is not None:
             self.adaptive.release(seq_id)
+            for sub_id in self._derived.pop(seq_id, ()):
+                self.adaptive.release(sub_id)
         try:
             self.proposer.release(seq_id)
         except DraftUnavailableError:

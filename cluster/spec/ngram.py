@@ -7,6 +7,9 @@ prompt + output, picks the most recent earlier occurrence, and drafts the tokens
 (one-hot q). Ignores: sampling params — a deterministic draft is verified losslessly for any
 sampling request by the rejection sampler.
 
+``draft_context`` tells adaptive K the length of the match a draft would rest on, so that
+acceptance is estimated per match length (and a sequence with no match is not planned at all).
+
 Cost: a search is ngram_max vectorized comparisons over the history (numpy), tens of microseconds
 for a few thousand tokens. The history of each seq_id is cached as a numpy buffer that grows by
 appending; a bad cache can only produce poor drafts, never wrong output (the target verifies).
@@ -24,9 +27,17 @@ from cluster.spec.types import DraftProposal, ProposeInput
 def find_ngram_continuation(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """tokens [L] int64 -> up to k tokens that followed the most recent earlier occurrence of the
     longest matching suffix n-gram; [] when no n in [ngram_min, ngram_max] matches."""
-    length = tokens.shape[0]
     if k <= 0:
         return []
+    n, start = find_ngram_match(tokens, ngram_min, ngram_max)
+    return tokens[start : start + k].tolist() if n else []
+
+
+def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tuple[int, int]:
+    """tokens [L] int64 -> (n, start): the longest suffix n-gram (n in [ngram_min, ngram_max])
+    that occurs earlier, and where the continuation of its most recent earlier occurrence
+    starts; (0, -1) when none matches."""
+    length = tokens.shape[0]
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
         # Candidate starts i in [0, L - n): a[i:i+n] == suffix, never the suffix itself, so at
         # least one continuation token exists.
@@ -36,9 +47,8 @@ def find_ngram_continuation(tokens: np.ndarray, k: int, ngram_min: int, ngram_ma
             match &= tokens[t : span + t] == tokens[span + t]
         hits = np.flatnonzero(match)
         if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+            return n, int(hits[-1]) + n
+    return 0, -1
 
 
 @dataclass(slots=True)
@@ -67,6 +77,16 @@ class NgramProposer:
             tokens = self._history(inp.seq_id, inp.token_ids)
             drafts.append(find_ngram_continuation(tokens, inp.num_draft_tokens, self.ngram_min, self.ngram_max))
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
+
+    def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
+        """What this sequence's next draft would rest on: "n<size>" of the suffix match (a longer
+        match is accepted far more often — on chat a 1-token match is right ~7% of the time, a
+        4-token one several times more), or None when nothing matches and there is nothing to
+        draft. Adaptive K keeps acceptance statistics per context."""
+        if len(token_ids) < 2:
+            return None
+        n, _ = find_ngram_match(self._history(seq_id, token_ids), self.ngram_min, self.ngram_max)
+        return f"n{n}" if n else None
 
     def release(self, seq_id: str) -> None:
         self._cache.pop(seq_id, None)

@@ -35,6 +35,8 @@ class Proposer(Protocol):
       ``token_ids`` exactly before proposing.
     - ``release`` frees per-sequence state when a sequence finishes or is preempted; releasing an
       unknown seq_id is a no-op.
+    - Optional ``draft_context(seq_id, token_ids) -> str | None``: a label for what the next draft
+      would rest on (adaptive K estimates acceptance per label); None: nothing to draft now.
     """
 
     kind: DrafterKind

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.engine.request import SamplingParams
-from cluster.spec.ngram import NgramProposer, find_ngram_continuation
+from cluster.spec.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.spec.types import ProposeInput
 
@@ -84,6 +84,17 @@ def test_cache_follows_growth_and_rebuilds_on_change():
     p.release("s")
     p.release("never-seen")  # no-op
     assert draft([1, 2, 1], 1, proposer=p) == [2]
+
+
+def test_draft_context_is_the_match_length():
+    p = NgramProposer(ngram_min=1, ngram_max=3)
+    assert p.draft_context("a", [1, 2, 3, 1, 2, 3, 1, 2]) == "n3"  # suffix 3 1 2 occurred before
+    assert find_ngram_match(np.array([1, 2, 3, 1, 2, 3, 1, 2]), 1, 3) == (3, 5)  # 3 1 2 seen at 2..4, then 3
+    assert p.draft_context("b", [5, 6, 7, 8, 6]) == "n1"
+    assert p.draft_context("c", [5, 6, 7, 8]) is None  # no match: nothing to draft
+    assert p.draft_context("d", [5]) is None
+    assert find_ngram_match(np.array([5, 6, 7, 8]), 1, 3) == (0, -1)
+    assert NgramProposer(ngram_min=2, ngram_max=3).draft_context("e", [5, 6, 7, 8, 6]) is None
 
 
 def test_invalid_bounds():

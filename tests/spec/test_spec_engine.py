@@ -56,6 +56,10 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
         assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
     break_even = eng.stats().break_even_alpha  # the router's default gate: from measured costs (auto K only)
     assert (0.0 < break_even < 1.0) if k == "auto" else break_even is None
+    if k == "auto" and drafter == "ngram":  # acceptance learnt per match length, all state freed
+        keys = set(eng.spec.adaptive.estimator.to_dict())
+        assert keys and all("|n" in key for key in keys), keys
+        assert not eng.spec._derived and not eng.spec.adaptive.estimator._seqs
 
 
 def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):
