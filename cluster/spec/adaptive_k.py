@@ -289,7 +289,8 @@ class AdaptiveK:
     schedule), so its α can recover. A probe that is not fully accepted doubles the segment's
     interval (up to ``explore_max_every``); a fully accepted one resets it. Probes cost about one
     extra verification each, so fixed-interval probing alone kept hopeless segments (α ≈ 0 for an
-    untrained layer-skip draft) several percent slower than plain."""
+    untrained layer-skip draft) several percent slower than plain. A segment not yet probed
+    starts from the interval its pool (same draft context, any segment) last reached."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
@@ -328,7 +329,7 @@ class AdaptiveK:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
-            if streak >= self._probe_every.get(segment, self.explore_every):
+            if streak >= self.probe_interval(segment):
                 ks[i] = min(self.explore_k, k_max)
                 self._probing.add(seq_id)
                 streak = 0
@@ -356,13 +357,24 @@ class AdaptiveK:
     def break_even_alpha(self, k_max: int) -> float:
         return break_even_alpha(self.costs, k_max, self.min_gain)
 
+    def probe_interval(self, segment: str) -> int:
+        """The segment's own probe interval, else its pool's (the last one any segment of the
+        same draft context reached), else ``explore_every``: a drafter that failed its probes
+        elsewhere does not start over on every new segment."""
+        every = self._probe_every.get(segment)
+        if every is None:
+            every = self._probe_every.get("pool:" + self.estimator.pool_of(segment), self.explore_every)
+        return every
+
     def observe(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
         self.estimator.update(seq_id, segment, k, num_accepted)
         if k > 0 and seq_id in self._probing:
             self._probing.discard(seq_id)
-            every = self._probe_every.get(segment, self.explore_every)
-            self._probe_every[segment] = (self.explore_every if num_accepted >= k
-                                          else min(2 * every, max(self.explore_max_every, self.explore_every)))
+            every = self.probe_interval(segment)
+            every = (self.explore_every if num_accepted >= k
+                     else min(2 * every, max(self.explore_max_every, self.explore_every)))
+            self._probe_every[segment] = every
+            self._probe_every["pool:" + self.estimator.pool_of(segment)] = every
 
     def release(self, seq_id: str) -> None:
         self.estimator.release(seq_id)

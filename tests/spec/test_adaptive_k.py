@@ -274,3 +274,16 @@ def test_break_even_alpha_is_where_speculation_starts_to_pay():
     assert break_even_alpha(LinearCosts(draft_cost=1.0, a=0.03, b=0.0005), 8) == 1.0  # nothing pays
     assert break_even_alpha(cheap, 0) == 1.0
     assert AdaptiveK(costs=StepCostModel()).break_even_alpha(4) < 1.0
+
+
+def test_a_new_segment_inherits_the_pools_backed_off_probe_interval():
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
+    for _ in range(40):
+        k = ak.choose([("s", "code")], k_max=6)[0]
+        if k:
+            ak.observe("s", "code", k, 0)
+    assert ak.probe_interval("code") == 16 and ak.probe_interval("chat") == 16
+    assert ak.probe_interval("chat|n1") == 4  # another pool: its own start
+    first = [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)]
+    assert first == [0] * 15 + [2]
