@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--requests", type=int, default=16, help="requests per cell (at least the concurrency)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="split each cell into rounds, policies interleaved with rotating order")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--overhead-requests", type=int, default=8,
                    help="request pairs (in-process vs gRPC) per path for the front-door overhead; 0 = skip")
@@ -106,12 +108,17 @@ def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
             "accepted": last.spec.accepted_tokens if last else 0}
 
 
-def run_cell(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n: int, max_tokens: int) -> dict:
-    jobs = [rows[i % len(rows)] for i in range(max(n, concurrency))]
+def run_requests(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n: int,
+                 max_tokens: int, offset: int = 0) -> tuple[list[dict], float]:
+    """n requests (rows from ``offset`` on, cycling) with ``concurrency`` in flight -> (results, wall)."""
+    jobs = [rows[(offset + i) % len(rows)] for i in range(max(n, concurrency))]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda r: _one(stub, pb2, md, r, mode, max_tokens), jobs))
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def cell_stats(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None]
     e2e = [r["e2e"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -220,10 +227,10 @@ def _plan(args) -> dict:
     segments = [s for s in args.segments.split(",") if s]
     if args.quick:
         return {"levels": QUICK["levels"], "segments": segments[: QUICK["segments"]], "policies": policies,
-                "requests": QUICK["requests"], "max_tokens": QUICK["max_tokens"],
+                "requests": QUICK["requests"], "max_tokens": QUICK["max_tokens"], "rounds": 1,
                 "overhead_requests": min(args.overhead_requests, QUICK["overhead_requests"])}
     return {"levels": [int(x) for x in args.concurrency.split(",") if x], "segments": segments,
-            "policies": policies, "requests": args.requests, "max_tokens": args.max_tokens,
+            "policies": policies, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "overhead_requests": args.overhead_requests}
 
 
@@ -243,9 +250,19 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                     for s in plan["segments"]}
         for segment, rows in seg_rows.items():
             for c in plan["levels"]:
-                for policy in plan["policies"]:  # side by side per level: same machine state
-                    cell = run_cell(stub, pb2, md, rows, POLICIES[policy], c,
-                                    max(plan["requests"], c), plan["max_tokens"])
+                # side by side per level, in rounds with the policy order rotating, so that a slow
+                # stretch of a noisy machine hits every policy alike; every policy gets the same rows
+                per = {p: ([], 0.0) for p in plan["policies"]}
+                rounds = max(1, plan["rounds"])
+                n_round = max(c, -(-max(plan["requests"], c) // rounds))
+                for r in range(rounds):
+                    k = r % len(plan["policies"])
+                    for policy in plan["policies"][k:] + plan["policies"][:k]:
+                        res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
+                                                 plan["max_tokens"], offset=r * n_round)
+                        per[policy] = (per[policy][0] + res, per[policy][1] + wall)
+                for policy in plan["policies"]:
+                    cell = cell_stats(*per[policy])
                     cell.update(segment=segment, concurrency=c, policy=policy)
                     cells.append(cell)
                     print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']}s "
