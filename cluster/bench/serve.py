@@ -258,6 +258,9 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                 for r in range(rounds):
                     k = r % len(plan["policies"])
                     for policy in plan["policies"][k:] + plan["policies"][:k]:
+                        # one short untimed request first: the engine this policy uses may have sat
+                        # idle (its weights out of cache) while another policy ran on the other one
+                        _one(stub, pb2, md, rows[0], POLICIES[policy], 2)
                         res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
                                                  plan["max_tokens"], offset=r * n_round)
                         per[policy] = (per[policy][0] + res, per[policy][1] + wall)
