@@ -44,6 +44,14 @@ class _Counts:
         return self.accepted + self.rejected
 
 
+CONTEXT_SEP = "|"  # "<segment or sequence id>|<draft context>", e.g. "chat|n2"
+
+
+def with_context(name: str, context: str) -> str:
+    """A segment (or sequence id) refined by a drafter's draft context: pools under the context."""
+    return f"{name}{CONTEXT_SEP}{context}"
+
+
 @dataclass(slots=True)
 class AcceptanceEstimator:
     """Three levels, each shrunk towards the one above with pseudo trials:
@@ -84,7 +92,7 @@ class AcceptanceEstimator:
 
     @staticmethod
     def pool_of(segment: str) -> str:
-        return segment.rpartition("|")[2] if "|" in segment else "*"
+        return segment.rpartition(CONTEXT_SEP)[2] if CONTEXT_SEP in segment else "*"
 
     def pooled_estimate(self, segment: str) -> float:
         c = self._pools.get(self.pool_of(segment), _Counts())
@@ -301,6 +309,7 @@ class AdaptiveK:
     explore_max_every: int = 256
     _plain_streak: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per segment
+    _pool_probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per pool
     _probing: set[str] = field(default_factory=set, init=False, repr=False)  # seq ids probed last step
 
     def __post_init__(self) -> None:
@@ -363,7 +372,7 @@ class AdaptiveK:
         elsewhere does not start over on every new segment."""
         every = self._probe_every.get(segment)
         if every is None:
-            every = self._probe_every.get("pool:" + self.estimator.pool_of(segment), self.explore_every)
+            every = self._pool_probe_every.get(self.estimator.pool_of(segment), self.explore_every)
         return every
 
     def observe(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
@@ -374,7 +383,7 @@ class AdaptiveK:
             every = (self.explore_every if num_accepted >= k
                      else min(2 * every, max(self.explore_max_every, self.explore_every)))
             self._probe_every[segment] = every
-            self._probe_every["pool:" + self.estimator.pool_of(segment)] = every
+            self._pool_probe_every[self.estimator.pool_of(segment)] = every
 
     def release(self, seq_id: str) -> None:
         self.estimator.release(seq_id)

@@ -19,7 +19,7 @@ from cluster.engine.config import EngineConfig, SpecConfig
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.spec.adaptive_k import AdaptiveK, StepCostModel
+from cluster.spec.adaptive_k import AdaptiveK, StepCostModel, with_context
 from cluster.spec.calibration import StepCosts, measure_step_costs
 from cluster.spec.moe import MoeGate
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
@@ -97,10 +97,10 @@ class SpecController:
             ctx = context(s.seq_id, s.token_ids)
             if ctx is None:
                 continue
-            sub_id = f"{s.seq_id}|{ctx}"
+            sub_id = with_context(s.seq_id, ctx)
             self._derived.setdefault(s.seq_id, set()).add(sub_id)
             kept.append(s)
-            keys.append((sub_id, f"{s.request.segment}|{ctx}"))
+            keys.append((sub_id, with_context(s.request.segment, ctx)))
         return kept, keys
 
     def lookahead(self, seq: Sequence) -> int:

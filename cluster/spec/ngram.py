@@ -80,8 +80,8 @@ class NgramProposer:
 
     def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
         """What this sequence's next draft would rest on: "n<size>" of the suffix match (a longer
-        match is accepted far more often — on chat a 1-token match is right ~7% of the time, a
-        4-token one several times more), or None when nothing matches and there is nothing to
+        match is accepted far more often — on chat a 1-token match was right 12–14% of the time, a
+        2-token one 38–47%), or None when nothing matches and there is nothing to
         draft. Adaptive K keeps acceptance statistics per context."""
         if len(token_ids) < 2:
             return None
