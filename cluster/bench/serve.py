@@ -47,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--requests", type=int, default=16, help="requests per cell (at least the concurrency)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="split each cell into rounds, policies interleaved with rotating order")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="split each cell into rounds, policies interleaved with rotating order; "
+                        "0 (default) = one wave of `concurrency` requests per round, the finest "
+                        "interleaving")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--overhead-requests", type=int, default=8,
                    help="request pairs (in-process vs gRPC) per path for the front-door overhead; 0 = skip")
@@ -234,6 +236,19 @@ def _plan(args) -> dict:
             "overhead_requests": args.overhead_requests}
 
 
+WARM_UP_ROW = {"prompt": "Hello", "segment": "warm-up"}
+
+
+def round_plan(requests: int, concurrency: int, rounds: int) -> tuple[int, int]:
+    """(rounds, requests per round) for a cell: at least ``concurrency`` requests per round, at
+    least ``max(requests, concurrency)`` in all; ``rounds`` 0 = one wave per round."""
+    total = max(requests, concurrency)
+    if rounds <= 0:
+        return -(-total // concurrency), concurrency
+    per = max(concurrency, -(-total // rounds))
+    return -(-total // per), per
+
+
 def _bench(args, addr: str, app: str, app_args: dict) -> dict:
     import grpc
 
@@ -253,14 +268,13 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
                 # stretch of a noisy machine hits every policy alike; every policy gets the same rows
                 per = {p: ([], 0.0) for p in plan["policies"]}
-                rounds = max(1, plan["rounds"])
-                n_round = max(c, -(-max(plan["requests"], c) // rounds))
+                rounds, n_round = round_plan(plan["requests"], c, plan["rounds"])
                 for r in range(rounds):
                     k = r % len(plan["policies"])
                     for policy in plan["policies"][k:] + plan["policies"][:k]:
                         # one short untimed request first: the engine this policy uses may have sat
                         # idle (its weights out of cache) while another policy ran on the other one
-                        _one(stub, pb2, md, rows[0], POLICIES[policy], 2)
+                        _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
                         res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
                                                  plan["max_tokens"], offset=r * n_round)
                         per[policy] = (per[policy][0] + res, per[policy][1] + wall)
