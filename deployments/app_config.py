@@ -34,6 +34,8 @@ class RouterKnobs(_Strict):
     min_alpha: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     min_alpha_samples: int = Field(64, ge=0)
     probe_every: int = Field(16, ge=0)  # 1 in N requests of a gated segment still speculates
+    balance_overflow: bool = True  # past the exit threshold, fill the SpecEngine while the
+    #                                BatchEngine is fuller relative to capacity
 
 
 class LimitsKnobs(_Strict):

@@ -52,6 +52,10 @@ class Router:
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
         self.spec_in_flight = 0
+        self.plain_in_flight = 0
+        # sequences each engine side runs at once, for overflow balancing (policy rule 8)
+        self._spec_capacity = self.app.spec_engine.max_num_seqs * self.app.spec_engine.num_replicas
+        self._plain_capacity = self.app.batch_engine.max_num_seqs * self.app.batch_engine.num_replicas
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
         configure_from_section(self.app.telemetry)
@@ -92,7 +96,9 @@ class Router:
         s = self._spec_stats
         return EngineView.from_spec_by_segment(
             s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
-            spec_in_flight=self.spec_in_flight, moe=bool(s.get("moe", False)),
+            spec_in_flight=self.spec_in_flight, plain_in_flight=self.plain_in_flight,
+            spec_capacity=self._spec_capacity, plain_capacity=self._plain_capacity,
+            moe=bool(s.get("moe", False)),
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
 
     # -- request path ----------------------------------------------------------------------
@@ -116,6 +122,9 @@ class Router:
         if speculative:
             self.spec_in_flight += 1
             self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
+        else:
+            self.plain_in_flight += 1
+            self.metrics.set_inflight(Path.PLAIN, self.plain_in_flight)
         done = False
         gen = handle.options(stream=True).generate.remote(vreq, carrier)  # trace context rides along
         try:
@@ -129,6 +138,9 @@ class Router:
             if speculative:
                 self.spec_in_flight -= 1
                 self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
+            else:
+                self.plain_in_flight -= 1
+                self.metrics.set_inflight(Path.PLAIN, self.plain_in_flight)
             if not done:  # client cancelled / deadline: stop the engine-side request
                 gen.cancel()
 

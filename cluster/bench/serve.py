@@ -4,7 +4,7 @@ Owns: driving a running service (``--addr``) or a local one started from a Serve
 fixed-spec (mode SPECULATIVE), fixed-plain (mode PLAIN) and routed (AUTO) policies at each
 concurrency level over workload segments — policies side by side per level, so they see the same
 machine state — and reporting per cell TTFT, TPOT, end-to-end p50/p99, tokens/s, α and the route
-mix (table on stdout, JSON file). Streaming calls give TTFT (first chunk with tokens). Then the
+mix (table on stdout, JSON file). Streaming calls give TTFT (first chunk with tokens). First the
 front-door overhead at concurrency 1: the same requests straight through an in-process
 ``AsyncEngine`` built from the same app config (the engine's own latency, tokenization included)
 and through gRPC (proxy -> Router -> engine replica), interleaved request by request; the ratio of
@@ -263,6 +263,14 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
         stub = stubs.generation_grpc().GenerationStub(channel)
         seg_rows = {s: load_prompts(args.workloads, s, limit=max(max(plan["levels"]), plan["requests"]))
                     for s in plan["segments"]}
+        overhead = None
+        if plan["overhead_requests"] > 0 and app_args is not None:
+            # first, while the service's engines are as fresh as the in-process one: adaptive K
+            # learns per segment, and an engine that has served the whole sweep drafts differently
+            # from a new one, which would be measured as front-door cost
+            rows = [r for rs in seg_rows.values() for r in rs]
+            overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
+                                           plan["overhead_requests"])
         for segment, rows in seg_rows.items():
             for c in plan["levels"]:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
@@ -285,11 +293,6 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                     print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']}s "
                           f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
                           file=sys.stderr, flush=True)
-        overhead = None
-        if plan["overhead_requests"] > 0 and app_args is not None:
-            rows = [r for rs in seg_rows.values() for r in rs]
-            overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
-                                           plan["overhead_requests"])
     return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
             "cells": cells, "summary": summarize(cells), "front_door": overhead}

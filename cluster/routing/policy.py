@@ -21,6 +21,12 @@ Rule order (first match wins):
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
+8. overflow balance (``balance_overflow``): when rule 7 says plain but the SpecEngine is less full
+   than the BatchEngine relative to their capacities (in-flight / max_num_seqs x replicas), go
+   speculative anyway (OVERFLOW_BALANCED); the hysteresis bit is not touched. A request is routed
+   once, on arrival: without this a burst larger than the BatchEngine's batch queues there while
+   the SpecEngine drains its few requests and idles. Below the BatchEngine's capacity it never
+   fires, so moderate load still goes plain as rule 7 says.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ class RouteReason(enum.Enum):
     ABOVE_EXIT_THRESHOLD = "above_exit_threshold"
     HYSTERESIS_SPECULATIVE = "hysteresis_speculative"  # between thresholds, staying speculative
     HYSTERESIS_PLAIN = "hysteresis_plain"  # between thresholds, staying plain
+    OVERFLOW_BALANCED = "overflow_balanced"  # plain by hysteresis, but the BatchEngine is fuller
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,13 +75,16 @@ class RouterConfig:
     costs (with a cheap verification it is far below the seed's rule of thumb of 0.5, which is
     the fallback while the engine reports none). min_alpha_samples: draft tokens a
     segment needs before its α is trusted. probe_every: one in this many requests of a segment
-    below break-even still speculates, to keep measuring it (0: never)."""
+    below break-even still speculates, to keep measuring it (0: never). balance_overflow: send a
+    request that hysteresis sends plain to the SpecEngine when the BatchEngine is fuller relative
+    to capacity (needs both capacities in the EngineView)."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
     min_alpha: float | str = "auto"
     min_alpha_samples: int = 64
     probe_every: int = 16
+    balance_overflow: bool = True
 
     def __post_init__(self) -> None:
         if self.enter_threshold < 1:
@@ -109,6 +119,16 @@ class EngineView:
     # segment -> (acceptance rate α, draft tokens measured)
     alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
     break_even_alpha: float | None = None  # from the SpecEngine's measured step costs
+    plain_in_flight: int = 0
+    # sequences each side runs at once (max_num_seqs x replicas); None: unknown, no balancing
+    spec_capacity: int | None = None
+    plain_capacity: int | None = None
+
+    def spec_less_full(self) -> bool:
+        """SpecEngine in-flight / capacity below the BatchEngine's (cross-multiplied, exact)."""
+        if not self.spec_capacity or not self.plain_capacity:
+            return False
+        return self.spec_in_flight * self.plain_capacity < self.plain_in_flight * self.spec_capacity
 
     def alpha(self, segment: str) -> tuple[float, int] | None:
         for name, alpha, n in self.alpha_by_segment:
@@ -155,11 +175,11 @@ class RouterPolicy:
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
                 if not self._probe_due(req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
-                decision = self._hysteresis(view.spec_in_flight)
+                decision = self._hysteresis(view)
                 if decision.path is Path.SPECULATIVE:
                     return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
                 return decision
-        return self._hysteresis(view.spec_in_flight)
+        return self._hysteresis(view)
 
     def min_alpha(self, view: EngineView) -> float:
         if self.config.min_alpha != "auto":
@@ -175,7 +195,13 @@ class RouterPolicy:
             self._gated[segment] = 0 if due else n
             return due
 
-    def _hysteresis(self, in_flight: int) -> RouteDecision:
+    def _hysteresis(self, view: EngineView) -> RouteDecision:
+        decision = self._hysteresis_bit(view.spec_in_flight)
+        if decision.path is Path.PLAIN and self.config.balance_overflow and view.spec_less_full():
+            return RouteDecision(Path.SPECULATIVE, RouteReason.OVERFLOW_BALANCED)
+        return decision
+
+    def _hysteresis_bit(self, in_flight: int) -> RouteDecision:
         with self._lock:
             if self._spec_open:
                 if in_flight >= self.config.exit_threshold:

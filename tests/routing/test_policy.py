@@ -104,3 +104,42 @@ def test_engine_view_from_stats():
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         RouterConfig(**kw)
+
+
+def _overflow(p, spec, plain, spec_cap=8, plain_cap=16):
+    d = p.decide(RequestFeatures(), EngineView(spec_in_flight=spec, plain_in_flight=plain,
+                                               spec_capacity=spec_cap, plain_capacity=plain_cap))
+    return d.path, d.reason
+
+
+def test_overflow_balance_fills_the_spec_engine_only_when_batch_is_fuller():
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6))
+    assert _overflow(p, 6, 0) == (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
+    assert not p.spec_open
+    # 6/8 spec vs plain/16: plain must pass 12 before the SpecEngine is the less full side
+    assert _overflow(p, 6, 12) == (PLAIN, RouteReason.HYSTERESIS_PLAIN)
+    assert _overflow(p, 6, 13) == (SPEC, RouteReason.OVERFLOW_BALANCED)
+    assert not p.spec_open  # balancing never flips the hysteresis bit
+    assert _overflow(p, 10, 21) == (SPEC, RouteReason.OVERFLOW_BALANCED)   # 10/8 < 21/16
+    assert _overflow(p, 11, 21) == (PLAIN, RouteReason.HYSTERESIS_PLAIN)   # 11/8 > 21/16
+    assert _overflow(p, 11, 22) == (PLAIN, RouteReason.HYSTERESIS_PLAIN)   # equal: plain
+    # a burst of 32 arriving one by one ends split in proportion to capacity
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6))
+    spec = plain = 0
+    for _ in range(32):
+        path, _reason = _overflow(p, spec, plain)
+        spec, plain = (spec + 1, plain) if path is SPEC else (spec, plain + 1)
+    assert (spec, plain) == (11, 21)
+
+
+def test_overflow_balance_off_unknown_capacity_or_gated_segment():
+    off = RouterPolicy(RouterConfig(enter_threshold=1, exit_threshold=1, balance_overflow=False))
+    assert _overflow(off, 1, 100) == (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
+    p = RouterPolicy(RouterConfig(enter_threshold=1, exit_threshold=1))
+    assert _overflow(p, 1, 100, spec_cap=None) == (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
+    # a segment below break-even is gated before hysteresis: never balanced onto the SpecEngine
+    p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=1, probe_every=0))
+    d = p.decide(RequestFeatures(segment="chat"),
+                 EngineView(spec_in_flight=0, plain_in_flight=100, spec_capacity=8, plain_capacity=16,
+                            alpha_by_segment=(("chat", 0.1, 50),)))
+    assert (d.path, d.reason) == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
