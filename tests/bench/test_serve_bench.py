@@ -28,3 +28,26 @@ def test_summarize_ratio_against_better_fixed_policy():
     assert s["best_fixed"] == "fixed_spec"
     assert s["routed_over_best_fixed"] == pytest.approx(1.1)
     assert s["meets_goal"] is False
+    assert s["ci90"] is None  # no per-request latencies: no interval
+
+
+def test_ratio_interval_covers_the_ratio_and_widens_with_noise():
+    routed = [1.0, 1.1, 0.9, 1.05, 0.95] * 4
+    spec = [x * 1.2 for x in routed]
+    lo, hi = bench.ratio_interval(routed, [spec, [9.0] * 20])
+    assert lo <= 1 / 1.2 <= hi and hi - lo < 0.15
+    assert bench.ratio_interval(routed, [spec]) == bench.ratio_interval(routed, [spec])  # seeded
+    noisy = [0.5, 2.0, 0.7, 1.6, 1.0] * 4
+    nlo, nhi = bench.ratio_interval(noisy, [spec])
+    assert nhi - nlo > hi - lo
+    assert bench.ratio_interval([], [spec]) is None and bench.ratio_interval(routed, [[]]) is None
+
+
+def test_summarize_reports_interval_from_per_request_latencies():
+    cells = [{"segment": "chat", "concurrency": 2, "policy": p, "e2e_p50": 2.0, "e2e_s": xs}
+             for p, xs in (("fixed_spec", [2.0, 2.1, 1.9]), ("fixed_plain", [2.0, 2.2, 1.8]),
+                           ("routed", [2.0, 2.05, 1.95]))]
+    (s,) = bench.summarize(cells)
+    assert s["routed_over_best_fixed"] == 1.0 and s["meets_goal"]
+    lo, hi = s["ci90"]
+    assert lo < 1.0 < hi
