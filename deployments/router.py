@@ -51,8 +51,7 @@ class Router:
                 raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
-        self.spec_in_flight = 0
-        self.plain_in_flight = 0
+        self.in_flight = {Path.SPECULATIVE: 0, Path.PLAIN: 0}  # requests forwarded, not yet done
         # sequences each engine side runs at once, for overflow balancing (policy rule 8)
         self._spec_capacity = self.app.spec_engine.max_num_seqs * self.app.spec_engine.num_replicas
         self._plain_capacity = self.app.batch_engine.max_num_seqs * self.app.batch_engine.num_replicas
@@ -96,7 +95,7 @@ class Router:
         s = self._spec_stats
         return EngineView.from_spec_by_segment(
             s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
-            spec_in_flight=self.spec_in_flight, plain_in_flight=self.plain_in_flight,
+            spec_in_flight=self.spec_in_flight, plain_in_flight=self.in_flight[Path.PLAIN],
             spec_capacity=self._spec_capacity, plain_capacity=self._plain_capacity,
             moe=bool(s.get("moe", False)),
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
@@ -116,15 +115,17 @@ class Router:
         self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
         return vreq, decision
 
+    @property
+    def spec_in_flight(self) -> int:
+        return self.in_flight[Path.SPECULATIVE]
+
+    def _count_in_flight(self, path: Path, delta: int) -> None:
+        self.in_flight[path] += delta
+        self.metrics.set_inflight(path, self.in_flight[path])
+
     async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str]):
-        speculative = decision.path is Path.SPECULATIVE
-        handle = self.spec if speculative else self.batch
-        if speculative:
-            self.spec_in_flight += 1
-            self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
-        else:
-            self.plain_in_flight += 1
-            self.metrics.set_inflight(Path.PLAIN, self.plain_in_flight)
+        handle = self.spec if decision.path is Path.SPECULATIVE else self.batch
+        self._count_in_flight(decision.path, +1)
         done = False
         gen = handle.options(stream=True).generate.remote(vreq, carrier)  # trace context rides along
         try:
@@ -135,12 +136,7 @@ class Router:
                 done = item.finished
                 yield item
         finally:
-            if speculative:
-                self.spec_in_flight -= 1
-                self.metrics.set_inflight(Path.SPECULATIVE, self.spec_in_flight)
-            else:
-                self.plain_in_flight -= 1
-                self.metrics.set_inflight(Path.PLAIN, self.plain_in_flight)
+            self._count_in_flight(decision.path, -1)
             if not done:  # client cancelled / deadline: stop the engine-side request
                 gen.cancel()
 

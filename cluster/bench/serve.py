@@ -308,10 +308,6 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
             "cells": cells, "summary": summarize(cells), "front_door": overhead}
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def ratio_interval(routed: list[float], fixed: list[list[float]], resamples: int = 2000,
                    seed: int = 0) -> tuple[float, float] | None:
     """90% bootstrap interval of p50(routed) / min over the fixed policies of p50(fixed): each
@@ -323,8 +319,9 @@ def ratio_interval(routed: list[float], fixed: list[list[float]], resamples: int
     if not routed or not fixed:
         return None
     rng = random.Random(seed)
-    draws = sorted(_median(rng.choices(routed, k=len(routed)))
-                   / min(_median(rng.choices(f, k=len(f))) for f in fixed) for _ in range(resamples))
+    med = statistics.median
+    draws = sorted(med(rng.choices(routed, k=len(routed))) / min(med(rng.choices(f, k=len(f))) for f in fixed)
+                   for _ in range(resamples))
     return round(draws[int(0.05 * (resamples - 1))], 4), round(draws[int(0.95 * (resamples - 1))], 4)
 
 
