@@ -201,7 +201,8 @@ class Router:
             dtype=a.dtype, moe=bool(info.get("moe", False)), drafter=a.drafter,
             num_spec_tokens=str(a.num_spec_tokens), placement=a.placement.value,
             max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
-            enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold, min_alpha=r.min_alpha,
+            enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold,
+            min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
             spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight)
 
     async def Check(self, request, grpc_context):  # noqa: N802 (grpc.health.v1)
