@@ -58,6 +58,9 @@ class TelemetryKnobs(_Strict):
     enabled: bool | None = None  # None = on when an endpoint is known; OTEL_SDK_DISABLED=true wins
 
 
+BATCHED_TOKENS_DEFAULT = 1024
+
+
 class DeploymentKnobs(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0.0)
@@ -67,6 +70,9 @@ class DeploymentKnobs(_Strict):
 class EngineKnobs(DeploymentKnobs):
     max_num_seqs: int = Field(8, ge=1)
     kv_cache_memory_mb: int = Field(512, ge=1)
+    # tokens one step may feed (running decodes first, then prompt chunks): bounds how long a long
+    # prompt's prefill stalls the running decodes (chunked prefill)
+    max_num_batched_tokens: int = Field(BATCHED_TOKENS_DEFAULT, ge=1)
 
 
 class DraftServerKnobs(DeploymentKnobs):
@@ -137,5 +143,6 @@ class AppConfig(_Strict):
         knobs = self.spec_engine if speculative else self.batch_engine
         return EngineConfig(model=self.model, dtype=self.dtype, max_num_seqs=knobs.max_num_seqs,
                             kv_cache_memory_mb=knobs.kv_cache_memory_mb, max_queue=self.limits.max_queue,
+                            max_num_batched_tokens=knobs.max_num_batched_tokens,
                             torch_threads=self.torch_threads,
                             spec=self.spec_config() if speculative else None)

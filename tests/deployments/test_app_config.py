@@ -1,0 +1,51 @@
+"""AppConfig (the Serve app's args) without Ray: the shipped config parses, knobs reach the engine
+and router dataclasses, and bad knobs are rejected with the field named."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deployments.app_config import BATCHED_TOKENS_DEFAULT, AppConfig
+
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
+
+
+def shipped_args() -> dict:
+    return yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]
+
+
+def test_shipped_serve_config_parses_and_maps_to_engine_configs():
+    app = AppConfig(**shipped_args())
+    spec, plain = app.engine_config(True), app.engine_config(False)
+    assert spec.spec is not None and plain.spec is None
+    knobs = shipped_args()
+    for cfg, side in ((spec, knobs["spec_engine"]), (plain, knobs["batch_engine"])):
+        assert cfg.max_num_seqs == side["max_num_seqs"]
+        assert cfg.kv_cache_memory_mb == side["kv_cache_memory_mb"]
+        assert cfg.max_num_batched_tokens == side.get("max_num_batched_tokens", BATCHED_TOKENS_DEFAULT)
+        assert cfg.torch_threads == knobs["torch_threads"]
+        assert cfg.max_queue == knobs["limits"]["max_queue"]
+
+
+def test_engine_token_budget_is_per_engine():
+    app = AppConfig(spec_engine={"max_num_batched_tokens": 64}, batch_engine={"max_num_batched_tokens": 512})
+    assert app.engine_config(True).max_num_batched_tokens == 64
+    assert app.engine_config(False).max_num_batched_tokens == 512
+    assert AppConfig().engine_config(False).max_num_batched_tokens == BATCHED_TOKENS_DEFAULT
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"batch_engine": {"max_num_batched_tokens": 0}}, "max_num_batched_tokens"),
+    ({"spec_engine": {"gpu_memory_utilization": 0.9}}, "gpu_memory_utilization"),
+    ({"router": {"enter_threshold": 9, "exit_threshold": 4}}, "threshold"),
+    ({"router": {"min_alpha": "sometimes"}}, "min_alpha"),
+    ({"placement": "separate", "drafter": "none"}, "needs a drafter"),
+    ({"temperature": 0.7}, "temperature"),
+])
+def test_bad_knobs_are_rejected_with_the_field_named(args, needle):
+    with pytest.raises(ValidationError) as e:
+        AppConfig(**args)
+    assert needle in str(e.value)
