@@ -3,8 +3,9 @@
 Owns: constructing the injected engine class from ``AppConfig`` (torch threads per replica),
 starting it in the background so the replica is up at once and ``ready()`` reports the engine's
 real readiness, tokenizing + checking prompts next to the model, and streaming ``RequestOutput``
-deltas back to the Router — or one ``EngineFailure`` record instead of raising, so the Router can
-set a precise gRPC status. Closing the stream (client cancelled, deadline) aborts the request,
+deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
+per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
+the Router can set a precise gRPC status. Closing the stream (client cancelled, deadline) aborts the request,
 which frees its KV blocks on target and draft. Ignores: routing, gRPC.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import AsyncIterator
 
 from cluster.api.requests import ValidatedRequest, to_generation_request
 from cluster.api.status import EngineFailure, FailureKind
-from cluster.engine.request import RequestOutput
+from cluster.engine.request import RequestOutput, merge_outputs
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
@@ -74,8 +75,8 @@ class EngineServer:
     def model_info(self) -> dict:
         return self.engine.model_info() if self.ready() else {}
 
-    async def generate(self, req: ValidatedRequest,
-                       trace_carrier: dict[str, str] | None = None) -> AsyncIterator[RequestOutput | EngineFailure]:
+    async def generate(self, req: ValidatedRequest, trace_carrier: dict[str, str] | None = None,
+                       whole: bool = False) -> AsyncIterator[RequestOutput | EngineFailure]:
         if not self.ready():
             yield EngineFailure(FailureKind.UNAVAILABLE, "engine is not ready yet")
             return
@@ -97,6 +98,13 @@ class EngineServer:
                 yield EngineFailure.from_exception(exc)
                 return
             finished = first.finished
+            if whole:
+                merged = first
+                async for out in stream:
+                    finished = out.finished
+                    merged = merge_outputs(merged, out)
+                yield merged
+                return
             yield first
             async for out in stream:
                 finished = out.finished

@@ -4,7 +4,8 @@ Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelIn
 ``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
 RPC), bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
 own SpecEngine in-flight count and the engines' polled stats (readiness, α per segment, MoE gate),
-forwarding to SpecEngine/BatchEngine through streaming handles, and mapping failures to gRPC
+forwarding to SpecEngine/BatchEngine through streaming handles (unary ``Generate`` asks the engine
+for the whole response as one message; ``GenerateStream`` relays every delta), and mapping failures to gRPC
 codes via ``grpc_context`` (set code + details, then return an empty message / raise in streams).
 Every decision is visible: ``route`` in the response, a span attribute, and the
 ``specserve_route_decisions`` metric. In-flight hysteresis is per Router replica: with R replicas,
@@ -123,11 +124,12 @@ class Router:
         self.in_flight[path] += delta
         self.metrics.set_inflight(path, self.in_flight[path])
 
-    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str]):
+    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str],
+                       whole: bool = False):
         handle = self.spec if decision.path is Path.SPECULATIVE else self.batch
         self._count_in_flight(decision.path, +1)
         done = False
-        gen = handle.options(stream=True).generate.remote(vreq, carrier)  # trace context rides along
+        gen = handle.options(stream=True).generate.remote(vreq, carrier, whole)  # trace context rides along
         try:
             async for item in gen:
                 if isinstance(item, EngineFailure):
@@ -153,7 +155,7 @@ class Router:
                 vreq, decision = self._admit(request, grpc_context)
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 acc = Accumulator(vreq.request_id, decision)
-                async for out in self._forward(vreq, decision, tel.carrier()):
+                async for out in self._forward(vreq, decision, tel.carrier(), whole=True):
                     tel.output(out)
                     acc.add(out)
                 return acc.response()

@@ -8,7 +8,6 @@ stops iterating. Ignores: scheduling and model details (``LLMEngine``), transpor
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine, LoadedModel
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
-    EngineOverloadedError, FinishReason, GenerationRequest, RequestOutput,
+    EngineOverloadedError, FinishReason, GenerationRequest, RequestOutput, merge_outputs,
 )
 
 log = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class AsyncEngine:
                     if isinstance(nxt, BaseException):
                         pending_exc = nxt
                         break
-                    item = _merge(item, nxt)
+                    item = merge_outputs(item, nxt)
                 yield item
                 if pending_exc is not None:
                     raise pending_exc
@@ -224,8 +223,3 @@ class AsyncEngine:
         except RuntimeError:  # caller's loop is closed
             pass
 
-
-def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one (the later one's status and counters)."""
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               text_delta=earlier.text_delta + later.text_delta)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import AsyncIterator
 
 from cluster.engine.config import EngineConfig
@@ -115,12 +116,15 @@ class FakeEngine:
         stats = SpecStats()
         out: list[int] = []
         finish = FinishReason.CANCELLED
+        arrival, first_at = time.monotonic(), None
         try:
             while len(out) < req.params.max_tokens:
                 await asyncio.sleep(self.token_delay_s)
                 new = await self._step(req, prompt, out, stats)
                 new = new[: req.params.max_tokens - len(out)]
                 out.extend(new)
+                if first_at is None and new:
+                    first_at = time.monotonic()
                 done = len(out) >= req.params.max_tokens
                 text = self.detokenize(new)
                 if done:
@@ -129,7 +133,9 @@ class FakeEngine:
                 yield RequestOutput(rid, new, text, finished=done,
                                     finish_reason=finish if done else None,
                                     num_prompt_tokens=len(prompt), num_output_tokens=len(out),
-                                    spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None)
+                                    spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None,
+                                    first_token_time=first_at - arrival if done and first_at else None,
+                                    finish_time=time.monotonic() - arrival if done else None)
         finally:
             self._running.pop(rid, None)
             self._slots.release()

@@ -200,6 +200,7 @@ class LLMEngine:
         start = seq.scheduled_at if seq.scheduled_at is not None else time.monotonic()
         out.queue_time = start - seq.arrival
         out.first_token_time = (seq.first_token_at - seq.arrival) if seq.first_token_at else None
+        out.finish_time = time.monotonic() - seq.arrival
         seq.trace.finish(seq.finish_reason, seq.num_output, seq.prompt_len)  # spans built off-thread
         return out
 

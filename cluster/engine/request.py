@@ -6,6 +6,7 @@ iterates, and the error raised for bad input. Ignores: tokenization and transpor
 from __future__ import annotations
 
 import enum
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -159,3 +160,10 @@ class RequestOutput:
     # Timing (seconds, monotonic clock): set on the final output.
     queue_time: float = 0.0
     first_token_time: float | None = None
+    finish_time: float | None = None  # arrival -> this final output
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (the later one's status and counters)."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               text_delta=earlier.text_delta + later.text_delta)

@@ -64,12 +64,13 @@ class RequestSpan:
         self.span.set_attributes(attrs)
         self.span.add_event(sc.EVENT_ROUTE, attrs)
 
-    def first_token(self) -> None:
-        """Call when the first output token reaches the router (TTFT as seen by the service)."""
+    def first_token(self, ago_s: float = 0.0) -> None:
+        """Call when the first output token reaches the router (TTFT as seen by the service);
+        ``ago_s``: it was produced that long before now (a whole response arrives at the end)."""
         if self._first_token_seen:
             return
         self._first_token_seen = True
-        now = time.time_ns()
+        now = max(self._start_ns, time.time_ns() - int(ago_s * 1e9))
         ttft_ms = (now - self._start_ns) / 1e6
         self.span.set_attribute(sc.TTFT_MS, ttft_ms)
         self.span.add_event(sc.EVENT_FIRST_TOKEN, {sc.TTFT_MS: ttft_ms}, timestamp=now)
@@ -132,7 +133,7 @@ class _NoopRequestSpan:
         return {}
 
     def set_route(self, path: Any, reason: Any, inflight: int | None = None) -> None: ...
-    def first_token(self) -> None: ...
+    def first_token(self, ago_s: float = 0.0) -> None: ...
     def set_usage(self, input_tokens: int, output_tokens: int) -> None: ...
     def set_finish(self, reasons: Any) -> None: ...
     def finish_from_output(self, output: Any) -> None: ...

@@ -130,6 +130,14 @@ def test_engine_spans_queue_prefill_speculative_decode(traced_request):
     times = [e[1] for e in steps]
     assert times == sorted(times) and decode.start_ns <= times[0] and times[-1] <= decode.end_ns
 
+    # unary Generate gets every token in one final output; the Router still dates the first token
+    # where the engine produced it (end of prefill), not where the whole response arrived
+    first = [e for e in router.events if e[0] == "first_token"]
+    assert len(first) == 1
+    ttft_ns = first[0][1]
+    assert prefill.start_ns <= ttft_ns <= min(decode.start_ns + 100_000_000, decode.end_ns)
+    assert router.attributes["specserve.ttft_ms"] == pytest.approx((ttft_ns - router.start_ns) / 1e6, abs=1.0)
+
 
 def test_kvsync_client_and_server_spans_propagate_context(traced_request):
     _, spans = traced_request

@@ -93,6 +93,30 @@ def test_finished_rejected_and_cancelled_requests(traced, metrics):
     assert gone.status_code == 2 and gone.attributes[sc.ERROR_TYPE] == "CancelledError"
 
 
+def test_whole_response_dates_the_first_token_by_engine_timings(traced, metrics):
+    """Unary Generate receives every token in one final output: TTFT is the time to that output
+    minus what the engine spent after its first token, and the span event is back-dated."""
+    import time
+
+    decision = SimpleNamespace(path=Path.PLAIN, reason=SimpleNamespace(value="mode_plain"))
+    with RequestTelemetry(metrics, model="smollm2", metadata=[]) as tel:
+        tel.routed(_vreq("whole-1"), decision)
+        time.sleep(0.3)  # the engine runs: first token after 0.05 s, final output at 0.3 s
+        t_out = time.perf_counter()
+        tel.output(RequestOutput("whole-1", [5, 6, 7], "abc", finished=True, finish_reason=FinishReason.LENGTH,
+                                 num_prompt_tokens=2, num_output_tokens=3,
+                                 first_token_time=0.05, finish_time=0.3))
+        ttft = tel._ttft
+        assert ttft == pytest.approx(t_out - tel._t0 - 0.25, abs=0.02) and ttft < 0.1
+    tracing.force_flush()
+    span = next(x for x in traced.wait_for(lambda sp: any(y.attributes.get(sc.REQUEST_ID) == "whole-1"
+                                                          for y in sp))
+                if x.attributes.get(sc.REQUEST_ID) == "whole-1")
+    (event,) = [e for e in span.events if e[0] == sc.EVENT_FIRST_TOKEN]
+    assert span.start_ns < event[1] < span.end_ns - 200_000_000  # dated near 0.05 s, not at 0.3 s
+    assert span.attributes[sc.TTFT_MS] == pytest.approx((event[1] - span.start_ns) / 1e6, abs=1.0)
+
+
 def test_engine_stats_dict_and_background_exporter(metrics):
     st = EngineStats(num_running=2, num_waiting=5, kv_blocks_total=100, kv_blocks_free=75, draft_resyncs=4)
     calls = []
