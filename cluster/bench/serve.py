@@ -80,15 +80,32 @@ def _max_tokens(row: dict, cap: int) -> int:
 
 
 # -- through the front door -------------------------------------------------------------------
-def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
-    import grpc
-
+def _request(pb2, row: dict, mode: int, max_tokens: int):
     req = pb2.GenerateRequest(max_tokens=_max_tokens(row, max_tokens), mode=mode,
                               segment=row.get("segment", ""))
     if row.get("chat"):
         req.messages.append(pb2.ChatMessage(role="user", content=row["prompt"]))
     else:
         req.prompt = row["prompt"]
+    return req
+
+
+def _one_unary(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
+    """One unary ``Generate`` (no TTFT: the client sees every token at the end)."""
+    import grpc
+
+    t0 = time.perf_counter()
+    try:
+        resp = stub.Generate(_request(pb2, row, mode, max_tokens), metadata=md, timeout=600)
+    except grpc.RpcError as exc:
+        return {"error": exc.code().name, "e2e": time.perf_counter() - t0, "ttft": None, "tokens": 0}
+    return {"error": None, "e2e": time.perf_counter() - t0, "ttft": None, "tokens": len(resp.token_ids)}
+
+
+def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
+    import grpc
+
+    req = _request(pb2, row, mode, max_tokens)
     t0 = time.perf_counter()
     ttft = None
     ntok = 0
@@ -164,7 +181,8 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                         pairs: int) -> dict:
     """Per path (speculative / plain): the same requests through an in-process engine — the
     class and engine config the service's replicas build (``engine_impl``, normally
-    ``AsyncEngine``) — and through gRPC, alternating, after one warm-up pair. With placement
+    ``AsyncEngine``) — and through gRPC, as ``GenerateStream`` (key ``<path>``) and as unary
+    ``Generate`` (key ``<path>/unary``), the three in rotating order, after one warm-up round. With placement
     ``separate`` the in-process spec engine drafts locally (no DraftServer in this process)."""
     from cluster.engine.request import SpecMode
     from deployments.app_config import AppConfig
@@ -181,22 +199,24 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
             engine = engine_cls(app.engine_config(speculative), **app.engine_impl.options)
             loop.run_until_complete(engine.start())  # loads the model here, in the bench process
             try:
-                direct, grpc_ = [], []
-                jobs = [rows[i % len(rows)] for i in range(pairs + 1)]
-                for i, row in enumerate(jobs):  # pair 0 warms both up and is not counted
-                    if i % 2:  # which side goes first alternates: no order bias
-                        g = _one(stub, pb2, md, row, proto_mode, max_tokens)
-                        d = _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}")
-                    else:
-                        d = _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}")
-                        g = _one(stub, pb2, md, row, proto_mode, max_tokens)
-                    if i and g["error"] is None:
-                        direct.append(d)
-                        grpc_.append(g)
-                out["paths"][name] = _overhead_summary(direct, grpc_)
-                print(f"front door {name:>11}: grpc/direct e2e, median of pair ratios = "
-                      f"{out['paths'][name]['e2e_ratio_paired']} (ratio of medians "
-                      f"{out['paths'][name]['e2e_ratio']})", file=sys.stderr, flush=True)
+                got: dict[str, list[dict]] = {"direct": [], "stream": [], "unary": []}
+                calls = {
+                    "direct": lambda row, i: _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}"),
+                    "stream": lambda row, i: _one(stub, pb2, md, row, proto_mode, max_tokens),
+                    "unary": lambda row, i: _one_unary(stub, pb2, md, row, proto_mode, max_tokens)}
+                order = list(calls)
+                for i in range(pairs + 1):  # round 0 warms all three up and is not counted
+                    row = rows[i % len(rows)]
+                    k = i % len(order)  # which side goes first rotates: no order bias
+                    res = {side: calls[side](row, i) for side in order[k:] + order[:k]}
+                    if i and res["stream"]["error"] is None and res["unary"]["error"] is None:
+                        for side, r in res.items():
+                            got[side].append(r)
+                for rpc, key in (("stream", name), ("unary", f"{name}/unary")):
+                    out["paths"][key] = _overhead_summary(got["direct"], got[rpc])
+                    print(f"front door {key:>17}: grpc/direct e2e, median of pair ratios = "
+                          f"{out['paths'][key]['e2e_ratio_paired']} (ratio of medians "
+                          f"{out['paths'][key]['e2e_ratio']})", file=sys.stderr, flush=True)
             finally:
                 loop.run_until_complete(engine.shutdown())
                 del engine
@@ -367,9 +387,10 @@ def format_report(report: dict) -> str:
     fd = report.get("front_door")
     if fd:
         lines += ["", f"front-door overhead at concurrency 1, {fd['pairs']} request pairs "
-                      f"(gRPC / in-process AsyncEngine, goal <= {FRONT_DOOR_GOAL}):"]
+                      f"(gRPC / in-process AsyncEngine, goal <= {FRONT_DOOR_GOAL}; "
+                      "<path>: GenerateStream, <path>/unary: Generate):"]
         for name, p in fd["paths"].items():
-            lines.append(f"  {name:<11} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p['grpc_e2e_p50'], 1e3)} ms "
+            lines.append(f"  {name:<17} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p['grpc_e2e_p50'], 1e3)} ms "
                          f"(ratio {p['e2e_ratio']}; per pair: ratio {p['e2e_ratio_paired']}, "
                          f"+{p['e2e_added_ms_p50']} ms); ttft p50 "
                          f"{_f(p['direct_ttft_p50'], 1e3)} -> {_f(p['grpc_ttft_p50'], 1e3)} ms (ratio {p['ttft_ratio']})")

@@ -283,7 +283,8 @@ def test_bench_serve_quick(addr, tmp_path):
     assert not any(c["errors"] for c in cells.values())
     assert len(report["summary"]) == 3
     fd = report["front_door"]
-    assert fd["engine"] == "cluster.engine.fake_engine:FakeEngine" and set(fd["paths"]) == {"speculative", "plain"}
+    assert fd["engine"] == "cluster.engine.fake_engine:FakeEngine" and set(fd["paths"]) == {
+        "speculative", "plain", "speculative/unary", "plain/unary"}
     for path in fd["paths"].values():  # same tokens both ways; the front door costs something
         assert path["requests"] == 2 and path["same_token_counts"] and path["e2e_ratio"] > 0.5
         assert path["e2e_ratio_paired"] > 0.5 and len(path["pairs_e2e_s"]) == 2
