@@ -55,6 +55,7 @@ def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tupl
 class _History:
     buf: np.ndarray  # [capacity] int64
     length: int
+    match: tuple[int, int] | None = None  # find_ngram_match of buf[:length], once searched
 
 
 @dataclass(slots=True)
@@ -74,8 +75,10 @@ class NgramProposer:
             if inp.num_draft_tokens <= 0 or len(inp.token_ids) < 2:
                 drafts.append([])
                 continue
-            tokens = self._history(inp.seq_id, inp.token_ids)
-            drafts.append(find_ngram_continuation(tokens, inp.num_draft_tokens, self.ngram_min, self.ngram_max))
+            n, start = self._match(inp.seq_id, inp.token_ids)
+            h = self._cache[inp.seq_id]
+            tokens = h.buf[: h.length]  # [L] the history the match was found in
+            drafts.append(tokens[start : start + inp.num_draft_tokens].tolist() if n else [])
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
@@ -85,11 +88,20 @@ class NgramProposer:
         draft. Adaptive K keeps acceptance statistics per context."""
         if len(token_ids) < 2:
             return None
-        n, _ = find_ngram_match(self._history(seq_id, token_ids), self.ngram_min, self.ngram_max)
+        n, _ = self._match(seq_id, token_ids)
         return f"n{n}" if n else None
 
     def release(self, seq_id: str) -> None:
         self._cache.pop(seq_id, None)
+
+    def _match(self, seq_id: str, token_ids: list[int]) -> tuple[int, int]:
+        """find_ngram_match over the history, searched once per history length: adaptive K asks
+        for the draft context and then the draft of the same tokens in one step."""
+        tokens = self._history(seq_id, token_ids)
+        h = self._cache[seq_id]
+        if h.match is None:
+            h.match = find_ngram_match(tokens, self.ngram_min, self.ngram_max)
+        return h.match
 
     def _history(self, seq_id: str, token_ids: list[int]) -> np.ndarray:
         """The committed tokens as a numpy view, appending only what is new since the last call.
@@ -110,4 +122,5 @@ class NgramProposer:
                 h.buf = grown
             h.buf[h.length : n] = token_ids[h.length : n]
             h.length = n
+            h.match = None
         return h.buf[:n]

@@ -97,6 +97,25 @@ def test_draft_context_is_the_match_length():
     assert NgramProposer(ngram_min=2, ngram_max=3).draft_context("e", [5, 6, 7, 8, 6]) is None
 
 
+def test_one_search_per_history_length(monkeypatch):
+    """Adaptive K asks for the draft context, then the draft, of the same tokens: one search."""
+    from cluster.spec import ngram
+
+    calls = []
+    real = ngram.find_ngram_match
+    monkeypatch.setattr(ngram, "find_ngram_match", lambda *a: calls.append(1) or real(*a))
+    p = NgramProposer(ngram_min=1, ngram_max=3)
+    seq = [1, 2, 3, 1, 2]
+    assert p.draft_context("a", seq) == "n2"
+    assert draft(seq, 2, proposer=p, seq_id="a") == [3, 1]
+    assert len(calls) == 1
+    seq += [3, 7, 1]  # grown: searched again, and the draft rests on the new suffix
+    assert p.draft_context("a", seq) == "n1" and draft(seq, 3, proposer=p, seq_id="a") == [2, 3, 7]
+    assert len(calls) == 2
+    assert draft([9, 8, 9], 1, proposer=p, seq_id="a") == [8]  # a changed history is searched anew
+    assert len(calls) == 3
+
+
 def test_invalid_bounds():
     with pytest.raises(ValueError):
         NgramProposer(ngram_min=0)
