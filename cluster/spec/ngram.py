@@ -27,10 +27,13 @@ from cluster.spec.types import DraftProposal, ProposeInput
 def find_ngram_continuation(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """tokens [L] int64 -> up to k tokens that followed the most recent earlier occurrence of the
     longest matching suffix n-gram; [] when no n in [ngram_min, ngram_max] matches."""
-    if k <= 0:
-        return []
-    n, start = find_ngram_match(tokens, ngram_min, ngram_max)
-    return tokens[start : start + k].tolist() if n else []
+    return continuation(tokens, find_ngram_match(tokens, ngram_min, ngram_max) if k > 0 else (0, -1), k)
+
+
+def continuation(tokens: np.ndarray, match: tuple[int, int], k: int) -> list[int]:
+    """tokens [L], a ``find_ngram_match`` result -> the up to k tokens after the match."""
+    n, start = match
+    return tokens[start : start + k].tolist() if n and k > 0 else []
 
 
 def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tuple[int, int]:
@@ -75,10 +78,9 @@ class NgramProposer:
             if inp.num_draft_tokens <= 0 or len(inp.token_ids) < 2:
                 drafts.append([])
                 continue
-            n, start = self._match(inp.seq_id, inp.token_ids)
+            match = self._match(inp.seq_id, inp.token_ids)
             h = self._cache[inp.seq_id]
-            tokens = h.buf[: h.length]  # [L] the history the match was found in
-            drafts.append(tokens[start : start + inp.num_draft_tokens].tolist() if n else [])
+            drafts.append(continuation(h.buf[: h.length], match, inp.num_draft_tokens))
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
