@@ -152,7 +152,7 @@ def cell_stats(results: list[dict], wall: float) -> dict:
             "draft_tokens": drafted,
             "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None,
             "route_mix": dict(Counter(f"{r['path']}:{r['reason']}" for r in results)),
-            "e2e_s": [round(x, 5) for x in e2e]}  # per request, for resampling (summarize)
+            "e2e_s": [round(x, 5) for x in e2e]}  # per request in row order (summarize pairs them)
 
 
 # -- front-door overhead: in-process AsyncEngine vs gRPC, concurrency 1 ------------------------
@@ -279,6 +279,17 @@ def round_plan(requests: int, concurrency: int, rounds: int) -> tuple[int, int]:
     return -(-total // per), per
 
 
+def policy_order(policies: list[str], r: int) -> list[str]:
+    """The policies' order in round r: the permutations in turn, so that over a cycle every policy
+    runs in every position and right after every other policy equally often (a policy that follows
+    one using the other engine starts on a cold engine: a plain rotation gave routed that place
+    twice as often as fixed-spec)."""
+    import itertools
+
+    orders = list(itertools.permutations(policies))
+    return list(orders[r % len(orders)])
+
+
 def _bench(args, addr: str, app: str, app_args: dict) -> dict:
     import grpc
 
@@ -308,8 +319,7 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                 per = {p: ([], 0.0) for p in plan["policies"]}
                 rounds, n_round = round_plan(plan["requests"], c, plan["rounds"])
                 for r in range(rounds):
-                    k = r % len(plan["policies"])
-                    for policy in plan["policies"][k:] + plan["policies"][:k]:
+                    for policy in policy_order(plan["policies"], r):
                         # one short untimed request first: the engine this policy uses may have sat
                         # idle (its weights out of cache) while another policy ran on the other one
                         _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
@@ -345,9 +355,26 @@ def ratio_interval(routed: list[float], fixed: list[list[float]], resamples: int
     return round(draws[int(0.05 * (resamples - 1))], 4), round(draws[int(0.95 * (resamples - 1))], 4)
 
 
+def paired_ratio(routed: list[float], fixed: list[float], resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, list[float]] | None:
+    """Median over rows of routed e2e / fixed e2e — the two lists in row order (the same prompt in
+    the same round, back to back), so prompt length and a slow stretch of the machine cancel —
+    and its 90% bootstrap interval. None unless the lists pair up."""
+    import random
+
+    if not routed or len(routed) != len(fixed):
+        return None
+    ratios = [r / f for r, f in zip(routed, fixed)]
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return (round(statistics.median(ratios), 4),
+            [round(draws[int(0.05 * (resamples - 1))], 4), round(draws[int(0.95 * (resamples - 1))], 4)])
+
+
 def summarize(cells: list[dict]) -> list[dict]:
     """Per (segment, concurrency): routed p50 e2e over the better fixed policy (goal <= 1.05),
-    with its 90% bootstrap interval over requests (``ci90``)."""
+    with its 90% bootstrap interval over requests (``ci90``), and beside it the paired estimate
+    (``paired_ratio``, ``paired_ci90``: per-row ratios, same prompt and round)."""
     out = []
     keys = sorted({(c["segment"], c["concurrency"]) for c in cells})
     for seg, conc in keys:
@@ -358,9 +385,14 @@ def summarize(cells: list[dict]) -> list[dict]:
             ratio = round(by["routed"]["e2e_p50"] / fixed[best], 4)
             ci = ratio_interval(by["routed"].get("e2e_s") or [],
                                 [by[p].get("e2e_s") or [] for p in fixed])
+            aligned = not by["routed"].get("errors") and not by[best].get("errors")
+            paired = paired_ratio(by["routed"].get("e2e_s") or [], by[best].get("e2e_s") or []) \
+                if aligned else None
             out.append({"segment": seg, "concurrency": conc, "best_fixed": best,
                         "routed_over_best_fixed": ratio, "meets_goal": ratio <= ROUTED_GOAL,
-                        "ci90": list(ci) if ci else None})
+                        "ci90": list(ci) if ci else None,
+                        "paired_ratio": paired[0] if paired else None,
+                        "paired_ci90": paired[1] if paired else None})
     return out
 
 
@@ -382,6 +414,8 @@ def format_report(report: dict) -> str:
         lines += ["", f"routed p50 e2e / better fixed policy (goal <= {ROUTED_GOAL}):"]
         lines += [f"  {s['segment']:<12} c={s['concurrency']:<3} {s['routed_over_best_fixed']:.3f} "
                   + (f"[90% {s['ci90'][0]:.2f}-{s['ci90'][1]:.2f}] " if s.get("ci90") else "")
+                  + (f"paired {s['paired_ratio']:.3f} [{s['paired_ci90'][0]:.2f}-{s['paired_ci90'][1]:.2f}] "
+                     if s.get("paired_ratio") else "")
                   + f"(best fixed: {s['best_fixed']}){'' if s['meets_goal'] else '  MISSES GOAL'}"
                   for s in report["summary"]]
     fd = report.get("front_door")

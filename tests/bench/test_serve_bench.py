@@ -51,3 +51,32 @@ def test_summarize_reports_interval_from_per_request_latencies():
     assert s["routed_over_best_fixed"] == 1.0 and s["meets_goal"]
     lo, hi = s["ci90"]
     assert lo < 1.0 < hi
+
+
+def test_policy_order_balances_position_and_predecessor():
+    from collections import Counter
+
+    policies = ["fixed_spec", "fixed_plain", "routed"]
+    orders = [bench.policy_order(policies, r) for r in range(6)]
+    assert all(sorted(o) == sorted(policies) for o in orders) and len({tuple(o) for o in orders}) == 6
+    assert all(Counter(o[i] for o in orders) == Counter({p: 2 for p in policies}) for i in range(3))
+    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    assert set(follows.values()) == {2} and len(follows) == 6  # each ordered pair twice
+    assert bench.policy_order(policies, 7) == orders[1]
+
+
+def test_paired_ratio_cancels_what_the_rows_share():
+    rows = [1.0, 3.0, 2.0, 6.0, 1.5, 4.0, 2.5, 5.0]  # prompts of very different length
+    routed = [x * 1.02 for x in rows]
+    ratio, (lo, hi) = bench.paired_ratio(routed, rows)
+    assert ratio == pytest.approx(1.02) and lo == pytest.approx(1.02) and hi == pytest.approx(1.02)
+    lo_unpaired, hi_unpaired = bench.ratio_interval(routed, [rows])
+    assert hi_unpaired - lo_unpaired > 0.3  # the unpaired interval sees the prompt spread
+    assert bench.paired_ratio(routed, rows[:-1]) is None and bench.paired_ratio([], []) is None
+    cells = [{"segment": "code", "concurrency": 1, "policy": p, "e2e_p50": 2.0, "e2e_s": xs, "errors": {}}
+             for p, xs in (("fixed_spec", rows), ("fixed_plain", [x * 1.5 for x in rows]), ("routed", routed))]
+    (s,) = bench.summarize(cells)
+    assert s["paired_ratio"] == pytest.approx(1.02) and s["paired_ci90"][0] <= 1.02 <= s["paired_ci90"][1]
+    cells[2]["errors"] = {"UNAVAILABLE": 1}  # a failed request: the rows no longer pair up
+    (s,) = bench.summarize(cells)
+    assert s["paired_ratio"] is None
