@@ -58,7 +58,7 @@ class TelemetryKnobs(_Strict):
     enabled: bool | None = None  # None = on when an endpoint is known; OTEL_SDK_DISABLED=true wins
 
 
-BATCHED_TOKENS_DEFAULT = 1024
+BATCHED_TOKENS_DEFAULT = EngineConfig().max_num_batched_tokens  # one default, the engine's
 
 
 class DeploymentKnobs(_Strict):

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--requests", type=int, default=16, help="requests per cell (at least the concurrency)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="split each cell into rounds, policies interleaved with rotating order; "
+                   help="split each cell into rounds, policies interleaved in every order in turn; "
                         "0 (default) = one wave of `concurrency` requests per round, the finest "
                         "interleaving")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -182,7 +182,7 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
     """Per path (speculative / plain): the same requests through an in-process engine — the
     class and engine config the service's replicas build (``engine_impl``, normally
     ``AsyncEngine``) — and through gRPC, as ``GenerateStream`` (key ``<path>``) and as unary
-    ``Generate`` (key ``<path>/unary``), the three in rotating order, after one warm-up round. With placement
+    ``Generate`` (key ``<path>/unary``), the three in ``round_order``, after one warm-up round. With placement
     ``separate`` the in-process spec engine drafts locally (no DraftServer in this process)."""
     from cluster.engine.request import SpecMode
     from deployments.app_config import AppConfig
@@ -204,11 +204,9 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                     "direct": lambda row, i: _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}"),
                     "stream": lambda row, i: _one(stub, pb2, md, row, proto_mode, max_tokens),
                     "unary": lambda row, i: _one_unary(stub, pb2, md, row, proto_mode, max_tokens)}
-                order = list(calls)
                 for i in range(pairs + 1):  # round 0 warms all three up and is not counted
                     row = rows[i % len(rows)]
-                    k = i % len(order)  # which side goes first rotates: no order bias
-                    res = {side: calls[side](row, i) for side in order[k:] + order[:k]}
+                    res = {side: calls[side](row, i) for side in round_order(list(calls), i)}
                     if i and res["stream"]["error"] is None and res["unary"]["error"] is None:
                         for side, r in res.items():
                             got[side].append(r)
@@ -279,14 +277,14 @@ def round_plan(requests: int, concurrency: int, rounds: int) -> tuple[int, int]:
     return -(-total // per), per
 
 
-def policy_order(policies: list[str], r: int) -> list[str]:
-    """The policies' order in round r: the permutations in turn, so that over a cycle every policy
-    runs in every position and right after every other policy equally often (a policy that follows
-    one using the other engine starts on a cold engine: a plain rotation gave routed that place
-    twice as often as fixed-spec)."""
+def round_order(items: list[str], r: int) -> list[str]:
+    """The order of what runs side by side (policies, front-door sides) in round r: the
+    permutations in turn, so that over a cycle each runs in every position and right after every
+    other equally often (a policy that follows one using the other engine starts on a cold engine:
+    a plain rotation gave routed that place twice as often as fixed-spec)."""
     import itertools
 
-    orders = list(itertools.permutations(policies))
+    orders = list(itertools.permutations(items))
     return list(orders[r % len(orders)])
 
 
@@ -319,7 +317,7 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                 per = {p: ([], 0.0) for p in plan["policies"]}
                 rounds, n_round = round_plan(plan["requests"], c, plan["rounds"])
                 for r in range(rounds):
-                    for policy in policy_order(plan["policies"], r):
+                    for policy in round_order(plan["policies"], r):
                         # one short untimed request first: the engine this policy uses may have sat
                         # idle (its weights out of cache) while another policy ran on the other one
                         _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
@@ -350,9 +348,14 @@ def ratio_interval(routed: list[float], fixed: list[list[float]], resamples: int
         return None
     rng = random.Random(seed)
     med = statistics.median
-    draws = sorted(med(rng.choices(routed, k=len(routed))) / min(med(rng.choices(f, k=len(f))) for f in fixed)
-                   for _ in range(resamples))
-    return round(draws[int(0.05 * (resamples - 1))], 4), round(draws[int(0.95 * (resamples - 1))], 4)
+    return _interval90([med(rng.choices(routed, k=len(routed))) / min(med(rng.choices(f, k=len(f))) for f in fixed)
+                        for _ in range(resamples)])
+
+
+def _interval90(draws: list[float]) -> tuple[float, float]:
+    """The 5th and 95th percentiles of bootstrap draws."""
+    draws = sorted(draws)
+    return round(draws[int(0.05 * (len(draws) - 1))], 4), round(draws[int(0.95 * (len(draws) - 1))], 4)
 
 
 def paired_ratio(routed: list[float], fixed: list[float], resamples: int = 2000,
@@ -366,9 +369,8 @@ def paired_ratio(routed: list[float], fixed: list[float], resamples: int = 2000,
         return None
     ratios = [r / f for r, f in zip(routed, fixed)]
     rng = random.Random(seed)
-    draws = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return (round(statistics.median(ratios), 4),
-            [round(draws[int(0.05 * (resamples - 1))], 4), round(draws[int(0.95 * (resamples - 1))], 4)])
+    ci = _interval90([statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)])
+    return round(statistics.median(ratios), 4), list(ci)
 
 
 def summarize(cells: list[dict]) -> list[dict]:

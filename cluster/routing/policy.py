@@ -15,8 +15,9 @@ Rule order (first match wins):
 6. live α of the request's segment below ``min_alpha`` — by default ("auto") the SpecEngine's
    break-even α from its measured step costs, ``FALLBACK_MIN_ALPHA`` while it reports none —
    (with at least ``min_alpha_samples`` draft tokens measured) -> plain (BELOW_BREAK_EVEN) —
-   except every ``probe_every``-th such request, which goes through the hysteresis rule as a probe (PROBE_BELOW_BREAK_EVEN when it speculates),
-   so that the segment's α keeps being measured and a segment that improves comes back. Live α
+   except every ``probe_every``-th such request, which goes through the hysteresis rule as a
+   probe (PROBE_BELOW_BREAK_EVEN when it speculates), so that the segment's α keeps being
+   measured and a segment that improves comes back. Live α
    is the engine's recent (decayed) estimate, not a lifetime average.
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight

@@ -78,9 +78,8 @@ class NgramProposer:
             if inp.num_draft_tokens <= 0 or len(inp.token_ids) < 2:
                 drafts.append([])
                 continue
-            match = self._match(inp.seq_id, inp.token_ids)
-            h = self._cache[inp.seq_id]
-            drafts.append(continuation(h.buf[: h.length], match, inp.num_draft_tokens))
+            tokens, match = self._match(inp.seq_id, inp.token_ids)
+            drafts.append(continuation(tokens, match, inp.num_draft_tokens))
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
@@ -90,20 +89,20 @@ class NgramProposer:
         draft. Adaptive K keeps acceptance statistics per context."""
         if len(token_ids) < 2:
             return None
-        n, _ = self._match(seq_id, token_ids)
+        _, (n, _) = self._match(seq_id, token_ids)
         return f"n{n}" if n else None
 
     def release(self, seq_id: str) -> None:
         self._cache.pop(seq_id, None)
 
-    def _match(self, seq_id: str, token_ids: list[int]) -> tuple[int, int]:
-        """find_ngram_match over the history, searched once per history length: adaptive K asks
-        for the draft context and then the draft of the same tokens in one step."""
+    def _match(self, seq_id: str, token_ids: list[int]) -> tuple[np.ndarray, tuple[int, int]]:
+        """(history [L], find_ngram_match over it), searched once per history length: adaptive K
+        asks for the draft context and then the draft of the same tokens in one step."""
         tokens = self._history(seq_id, token_ids)
         h = self._cache[seq_id]
         if h.match is None:
             h.match = find_ngram_match(tokens, self.ngram_min, self.ngram_max)
-        return h.match
+        return tokens, h.match
 
     def _history(self, seq_id: str, token_ids: list[int]) -> np.ndarray:
         """The committed tokens as a numpy view, appending only what is new since the last call.

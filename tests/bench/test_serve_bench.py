@@ -53,16 +53,16 @@ def test_summarize_reports_interval_from_per_request_latencies():
     assert lo < 1.0 < hi
 
 
-def test_policy_order_balances_position_and_predecessor():
+def test_round_order_balances_position_and_predecessor():
     from collections import Counter
 
     policies = ["fixed_spec", "fixed_plain", "routed"]
-    orders = [bench.policy_order(policies, r) for r in range(6)]
+    orders = [bench.round_order(policies, r) for r in range(6)]
     assert all(sorted(o) == sorted(policies) for o in orders) and len({tuple(o) for o in orders}) == 6
     assert all(Counter(o[i] for o in orders) == Counter({p: 2 for p in policies}) for i in range(3))
     follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
     assert set(follows.values()) == {2} and len(follows) == 6  # each ordered pair twice
-    assert bench.policy_order(policies, 7) == orders[1]
+    assert bench.round_order(policies, 7) == orders[1]
 
 
 def test_paired_ratio_cancels_what_the_rows_share():
