@@ -84,7 +84,7 @@ class DraftServerKnobs(DeploymentKnobs):
 
 
 class EngineImpl(_Strict):
-    cls: str = "cluster.engine.async_engine:AsyncEngine"
+    cls: str = "cluster.engine.process_engine:ProcessEngine"
     options: dict[str, Any] = Field(default_factory=dict)  # extra constructor keywords
 
     def load(self):

@@ -62,6 +62,8 @@ class EngineServer:
     def check_health(self) -> None:
         if self._start_error is not None:
             raise RuntimeError(f"engine failed to start: {self._start_error!r}")
+        if self._start_task.done() and not self.engine.ready():  # e.g. its core process died
+            raise RuntimeError("engine stopped")
 
     def ready(self) -> bool:
         return self._start_error is None and self.engine.ready()
@@ -70,6 +72,7 @@ class EngineServer:
         d = self.engine.stats().to_dict() if self.ready() else {}
         d["ready"] = self.ready()
         d["in_flight"] = self._in_flight
+        d["engine_pid"] = self.engine.pid  # ProcessEngine: the core process (its own GIL)
         return d
 
     def model_info(self) -> dict:
@@ -98,17 +101,21 @@ class EngineServer:
                 yield EngineFailure.from_exception(exc)
                 return
             finished = first.finished
-            if whole:
-                merged = first
+            try:
+                if whole:
+                    merged = first
+                    async for out in stream:
+                        finished = out.finished
+                        merged = merge_outputs(merged, out)
+                    yield merged
+                    return
+                yield first
                 async for out in stream:
                     finished = out.finished
-                    merged = merge_outputs(merged, out)
-                yield merged
-                return
-            yield first
-            async for out in stream:
-                finished = out.finished
-                yield out
+                    yield out
+            except Exception as exc:  # EngineUnavailableError: the engine's core process died
+                finished = True  # the engine has dropped the request already
+                yield EngineFailure.from_exception(exc)
         finally:
             self._in_flight -= 1
             if stream is not None and not finished:

@@ -36,8 +36,11 @@ class SpecEngine(EngineServer):
 
             self._proposer = RemoteProposer(None, timeout_s=app.draft_server.timeout_s,
                                             retry_after_s=_REFRESH_S)
-            self._refresh_task = asyncio.create_task(self._refresh_address())
         await self._init_engine(config, proposer=self._proposer)
+        if self._proposer is not None:
+            # the engine's own handle on it (ProcessEngine: a stand-in for the one in its core)
+            self._proposer = self.engine.proposer
+            self._refresh_task = asyncio.create_task(self._refresh_address())
 
     async def _refresh_address(self) -> None:
         while True:

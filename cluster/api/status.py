@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.engine.request import EngineOverloadedError, InvalidRequestError
+from cluster.engine.request import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
 
 
 class FailureKind(enum.Enum):
@@ -51,6 +51,8 @@ class EngineFailure:
             return cls(FailureKind.INVALID_ARGUMENT, str(exc))
         if isinstance(exc, EngineOverloadedError):
             return cls(FailureKind.RESOURCE_EXHAUSTED, str(exc) or "engine queue is full")
+        if isinstance(exc, EngineUnavailableError):
+            return cls(FailureKind.UNAVAILABLE, str(exc))
         return cls(FailureKind.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def to_service_error(self) -> ServiceError:

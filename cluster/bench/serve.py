@@ -179,24 +179,29 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
 
 def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
                         pairs: int) -> dict:
-    """Per path (speculative / plain): the same requests through an in-process engine — the
-    class and engine config the service's replicas build (``engine_impl``, normally
-    ``AsyncEngine``) — and through gRPC, as ``GenerateStream`` (key ``<path>``) and as unary
-    ``Generate`` (key ``<path>/unary``), the three in ``round_order``, after one warm-up round. With placement
-    ``separate`` the in-process spec engine drafts locally (no DraftServer in this process)."""
+    """Per path (speculative / plain): the same requests through an engine stepping in this
+    process — ``AsyncEngine`` with the engine config the service's replicas build (the configured
+    ``engine_impl`` itself when it is not an ``AsyncEngine``, e.g. FakeEngine) — and through gRPC,
+    as ``GenerateStream`` (key ``<path>``) and as unary ``Generate`` (key ``<path>/unary``), the
+    three in ``round_order``, after one warm-up round. With placement ``separate`` the in-process
+    spec engine drafts locally (no DraftServer in this process)."""
+    from cluster.engine.async_engine import AsyncEngine
     from cluster.engine.request import SpecMode
     from deployments.app_config import AppConfig
 
     app = AppConfig(**app_args)
-    engine_cls = app.engine_impl.load()
+    engine_cls, engine_opts = app.engine_impl.load(), app.engine_impl.options
+    if issubclass(engine_cls, AsyncEngine):  # ProcessEngine too: its core-process hop counts as
+        engine_cls, engine_opts = AsyncEngine, {}  # front door; the engine steps right here
     paths = ([("speculative", True, 1, SpecMode.SPECULATIVE)] if app.speculative else []) + \
         [("plain", False, 2, SpecMode.PLAIN)]
     out: dict = {"concurrency": 1, "pairs": pairs, "goal_ratio": FRONT_DOOR_GOAL,
-                 "engine": app.engine_impl.cls, "placement": app.placement.value, "paths": {}}
+                 "engine": f"{engine_cls.__module__}:{engine_cls.__name__}",
+                 "service_engine": app.engine_impl.cls, "placement": app.placement.value, "paths": {}}
     loop = asyncio.new_event_loop()
     try:
         for name, speculative, proto_mode, mode in paths:
-            engine = engine_cls(app.engine_config(speculative), **app.engine_impl.options)
+            engine = engine_cls(app.engine_config(speculative), **engine_opts)
             loop.run_until_complete(engine.start())  # loads the model here, in the bench process
             try:
                 got: dict[str, list[dict]] = {"direct": [], "stream": [], "unary": []}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from typing import AsyncIterator
 
@@ -62,6 +63,10 @@ class FakeEngine:
 
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
 
     async def shutdown(self) -> None:
         self._ready = False

@@ -38,6 +38,11 @@ class EngineStats:
 class EngineProtocol(Protocol):
     """What a serving layer may call. All methods are safe to call from one asyncio loop."""
 
+    # the drafter the replica injected (KVSync RemoteProposer), or a stand-in that forwards to
+    # where it runs (ProcessEngine); None without one
+    proposer: object
+    pid: int | None  # the process that steps the model (ProcessEngine: its core process)
+
     async def start(self) -> None:
         """Load models and start the step loop. Idempotent."""
 

@@ -18,6 +18,11 @@ class EngineOverloadedError(RuntimeError):
     """The bounded waiting queue is full (RESOURCE_EXHAUSTED at the service)."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve (its core process failed to start or exited): UNAVAILABLE at the
+    service, so clients may retry on a replica Serve has replaced."""
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"

@@ -46,6 +46,18 @@ class RemoteProposer:
         self.num_failures = 0
         self.last_resynced: set[str] = set()  # seq ids whose prefix the last propose() resent
 
+    def __getstate__(self) -> dict:
+        """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
+        connection, the lock and what the server holds are not carried."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock")}
+        state.update(_sent={}, _lost=set(), _epoch=0)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._channel = self._stub = None
+        self._lock = threading.RLock()
+
     @property
     def resyncs(self) -> int:  # the name the engine's stats read
         return self.num_resyncs

@@ -1,11 +1,14 @@
 """The Serve app on the real default model (SmolLM2-135M): greedy outputs through the gRPC front
 door equal Hugging Face ``generate`` on the spec and plain paths, with shared and separate
-placement; a DraftServer killed mid-stream; cancellation frees KV on target and draft.
+placement; a DraftServer killed mid-stream; an engine core process killed mid-stream (the stream
+ends UNAVAILABLE, Serve replaces the replica); cancellation frees KV on target and draft.
 
 Near ties: at the first divergence (if any) both tokens must be within 1e-3 in the HF logits —
 batched verification may reorder float sums; never a looser rule.
 """
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -135,3 +138,33 @@ def test_cancel_mid_stream_frees_kv_on_target_and_draft(addr):
         return (s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
                 and draft["num_sequences"] == 0)
     wait_for(freed, timeout=30, what="KV pool full again on target and draft")
+
+
+def test_engine_core_killed_mid_stream_fails_it_then_replica_is_replaced(addr, hf):
+    import grpc
+
+    c = Client(addr, "shared")
+    core = engine_stats("shared", "BatchEngine")["engine_pid"]
+    assert core != os.getpid()
+    it = c.stream(prompt="Count slowly: one, two, three,", max_tokens=200, ignore_eos=True, mode=2,
+                  timeout=180)
+    got = list(next(it).token_ids)
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for ch in it:
+            got += ch.token_ids
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert "engine process exited" in err.value.details() and len(got) < 200
+
+    prompt = prompts()[1]
+    prompt_ids, want = hf_greedy(hf, prompt, N)
+
+    def served_again():  # health check fails -> Serve starts a new BatchEngine replica
+        try:
+            r = c.generate(prompt=prompt, max_tokens=N, mode=2, timeout=60)
+        except grpc.RpcError:
+            return False
+        assert_greedy_equal(hf, prompt_ids, list(r.token_ids), want)
+        return True
+    wait_for(served_again, timeout=180, what="a new BatchEngine replica to serve")
+    assert engine_stats("shared", "BatchEngine")["engine_pid"] not in (core, None)

@@ -34,6 +34,37 @@ def run_to_completion(engine, requests: list[GenerationRequest], join_at: dict[s
     return res
 
 
+async def consume_stream(engine, request: GenerationRequest) -> tuple[list[int], str, object]:
+    """Iterate an async engine's stream: (token ids, text, last delta)."""
+    ids, text, last = [], "", None
+    async for out in engine.generate(request):
+        ids += out.new_token_ids
+        text += out.text_delta
+        last = out
+    return ids, text, last
+
+
+def assert_streams_match(expected: dict[str, dict], requests, got) -> None:
+    """Streams (``consume_stream`` results, in request order) equal the synchronous engine's."""
+    for req, (ids, text, last) in zip(requests, got, strict=True):
+        assert ids == expected[req.request_id]["ids"]
+        assert text == expected[req.request_id]["text"]
+        assert last.finished and last.finish_reason is expected[req.request_id]["finish"]
+
+
+async def wait_pool_full(engine, tries: int = 250):
+    """Poll an async engine's stats until no request runs and every KV block is free; the last
+    snapshot (the caller asserts on it)."""
+    import asyncio
+
+    for _ in range(tries):
+        st = engine.stats()
+        if st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0:
+            break
+        await asyncio.sleep(0.02)
+    return st
+
+
 def _collect(res: dict, out) -> None:
     r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None})
     r["ids"] += out.new_token_ids

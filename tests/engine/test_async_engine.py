@@ -10,7 +10,9 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.request import (
     EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams,
 )
-from tests.engine.helpers import run_to_completion
+from tests.engine.helpers import (
+    assert_streams_match, consume_stream, run_to_completion, wait_pool_full,
+)
 from tests.engine.test_engine_default import engine_on
 
 
@@ -25,14 +27,6 @@ def test_streams_match_sync_engine_and_cancel_frees_kv(default_model):
     expected = run_to_completion(engine_on(default_model), _reqs(tok))
     eng = AsyncEngine(engine_on(default_model).config, engine=engine_on(default_model))
 
-    async def consume(req):
-        ids, text, last = [], "", None
-        async for out in eng.generate(req):
-            ids += out.new_token_ids
-            text += out.text_delta
-            last = out
-        return ids, text, last
-
     async def cancel_midway(req):
         n = 0
         async for out in eng.generate(req):
@@ -43,15 +37,11 @@ def test_streams_match_sync_engine_and_cancel_frees_kv(default_model):
 
     async def main():
         await eng.start()
-        got = await asyncio.gather(*(consume(r) for r in _reqs(tok)))
+        got = await asyncio.gather(*(consume_stream(eng, r) for r in _reqs(tok)))
         long = GenerationRequest("long", tok("Once upon a time", add_special_tokens=False)["input_ids"],
                                  SamplingParams(max_tokens=200))
         n = await cancel_midway(long)
-        for _ in range(200):  # the loop thread frees the blocks at its next step boundary
-            st = eng.stats()
-            if st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0:
-                break
-            await asyncio.sleep(0.02)
+        st = await wait_pool_full(eng)  # the loop thread frees the blocks at its next step boundary
         with pytest.raises(InvalidRequestError):
             async for _ in eng.generate(GenerationRequest("bad", [], SamplingParams())):
                 pass
@@ -59,10 +49,7 @@ def test_streams_match_sync_engine_and_cancel_frees_kv(default_model):
         return got, n, st
 
     got, n, st = asyncio.run(main())
-    for req, (ids, text, last) in zip(_reqs(tok), got):
-        assert ids == expected[req.request_id]["ids"]
-        assert text == expected[req.request_id]["text"]
-        assert last.finished and last.finish_reason is expected[req.request_id]["finish"]
+    assert_streams_match(expected, _reqs(tok), got)
     assert n >= 3
     assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0 and st.num_waiting == 0
 

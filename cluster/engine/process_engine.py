@@ -1,0 +1,248 @@
+"""Process engine: ``AsyncEngine``'s caller side with the step loop in an engine core process.
+
+Why: in a serving replica the event loop does Python work for every delta it passes on (Ray Serve
+wraps, pickles and reports each streamed item). In one process that work holds the GIL the step
+thread needs between kernels, so every token delivered slows the next step; measured here: 1 ms
+of Python per delta in the caller's loop made each 48 ms decode step ~3.6 ms slower. With the
+step loop in its own process (``cluster.engine.engine_core``) the two run side by side.
+
+Owns: starting the core process and waiting for its model, a reader thread that routes the core's
+outputs to callers' queues and keeps its stats snapshot, checking requests against the model's
+limits here (``ModelLimits``: a bad request never waits for a step), the waiting-queue bound
+(requests without a first output yet), tokenizing here with the model's own tokenizer, and
+failing every open request with ``EngineUnavailableError`` when the core dies (the replica's
+health check then fails, and Serve replaces the replica). A KVSync proposer given by the replica runs in the core; ``proposer`` is
+a stand-in that forwards address changes and shows the core's draft status.
+Ignores: stepping (``StepLoop`` in the core), routing, transport beyond the socket pair.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import ModelLimits
+from cluster.engine.protocol import EngineStats
+from cluster.engine.request import EngineOverloadedError, EngineUnavailableError, GenerationRequest
+
+log = logging.getLogger(__name__)
+DEFAULT_START_TIMEOUT_S = 900.0  # first start converts the default GGUF (~35 s here); hub models take longer
+
+
+class DraftStandIn:
+    """The replica's handle on the KVSync proposer that runs in the engine core process."""
+
+    def __init__(self, engine: "ProcessEngine", address: str | None) -> None:
+        self._engine = engine
+        self._address = address
+        self.status: dict = {}  # the core's draft_status(), refreshed with every stats snapshot
+
+    @property
+    def address(self) -> str | None:
+        return self._address
+
+    def set_address(self, address: str | None) -> None:
+        if address != self._address:
+            self._address = address
+            self._engine._send(("draft_address", address))
+
+    def tracked(self) -> dict[str, int]:
+        return dict(self.status.get("tracked", {}))
+
+    @property
+    def num_epoch_changes(self) -> int:
+        return int(self.status.get("epoch_changes", 0))
+
+    @property
+    def num_resyncs(self) -> int:
+        return int(self.status.get("resyncs", 0))
+
+
+class ProcessEngine(AsyncEngine):
+    def __init__(self, config: EngineConfig, proposer=None, *,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        super().__init__(config, proposer)
+        self.start_timeout_s = start_timeout_s
+        self._draft = DraftStandIn(self, proposer.address) if proposer is not None else None
+        self._conn: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._starting: asyncio.Future | None = None
+        self._limits: ModelLimits | None = None
+        self._info: dict = {}
+        self._tokenizer = None
+        self._unstarted: set[str] = set()  # submitted, no output yet: the waiting queue
+        self._gone = False  # the core exited; nothing new is accepted
+        self._stopping = False
+
+    @property
+    def proposer(self):
+        return self._draft
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's pid (tests kill it to check that callers are failed, not hung)."""
+        return self._proc.pid if self._proc is not None else None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.start_sync))
+        await asyncio.shield(self._starting)
+
+    def start_sync(self) -> None:
+        """Spawn the core, send it the config, wait for its model, start the reader thread."""
+        if self._reader is not None:
+            return
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        if self.config.torch_threads:  # OpenMP reads this before torch.set_num_threads runs
+            env["OMP_NUM_THREADS"] = str(self.config.torch_threads)
+        self._proc = subprocess.Popen([sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        if self._draft is not None:
+            self._proposer.set_address(self._draft.address)  # the newest address travels with it
+        from cluster.telemetry.tracing import current_config
+
+        self._conn.send(("init", self.config, self._proposer, current_config()))
+        deadline = time.monotonic() + self.start_timeout_s
+        msg = None
+        while msg is None:
+            if self._conn.poll(1.0):
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    msg = ("failed", f"engine process exited with code {self._proc.wait()}")
+            elif self._proc.poll() is not None:
+                msg = ("failed", f"engine process exited with code {self._proc.returncode}")
+            elif time.monotonic() > deadline:
+                self._proc.kill()
+                msg = ("failed", f"engine process did not load its model in {self.start_timeout_s:.0f} s")
+        if msg[0] != "ready":
+            self._gone = True
+            raise EngineUnavailableError(msg[1])
+        info = msg[1]
+        self._limits = info.pop("limits")
+        from cluster.models.tokenizer import load_tokenizer
+
+        self._tokenizer = load_tokenizer(info["path"])
+        self._info = info
+        self._reader = threading.Thread(target=self._read, name="specserve-engine-reader", daemon=True)
+        self._reader.start()
+        for _ in range(1000):  # the core publishes a snapshot before its first step
+            if self._snapshot is not None:
+                break
+            time.sleep(0.005)
+        self._ready = True
+
+    def ready(self) -> bool:
+        return (self._ready and not self._gone and self._reader is not None and self._reader.is_alive()
+                and self._proc is not None and self._proc.poll() is None)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._proc is None:
+            return
+        self._send(("stop",))
+        loop = asyncio.get_running_loop()
+        if self._reader is not None:
+            await loop.run_in_executor(None, self._reader.join, 10)
+        try:
+            await loop.run_in_executor(None, self._proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._ready = False
+
+    # -- requests -----------------------------------------------------------------------------
+    def _admit(self, request: GenerationRequest) -> None:
+        if not self.ready():
+            raise self._gone_error()
+        self._limits.check(request)
+        if len(self._unstarted) >= self.config.max_queue:
+            raise EngineOverloadedError(f"waiting queue is full ({len(self._unstarted)} requests)")
+
+    def _submit(self, request: GenerationRequest) -> None:
+        with self._routes_lock:
+            gone = self._gone
+            if not gone:
+                self._unstarted.add(request.request_id)
+        if gone:  # the core died after _admit: fail this request like the others
+            self._deliver([(request.request_id, self._gone_error())])
+        else:
+            self._send(("add", request))
+
+    def _submit_abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, msg: tuple) -> None:
+        if self._conn is None:
+            return
+        with self._send_lock:
+            try:
+                self._conn.send(msg)
+            except OSError:  # core gone: the reader fails the open requests
+                pass
+
+    def stats(self) -> EngineStats:
+        return self._snapshot
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        from cluster.models.tokenizer import chat_token_ids
+
+        return chat_token_ids(self._tokenizer, messages)
+
+    def model_info(self) -> dict:
+        info = {k: self._info[k] for k in ("name", "architecture", "model_type", "vocab_size",
+                                           "max_model_len", "dtype")}
+        st = self.stats()
+        info.update(moe=st.moe, drafter=st.drafter, spec_enabled=st.spec_enabled)
+        return info
+
+    # -- the reader thread ----------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "out":
+                items = msg[1]
+                with self._routes_lock:
+                    for rid, _ in items:
+                        self._unstarted.discard(rid)
+                self._deliver(items)
+            elif kind == "stats":
+                self._snapshot = msg[1]
+                if self._draft is not None and msg[2] is not None:
+                    self._draft.status = msg[2]
+            elif kind == "stopped":
+                break
+        with self._routes_lock:
+            self._gone = True
+            open_ids = list(self._queues)
+            self._unstarted.clear()
+        if not self._stopping:
+            log.error("engine process exited (code %s); failing %d open requests",
+                      self._proc.poll(), len(open_ids))
+        self._deliver([(rid, self._gone_error()) for rid in open_ids])
+
+    def _gone_error(self) -> EngineUnavailableError:
+        code = self._proc.poll() if self._proc is not None else None
+        return EngineUnavailableError(f"engine process exited (code {code})")
