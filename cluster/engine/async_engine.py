@@ -14,23 +14,26 @@ import logging
 import os
 import threading
 import time
-from typing import AsyncIterator
-
-import torch
+from typing import TYPE_CHECKING, AsyncIterator
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
     EngineOverloadedError, GenerationRequest, InvalidRequestError, RequestOutput, merge_outputs,
 )
 from cluster.engine.step_loop import Delivery, StepLoop
 
+if TYPE_CHECKING:  # the model code loads only where the engine steps (a ProcessEngine's core)
+    from cluster.engine.llm_engine import LLMEngine
+
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig, proposer=None) -> LLMEngine:
+def build_engine(config: EngineConfig, proposer=None) -> "LLMEngine":
     """Load the target (and drafter) and return a ready synchronous engine."""
+    import torch
+
+    from cluster.engine.llm_engine import LLMEngine
     from cluster.models.load import load_model
 
     if config.torch_threads:
@@ -45,7 +48,7 @@ def build_engine(config: EngineConfig, proposer=None) -> LLMEngine:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, proposer=None, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, proposer=None, engine: "LLMEngine | None" = None) -> None:
         self.config = config
         self._proposer = proposer
         self.engine: LLMEngine | None = engine
@@ -199,7 +202,7 @@ class AsyncEngine:
                 pass
 
 
-def model_summary(engine: LLMEngine) -> dict:
+def model_summary(engine: "LLMEngine") -> dict:
     """The static part of ``model_info`` (the rest comes from stats)."""
     return {
         "name": engine.model.name,

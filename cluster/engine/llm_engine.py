@@ -17,7 +17,8 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
-    FinishReason, GenerationRequest, InvalidRequestError, RequestOutput, SpecMode, SpecStats,
+    FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
+    SpecStats,
 )
 from cluster.engine.runner import SeqChunk
 from cluster.engine.sampler import make_generator, sample
@@ -48,32 +49,6 @@ class LoadedModel:
                            self.hf_config, self.dtype)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    """What a request may ask of this engine; checkable away from the model (another process)."""
-
-    vocab_size: int
-    max_model_len: int
-    kv_capacity: int  # tokens the whole KV pool holds
-
-    def check(self, request: GenerationRequest) -> None:
-        ids = request.prompt_token_ids
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {vocab})")
-        total = len(ids) + request.params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}")
-        if total > self.kv_capacity:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity {self.kv_capacity}")
-
-
 RECENT_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half
 
 
@@ -97,7 +72,7 @@ class LLMEngine:
 
     # -- admission ----------------------------------------------------------------------------
     @property
-    def limits(self) -> "ModelLimits":
+    def limits(self) -> ModelLimits:
         return ModelLimits(self.runner.vocab_size, self.max_model_len,
                            self.runner.kv.num_blocks * self.runner.kv.block_size)
 

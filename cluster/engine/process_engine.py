@@ -11,8 +11,9 @@ outputs to callers' queues and keeps its stats snapshot, checking requests again
 limits here (``ModelLimits``: a bad request never waits for a step), the waiting-queue bound
 (requests without a first output yet), tokenizing here with the model's own tokenizer, and
 failing every open request with ``EngineUnavailableError`` when the core dies (the replica's
-health check then fails, and Serve replaces the replica). A KVSync proposer given by the replica runs in the core; ``proposer`` is
-a stand-in that forwards address changes and shows the core's draft status.
+health check then fails, and Serve replaces the replica). A KVSync proposer given by the replica
+runs in the core; ``proposer`` is a stand-in that forwards address changes and shows the core's
+draft status. The model code and its weights load only in the core.
 Ignores: stepping (``StepLoop`` in the core), routing, transport beyond the socket pair.
 """
 from __future__ import annotations
@@ -29,9 +30,10 @@ from multiprocessing.connection import Connection
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import ModelLimits
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import EngineOverloadedError, EngineUnavailableError, GenerationRequest
+from cluster.engine.request import (
+    EngineOverloadedError, EngineUnavailableError, GenerationRequest, ModelLimits,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_START_TIMEOUT_S = 900.0  # first start converts the default GGUF (~35 s here); hub models take longer

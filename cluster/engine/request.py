@@ -172,3 +172,29 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     """Two consecutive deltas of one request as one (the later one's status and counters)."""
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
                                text_delta=earlier.text_delta + later.text_delta)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What a request may ask of this engine; checkable away from the model (another process)."""
+
+    vocab_size: int
+    max_model_len: int
+    kv_capacity: int  # tokens the whole KV pool holds
+
+    def check(self, request: GenerationRequest) -> None:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {vocab})")
+        total = len(ids) + request.params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}")
+        if total > self.kv_capacity:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity {self.kv_capacity}")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import FinishReason, GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from cluster.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 # stats() snapshots (a few hundred µs with speculation: per-segment α, break-even) are taken at
@@ -29,7 +31,7 @@ Delivery = tuple[str, "RequestOutput | BaseException | None"]
 
 
 class StepLoop:
-    def __init__(self, engine: LLMEngine, deliver: Callable[[list[Delivery]], None],
+    def __init__(self, engine: "LLMEngine", deliver: Callable[[list[Delivery]], None],
                  publish: Callable[[EngineStats], None]) -> None:
         self.engine = engine
         self._deliver = deliver

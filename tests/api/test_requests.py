@@ -11,8 +11,8 @@ from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, FailureKind, ServiceError
 from cluster.engine.config import EngineConfig
 from cluster.engine.fake_engine import FakeEngine
-from cluster.engine.request import (EngineOverloadedError, FinishReason, InvalidRequestError,
-                                    RequestOutput, SpecMode, SpecStats)
+from cluster.engine.request import (EngineOverloadedError, EngineUnavailableError, FinishReason,
+                                    InvalidRequestError, RequestOutput, SpecMode, SpecStats)
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 pb2 = stubs.generation_pb2()
@@ -84,6 +84,9 @@ def test_engine_failure_mapping():
     assert EngineFailure.from_exception(InvalidRequestError("x")).kind is FailureKind.INVALID_ARGUMENT
     assert EngineFailure.from_exception(EngineOverloadedError()).to_service_error().code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert EngineFailure.from_exception(KeyError("k")).kind is FailureKind.INTERNAL
+    gone = EngineFailure.from_exception(EngineUnavailableError("engine process exited (code -9)"))
+    assert gone.to_service_error().code == grpc.StatusCode.UNAVAILABLE
+    assert gone.message == "engine process exited (code -9)"
 
 
 def test_response_building():
