@@ -100,7 +100,8 @@ class ProcessEngine(AsyncEngine):
         if self._reader is not None:
             return
         if self._starting is None:
-            self._starting = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.start_sync))
+            self._starting = asyncio.ensure_future(
+                asyncio.get_running_loop().run_in_executor(None, self.start_sync))
         await asyncio.shield(self._starting)
 
     def start_sync(self) -> None:
@@ -109,10 +110,13 @@ class ProcessEngine(AsyncEngine):
             return
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
+        # the core imports what this process can (e.g. a Ray runtime_env working_dir on sys.path)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         if self.config.torch_threads:  # OpenMP reads this before torch.set_num_threads runs
             env["OMP_NUM_THREADS"] = str(self.config.torch_threads)
-        self._proc = subprocess.Popen([sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], env=env)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
         if self._draft is not None:
