@@ -10,7 +10,6 @@ Ignores: scheduling and model details (``LLMEngine``), transport.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 import time
@@ -25,8 +24,6 @@ from cluster.engine.step_loop import Delivery, StepLoop
 
 if TYPE_CHECKING:  # the model code loads only where the engine steps (a ProcessEngine's core)
     from cluster.engine.llm_engine import LLMEngine
-
-log = logging.getLogger(__name__)
 
 
 def build_engine(config: EngineConfig, proposer=None) -> "LLMEngine":
@@ -165,16 +162,24 @@ class AsyncEngine:
             return self.engine.stats()
         return self._snapshot
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, in this process."""
+        return self.engine.tokenizer
+
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         from cluster.models.tokenizer import chat_token_ids
 
-        return chat_token_ids(self.engine.tokenizer, messages)
+        return chat_token_ids(self.tokenizer, messages)
+
+    def _model_summary(self) -> dict:
+        return model_summary(self.engine)
 
     def model_info(self) -> dict:
-        info = model_summary(self.engine)
+        info = self._model_summary()
         st = self.stats()
         info.update(moe=st.moe, drafter=st.drafter, spec_enabled=st.spec_enabled)
         return info

@@ -6,7 +6,8 @@ socket pair as FD. Messages (pickled, ``multiprocessing.connection`` framing):
   parent -> core: ("init", EngineConfig, proposer | None, TelemetryConfig | None) once, then
                   ("add", GenerationRequest), ("abort", request id), ("draft_address", str | None),
                   ("stop",)
-  core -> parent: ("ready", info dict) or ("failed", message) once, then
+  core -> parent: ("ready", {summary, limits, tokenizer_path, stats}) or ("failed", message)
+                  once, then
                   ("out", [(request id, RequestOutput | exception | None), ...]) per step,
                   ("stats", EngineStats, draft status dict | None), and ("stopped",) last.
 
@@ -96,9 +97,8 @@ def serve(conn: Connection) -> None:
     loop = StepLoop(engine,
                     lambda items: send(("out", [(rid, _portable(it)) for rid, it in items])),
                     lambda stats: send(("stats", stats, draft_status(proposer))))
-    info = model_summary(engine)
-    info.update(limits=engine.limits, path=str(engine.model.path), pid=os.getpid())
-    send(("ready", info))
+    send(("ready", {"summary": model_summary(engine), "limits": engine.limits,
+                    "tokenizer_path": str(engine.model.path), "stats": engine.stats()}))
     threading.Thread(target=_read, args=(conn, loop, proposer), name="engine-core-reader",
                      daemon=True).start()
     try:

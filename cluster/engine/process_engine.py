@@ -80,7 +80,7 @@ class ProcessEngine(AsyncEngine):
         self._reader: threading.Thread | None = None
         self._starting: asyncio.Future | None = None
         self._limits: ModelLimits | None = None
-        self._info: dict = {}
+        self._summary: dict = {}
         self._tokenizer = None
         self._unstarted: set[str] = set()  # submitted, no output yet: the waiting queue
         self._gone = False  # the core exited; nothing new is accepted
@@ -118,12 +118,14 @@ class ProcessEngine(AsyncEngine):
             [sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        self._conn = Connection(ours.detach())
-        if self._draft is not None:
-            self._proposer.set_address(self._draft.address)  # the newest address travels with it
         from cluster.telemetry.tracing import current_config
 
-        self._conn.send(("init", self.config, self._proposer, current_config()))
+        conn = Connection(ours.detach())
+        with self._send_lock:  # init goes first: a draft address change waits or rides along
+            if self._draft is not None:
+                self._proposer.set_address(self._draft.address)
+            conn.send(("init", self.config, self._proposer, current_config()))
+            self._conn = conn
         deadline = time.monotonic() + self.start_timeout_s
         msg = None
         while msg is None:
@@ -141,17 +143,12 @@ class ProcessEngine(AsyncEngine):
             self._gone = True
             raise EngineUnavailableError(msg[1])
         info = msg[1]
-        self._limits = info.pop("limits")
         from cluster.models.tokenizer import load_tokenizer
 
-        self._tokenizer = load_tokenizer(info["path"])
-        self._info = info
+        self._tokenizer = load_tokenizer(info["tokenizer_path"])
+        self._limits, self._summary, self._snapshot = info["limits"], info["summary"], info["stats"]
         self._reader = threading.Thread(target=self._read, name="specserve-engine-reader", daemon=True)
         self._reader.start()
-        for _ in range(1000):  # the core publishes a snapshot before its first step
-            if self._snapshot is not None:
-                break
-            time.sleep(0.005)
         self._ready = True
 
     def ready(self) -> bool:
@@ -194,9 +191,9 @@ class ProcessEngine(AsyncEngine):
         self._send(("abort", request_id))
 
     def _send(self, msg: tuple) -> None:
-        if self._conn is None:
-            return
-        with self._send_lock:
+        with self._send_lock:  # checked under the lock: start_sync sets _conn after init
+            if self._conn is None:  # not started: the init message will carry the state
+                return
             try:
                 self._conn.send(msg)
             except OSError:  # core gone: the reader fails the open requests
@@ -205,20 +202,13 @@ class ProcessEngine(AsyncEngine):
     def stats(self) -> EngineStats:
         return self._snapshot
 
-    def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"]]
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded here from the core's model directory."""
+        return self._tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        from cluster.models.tokenizer import chat_token_ids
-
-        return chat_token_ids(self._tokenizer, messages)
-
-    def model_info(self) -> dict:
-        info = {k: self._info[k] for k in ("name", "architecture", "model_type", "vocab_size",
-                                           "max_model_len", "dtype")}
-        st = self.stats()
-        info.update(moe=st.moe, drafter=st.drafter, spec_enabled=st.spec_enabled)
-        return info
+    def _model_summary(self) -> dict:
+        return dict(self._summary)
 
     # -- the reader thread ----------------------------------------------------------------------
     def _read(self) -> None:
