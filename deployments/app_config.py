@@ -34,8 +34,10 @@ class RouterKnobs(_Strict):
     min_alpha: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     min_alpha_samples: int = Field(64, ge=0)
     probe_every: int = Field(16, ge=0)  # 1 in N requests of a gated segment still speculates
-    balance_overflow: bool = True  # past the exit threshold, fill the SpecEngine while the
-    #                                BatchEngine is fuller relative to capacity
+    balance_overflow: bool = True  # past the exit threshold, still send a request to the
+    #                                SpecEngine when it would serve it sooner (measured latency)
+    overflow_min_samples: int = Field(8, ge=1)  # completions per path and segment before measured
+    #                                latency decides; until then fullness relative to capacity
 
 
 class LimitsKnobs(_Strict):

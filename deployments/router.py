@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 
 import grpc
@@ -28,6 +29,7 @@ from cluster.api.auth import check_bearer
 from cluster.api.requests import ValidatedRequest, validate_request
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, ServiceError
+from cluster.engine.request import FinishReason
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
 from deployments.app_config import AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
@@ -37,6 +39,7 @@ from cluster.telemetry.tracing import configure_from_section
 log = logging.getLogger("specserve.router")
 _POLL_S = 0.5
 _CALL_TIMEOUT_S = 5.0
+_UNMEASURED = (FinishReason.CANCELLED, FinishReason.ERROR)  # say nothing about a path's speed
 
 
 @serve.deployment(name="Router", max_ongoing_requests=2048)
@@ -128,6 +131,7 @@ class Router:
                        whole: bool = False):
         handle = self.spec if decision.path is Path.SPECULATIVE else self.batch
         self._count_in_flight(decision.path, +1)
+        in_flight, start = self.in_flight[decision.path], time.monotonic()
         done = False
         gen = handle.options(stream=True).generate.remote(vreq, carrier, whole)  # trace context rides along
         try:
@@ -136,6 +140,9 @@ class Router:
                     done = True
                     raise item.to_service_error()
                 done = item.finished
+                if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
+                    self.policy.observe(decision.path, vreq.segment, in_flight,
+                                        time.monotonic() - start, item.num_output_tokens)
                 yield item
         finally:
             self._count_in_flight(decision.path, -1)

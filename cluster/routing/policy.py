@@ -22,12 +22,16 @@ Rule order (first match wins):
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
-8. overflow balance (``balance_overflow``): when rule 7 says plain but the SpecEngine is less full
-   than the BatchEngine relative to their capacities (in-flight / max_num_seqs x replicas), go
-   speculative anyway (OVERFLOW_BALANCED); the hysteresis bit is not touched. A request is routed
-   once, on arrival: without this a burst larger than the BatchEngine's batch queues there while
-   the SpecEngine drains its few requests and idles. Below the BatchEngine's capacity it never
-   fires, so moderate load still goes plain as rule 7 says.
+8. overflow balance (``balance_overflow``): when rule 7 says plain but the SpecEngine would serve
+   the request sooner, go speculative anyway (OVERFLOW_BALANCED); the hysteresis bit is not
+   touched. A request is routed once, on arrival: without this a burst larger than the
+   BatchEngine's batch queues there while the SpecEngine drains its few requests and idles.
+   "Sooner" is measured once both paths have completed ``overflow_min_samples`` requests of the
+   segment: each path's normalized latency (seconds per generated token) fitted against its
+   in-flight count (``cluster.routing.load_latency``), compared at both paths' counts plus this
+   request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
+   relative to their capacities (in-flight / max_num_seqs x replicas), which never fires below the
+   BatchEngine's capacity.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import threading
 from dataclasses import dataclass
 
 from cluster.engine.request import SpecMode
+from cluster.routing.load_latency import LoadLatencyModel
 
 
 class Path(enum.Enum):
@@ -77,8 +82,10 @@ class RouterConfig:
     the fallback while the engine reports none). min_alpha_samples: draft tokens a
     segment needs before its α is trusted. probe_every: one in this many requests of a segment
     below break-even still speculates, to keep measuring it (0: never). balance_overflow: send a
-    request that hysteresis sends plain to the SpecEngine when the BatchEngine is fuller relative
-    to capacity (needs both capacities in the EngineView)."""
+    request that hysteresis sends plain to the SpecEngine when it would be served sooner there —
+    by measured latency under load once each path has ``overflow_min_samples`` completed requests
+    of the segment, by fullness relative to capacity before (needs both capacities in the
+    EngineView)."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
@@ -86,6 +93,7 @@ class RouterConfig:
     min_alpha_samples: int = 64
     probe_every: int = 16
     balance_overflow: bool = True
+    overflow_min_samples: int = 8
 
     def __post_init__(self) -> None:
         if self.enter_threshold < 1:
@@ -100,6 +108,8 @@ class RouterConfig:
             raise ValueError("router.probe_every must be >= 0")
         if self.min_alpha_samples < 0:
             raise ValueError("router.min_alpha_samples must be >= 0")
+        if self.overflow_min_samples < 1:
+            raise ValueError("router.overflow_min_samples must be >= 1")
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,10 +157,12 @@ class EngineView:
 
 
 class RouterPolicy:
-    """Stateful only in the hysteresis bit (are we currently sending AUTO traffic to spec?)."""
+    """State: the hysteresis bit (are we currently sending AUTO traffic to spec?), the probe
+    counters, and the measured latency under load per path and segment (fed by ``observe``)."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        self.latency = LoadLatencyModel()
         self._spec_open = True
         self._lock = threading.Lock()
         self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
@@ -158,6 +170,11 @@ class RouterPolicy:
     @property
     def spec_open(self) -> bool:
         return self._spec_open
+
+    def observe(self, path: Path, segment: str, in_flight: int, e2e_s: float, tokens: int) -> None:
+        """A request completed on ``path``; ``in_flight``: that path's count at its arrival, itself
+        included."""
+        self.latency.observe(path, segment, in_flight, e2e_s, tokens)
 
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:
@@ -176,11 +193,11 @@ class RouterPolicy:
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
                 if not self._probe_due(req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
-                decision = self._hysteresis(view)
+                decision = self._hysteresis(req.segment, view)
                 if decision.path is Path.SPECULATIVE:
                     return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
                 return decision
-        return self._hysteresis(view)
+        return self._hysteresis(req.segment, view)
 
     def min_alpha(self, view: EngineView) -> float:
         if self.config.min_alpha != "auto":
@@ -196,11 +213,17 @@ class RouterPolicy:
             self._gated[segment] = 0 if due else n
             return due
 
-    def _hysteresis(self, view: EngineView) -> RouteDecision:
+    def _hysteresis(self, segment: str, view: EngineView) -> RouteDecision:
         decision = self._hysteresis_bit(view.spec_in_flight)
-        if decision.path is Path.PLAIN and self.config.balance_overflow and view.spec_less_full():
+        if decision.path is Path.PLAIN and self.config.balance_overflow and self._spec_sooner(segment, view):
             return RouteDecision(Path.SPECULATIVE, RouteReason.OVERFLOW_BALANCED)
         return decision
+
+    def _spec_sooner(self, segment: str, view: EngineView) -> bool:
+        measured = self.latency.faster(segment, (Path.SPECULATIVE, view.spec_in_flight + 1),
+                                       (Path.PLAIN, view.plain_in_flight + 1),
+                                       self.config.overflow_min_samples)
+        return view.spec_less_full() if measured is None else measured
 
     def _hysteresis_bit(self, in_flight: int) -> RouteDecision:
         with self._lock:

@@ -1,8 +1,9 @@
 """The Serve app end to end with the fake engine: real Ray Serve, real gRPC on 127.0.0.1.
 
-Three apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
+Four apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
 thresholds and queue), ``moe`` (unvalidated MoE target, auth off), ``sep`` (placement separate:
-a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine).
+a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine), ``overflow``
+(slow steps, a segment the fake SpecEngine cannot accelerate: measured overflow balancing).
 """
 import json
 import threading
@@ -28,6 +29,14 @@ def expected(prompt: str, n: int) -> list[int]:
     return [ids[i % len(ids)] for i in range(n)]
 
 
+# 50 ms per step; the fake SpecEngine emits 4 tokens a step (α 0.75, K 4) except on segment "slow"
+OVERFLOW_ARGS = fake_args(
+    router={"enter_threshold": 2, "exit_threshold": 4, "overflow_min_samples": 8},
+    spec_engine={"num_cpus": 0.1, "max_num_seqs": 8}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 8},
+    engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                 "options": {"token_delay_s": 0.05, "alpha_by_segment": {"slow": 0.0}}})
+
+
 @pytest.fixture(scope="module")
 def addr():
     apps = {
@@ -41,6 +50,7 @@ def addr():
         "moe": fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                       "options": {"moe": True}}),
         "sep": SEP_ARGS,
+        "overflow": OVERFLOW_ARGS,
     }
     with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN}) as a:
         for name in apps:
@@ -168,7 +178,8 @@ def test_burst_moves_to_plain_and_back(main):
     streams, reasons = [], []
     try:
         for _ in range(8):  # admitted one by one: each holds its slot until cancelled
-            it = main.stream(prompt="burst ", max_tokens=250)
+            # a segment of its own: no completed requests, so overflow balancing is by capacity
+            it = main.stream(prompt="burst ", max_tokens=250, segment="burst")
             reasons.append(next(it).route.reason)
             streams.append(it)
         assert reasons == ["below_enter_threshold", "below_enter_threshold",
@@ -183,6 +194,35 @@ def test_burst_moves_to_plain_and_back(main):
     assert main.generate(prompt="calm", max_tokens=2).route.reason == "below_enter_threshold"
     wait_for(kv_full, what="spec KV back to full")
     wait_for(lambda: kv_full(deployment="BatchEngine"), what="batch KV back to full")
+
+
+def test_overflow_balance_follows_measured_latency(addr):
+    c = Client(addr, "overflow")
+    for mode in (1, 2):  # 8 completions per path: SpecEngine ~4x faster per token on "fast"
+        for _ in range(8):
+            assert c.generate(prompt="measure ", max_tokens=8, mode=mode, segment="fast").route.path == mode
+    held, reasons = [], []
+    try:
+        for _ in range(4):  # 4 x 256 tokens at 1 token per 50 ms step: in flight for ~13 s
+            it = c.stream(prompt="hold ", max_tokens=256, mode=1, segment="slow")
+            assert next(it).route.reason == "mode_speculative"
+            held.append(it)
+        t0 = time.monotonic()
+        for _ in range(3):  # the SpecEngine holds 4, the BatchEngine 0, 1, 2: capacity (8 and 8)
+            it = c.stream(prompt="burst ", max_tokens=256, segment="fast")  # would keep all plain
+            held.append(it)
+            reasons.append(next(it).route.reason)
+            if reasons[-1] == "overflow_balanced":
+                break
+        assert time.monotonic() - t0 < 10, "the held streams may have finished: inconclusive"
+        # exit threshold reached: plain by hysteresis; the SpecEngine at 5 requests is predicted
+        # slower than the BatchEngine at 1 (per token ~1/4, x5 load), faster than it at 2 or 3
+        assert reasons[0] == "above_exit_threshold"
+        assert reasons[-1] == "overflow_balanced" and len(reasons) in (2, 3), reasons
+    finally:
+        for it in held:
+            it.cancel()
+    wait_for(lambda: kv_full("overflow") and kv_full("overflow", "BatchEngine"), what="KV back to full")
 
 
 def test_cancel_mid_stream_frees_kv(main):

@@ -143,3 +143,49 @@ def test_overflow_balance_off_unknown_capacity_or_gated_segment():
                  EngineView(spec_in_flight=0, plain_in_flight=100, spec_capacity=8, plain_capacity=16,
                             alpha_by_segment=(("chat", 0.1, 50),)))
     assert (d.path, d.reason) == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
+
+
+def _measure(p, segment, spec_per_token, plain_per_token, counts=range(1, 17)):
+    """Completed requests on both paths whose latency grows in proportion to the in-flight count."""
+    for n in counts:
+        p.observe(SPEC, segment, n, e2e_s=spec_per_token * n * 32, tokens=32)
+        p.observe(PLAIN, segment, n, e2e_s=plain_per_token * n * 32, tokens=32)
+
+
+def test_overflow_balance_follows_measured_latency_once_both_paths_have_samples():
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6, overflow_min_samples=8))
+    # summarize: the SpecEngine serves a request in a third of the BatchEngine's time per slot
+    _measure(p, "summarize", spec_per_token=0.01, plain_per_token=0.03)
+    d = p.decide(RequestFeatures(segment="summarize"), EngineView(spec_in_flight=6, plain_in_flight=2,
+                                                                  spec_capacity=8, plain_capacity=16))
+    assert (d.path, d.reason) == (SPEC, RouteReason.OVERFLOW_BALANCED)  # 7 x 0.01 < 3 x 0.03
+    assert not p.spec_open  # measured balancing does not flip the hysteresis bit either
+    # a burst of 32 ends split by measured speed (spec 3x the plain count), not capacity (11 / 21)
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6))
+    _measure(p, "summarize", spec_per_token=0.01, plain_per_token=0.03)
+    spec = plain = 0
+    for _ in range(32):
+        d = p.decide(RequestFeatures(segment="summarize"),
+                     EngineView(spec_in_flight=spec, plain_in_flight=plain, spec_capacity=8, plain_capacity=16))
+        spec, plain = (spec + 1, plain) if d.path is SPEC else (spec, plain + 1)
+    assert (spec, plain) == (24, 8)
+    # the other way round (plain measured faster), the overflow stays plain where capacity would fill spec
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6))
+    _measure(p, "chat", spec_per_token=0.03, plain_per_token=0.01)
+    assert _overflow(p, 6, 15) == (SPEC, RouteReason.OVERFLOW_BALANCED)  # unmeasured segment: 6/8 < 15/16
+    d = p.decide(RequestFeatures(segment="chat"),
+                 EngineView(spec_in_flight=6, plain_in_flight=15, spec_capacity=8, plain_capacity=16))
+    assert (d.path, d.reason) == (PLAIN, RouteReason.HYSTERESIS_PLAIN)  # 7 x 0.03 > 16 x 0.01
+
+
+def test_overflow_balance_uses_capacity_until_each_path_has_enough_samples():
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6, overflow_min_samples=8))
+    _measure(p, "summarize", spec_per_token=0.01, plain_per_token=0.03, counts=range(1, 8))  # 7 each
+    view = EngineView(spec_in_flight=6, plain_in_flight=2, spec_capacity=8, plain_capacity=16)
+    assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.ABOVE_EXIT_THRESHOLD
+    p.observe(SPEC, "summarize", 8, e2e_s=0.08 * 32, tokens=32)  # spec has 8, plain still 7
+    assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.HYSTERESIS_PLAIN
+    p.observe(PLAIN, "summarize", 8, e2e_s=0.24 * 32, tokens=32)
+    assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.OVERFLOW_BALANCED
+    with pytest.raises(ValueError):
+        RouterConfig(overflow_min_samples=0)
