@@ -26,13 +26,18 @@ $(STAMP): pyproject.toml Makefile
 protos:
 	$(BIN)/python -m cluster.api.protogen
 
-run: setup
+# stubs again whenever a .proto changes (setup made the first ones)
+$(VENV)/.specserve-protos: $(STAMP) $(wildcard protos/specserve/v1/*.proto)
+	$(BIN)/python -m cluster.api.protogen
+	touch $@
+
+run: setup $(VENV)/.specserve-protos
 	$(BIN)/specserve serve --model default --port 9000
 
-test: setup
+test: setup $(VENV)/.specserve-protos
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: setup
+bench: setup $(VENV)/.specserve-protos
 	mkdir -p .bench
 	$(BIN)/specserve bench decode --model default --json .bench/decode.json
 	$(BIN)/specserve bench spec --model default --workloads ../shared/workloads --json .bench/spec.json

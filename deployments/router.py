@@ -3,7 +3,8 @@
 Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelInfo) and
 ``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
 RPC), bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
-own SpecEngine in-flight count and the engines' polled stats (readiness, α per segment, MoE gate),
+own in-flight counts, the latency of the requests it saw complete (per path and segment, for
+overflow balancing; shown in ModelInfo) and the engines' polled stats (readiness, α per segment, MoE gate),
 forwarding to SpecEngine/BatchEngine through streaming handles (unary ``Generate`` asks the engine
 for the whole response as one message; ``GenerateStream`` relays every delta), and mapping failures to gRPC
 codes via ``grpc_context`` (set code + details, then return an empty message / raise in streams).
@@ -30,6 +31,7 @@ from cluster.api.requests import ValidatedRequest, validate_request
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, ServiceError
 from cluster.engine.request import FinishReason
+from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
 from deployments.app_config import AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
@@ -55,7 +57,7 @@ class Router:
                 raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
-        self.in_flight = {Path.SPECULATIVE: 0, Path.PLAIN: 0}  # requests forwarded, not yet done
+        self.load = InFlightMeter()  # requests forwarded, not yet done, per path (and ∫ dt)
         # sequences each engine side runs at once, for overflow balancing (policy rule 8)
         self._spec_capacity = self.app.spec_engine.max_num_seqs * self.app.spec_engine.num_replicas
         self._plain_capacity = self.app.batch_engine.max_num_seqs * self.app.batch_engine.num_replicas
@@ -99,7 +101,7 @@ class Router:
         s = self._spec_stats
         return EngineView.from_spec_by_segment(
             s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
-            spec_in_flight=self.spec_in_flight, plain_in_flight=self.in_flight[Path.PLAIN],
+            spec_in_flight=self.spec_in_flight, plain_in_flight=self.load.count(Path.PLAIN),
             spec_capacity=self._spec_capacity, plain_capacity=self._plain_capacity,
             moe=bool(s.get("moe", False)),
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
@@ -121,17 +123,13 @@ class Router:
 
     @property
     def spec_in_flight(self) -> int:
-        return self.in_flight[Path.SPECULATIVE]
-
-    def _count_in_flight(self, path: Path, delta: int) -> None:
-        self.in_flight[path] += delta
-        self.metrics.set_inflight(path, self.in_flight[path])
+        return self.load.count(Path.SPECULATIVE)
 
     async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str],
                        whole: bool = False):
         handle = self.spec if decision.path is Path.SPECULATIVE else self.batch
-        self._count_in_flight(decision.path, +1)
-        in_flight, start = self.in_flight[decision.path], time.monotonic()
+        mark = self.load.enter(decision.path)
+        self.metrics.set_inflight(decision.path, self.load.count(decision.path))
         done = False
         gen = handle.options(stream=True).generate.remote(vreq, carrier, whole)  # trace context rides along
         try:
@@ -141,11 +139,12 @@ class Router:
                     raise item.to_service_error()
                 done = item.finished
                 if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
-                    self.policy.observe(decision.path, vreq.segment, in_flight,
-                                        time.monotonic() - start, item.num_output_tokens)
+                    self.policy.observe(decision.path, vreq.segment, self.load.mean_load(mark),
+                                        time.monotonic() - mark.t, item.num_output_tokens)
                 yield item
         finally:
-            self._count_in_flight(decision.path, -1)
+            self.load.leave(mark)
+            self.metrics.set_inflight(decision.path, self.load.count(decision.path))
             if not done:  # client cancelled / deadline: stop the engine-side request
                 gen.cancel()
 
@@ -212,7 +211,15 @@ class Router:
             max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
             enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold,
             min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
-            spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight)
+            spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight,
+            plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2))
+
+    def _path_latency_pb(self, pb2) -> list:
+        paths = {Path.SPECULATIVE.value: pb2.PATH_SPECULATIVE, Path.PLAIN.value: pb2.PATH_PLAIN}
+        return [pb2.PathLatency(segment=segment, path=paths[path], samples=int(fit["samples"]),
+                                at_no_load_s=fit["a"], per_request_s=fit["b"])
+                for segment, by_path in self.policy.latency.snapshot().items()
+                for path, fit in by_path.items()]
 
     async def Check(self, request, grpc_context):  # noqa: N802 (grpc.health.v1)
         from grpc_health.v1 import health_pb2

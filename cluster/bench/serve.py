@@ -329,9 +329,12 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
                         res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
                                                  plan["max_tokens"], offset=r * n_round)
                         per[policy] = (per[policy][0] + res, per[policy][1] + wall)
+                measured = router_latency(stub, pb2, md, segment)
                 for policy in plan["policies"]:
                     cell = cell_stats(*per[policy])
                     cell.update(segment=segment, concurrency=c, policy=policy)
+                    if policy == "routed":
+                        cell["router_latency"] = measured
                     cells.append(cell)
                     print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']}s "
                           f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
@@ -339,6 +342,16 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
     return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
             "cells": cells, "summary": summarize(cells), "front_door": overhead}
+
+
+def router_latency(stub, pb2, md, segment: str) -> dict[str, dict]:
+    """What the Router measured for ``segment`` so far (ModelInfo ``path_latency``): path ->
+    samples, seconds per token at no load and per in-flight request. Empty if it reports none."""
+    info = stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=30)
+    names = {pb2.PATH_SPECULATIVE: "speculative", pb2.PATH_PLAIN: "plain"}
+    return {names.get(pl.path, str(pl.path)): {"samples": pl.samples, "at_no_load_s": round(pl.at_no_load_s, 5),
+                                                 "per_request_s": round(pl.per_request_s, 5)}
+            for pl in info.path_latency if pl.segment == segment}
 
 
 def ratio_interval(routed: list[float], fixed: list[list[float]], resamples: int = 2000,
@@ -417,6 +430,10 @@ def format_report(report: dict) -> str:
                      f"{sum(c['errors'].values()):>3} {_f(c['ttft_p50'], 1e3):>7} {_f(c['tpot_p50'], 1e3):>7} "
                      f"{_f(c['e2e_p50'], 1e3):>7} {_f(c['e2e_p99'], 1e3):>7} {_f(c['tokens_per_s']):>7} "
                      f"{_f(c['acceptance_rate'], 1, 2):>5}  {mix}")
+        if c.get("router_latency"):
+            fits = "; ".join(f"{path} {f['at_no_load_s'] * 1e3:.1f} + {f['per_request_s'] * 1e3:.2f}·n "
+                             f"({f['samples']} requests)" for path, f in sorted(c["router_latency"].items()))
+            lines.append(f"{'':<17} router's ms/token at n in flight: {fits}")
     if report["summary"]:
         lines += ["", f"routed p50 e2e / better fixed policy (goal <= {ROUTED_GOAL}):"]
         lines += [f"  {s['segment']:<12} c={s['concurrency']:<3} {s['routed_over_best_fixed']:.3f} "

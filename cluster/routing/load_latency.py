@@ -1,9 +1,14 @@
 """Load latency: how slow each path is for a segment at a given in-flight count, as measured.
 
-Owns: per (path, segment) a recency-weighted straight-line fit of normalized latency (end-to-end
-seconds per generated token, queueing and prefill included) against the path's in-flight count at
-the request's arrival (itself included), and the comparison the router's overflow rule asks for:
-which path would serve the next request of a segment sooner, given both paths' in-flight counts now.
+Owns: the in-flight count of each path and its time integral (``InFlightMeter``), so that a
+completed request is charged the mean load it ran under; per (path, segment) a recency-weighted
+straight-line fit of normalized latency (end-to-end seconds per generated token, queueing and
+prefill included) against that load (``LoadLatencyModel``); and the comparison the router's
+overflow rule asks for: which path would serve the next request of a segment sooner, given both
+paths' in-flight counts now (a new request runs under about the current count plus itself).
+Why the mean load over a request's life and not the count at its arrival: in a burst the first
+arrivals find an empty engine but run beside every later one, so the count at arrival says little
+about the load a request actually met (a batch of 16 arriving together shares one latency).
 Why: the two engines do different work per request on different segments (on CPU a long summarize
 prompt costs the BatchEngine far more per slot than a short chat turn, and the SpecEngine's cost
 depends on the segment's acceptance rate), so filling them in proportion to their configured
@@ -21,10 +26,63 @@ extrapolation for a path that has only been seen lightly loaded.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 
 MIN_SPREAD = 1.0  # variance of the observed in-flight counts needed to trust a fitted slope
+
+
+@dataclass(slots=True)
+class _PathLoad:
+    count: int = 0
+    area: float = 0.0  # ∫ count dt up to ``since``
+    since: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class LoadMark:
+    """Where a request entered: its path, the time, and the path's load integral then."""
+
+    path: object
+    t: float
+    area: float
+
+
+class InFlightMeter:
+    """Requests in flight per path and ∫ count dt, for the mean load over a request's life."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._loads: dict[object, _PathLoad] = {}
+
+    def _advance(self, path: object) -> tuple[_PathLoad, float]:
+        now = self._clock()
+        load = self._loads.setdefault(path, _PathLoad(since=now))
+        load.area += load.count * (now - load.since)
+        load.since = now
+        return load, now
+
+    def count(self, path: object) -> int:
+        load = self._loads.get(path)
+        return 0 if load is None else load.count
+
+    def enter(self, path: object) -> LoadMark:
+        load, now = self._advance(path)
+        load.count += 1
+        return LoadMark(path, now, load.area)
+
+    def mean_load(self, mark: LoadMark) -> float:
+        """Mean in-flight count on the mark's path since it entered (the request itself included)."""
+        load, now = self._advance(mark.path)
+        if now <= mark.t:
+            return float(load.count)
+        return (load.area - mark.area) / (now - mark.t)
+
+    def leave(self, mark: LoadMark) -> None:
+        load, _now = self._advance(mark.path)
+        load.count -= 1
 
 
 @dataclass(slots=True)
@@ -71,20 +129,22 @@ class LoadLatencyModel:
         self._fits: dict[tuple[object, str], LatencyFit] = {}
         self._lock = threading.Lock()
 
-    def observe(self, path: object, segment: str, in_flight: int, e2e_s: float, tokens: int) -> None:
-        """One completed request: ``in_flight`` on its path when it arrived (itself included)."""
-        if in_flight < 1 or e2e_s < 0.0 or tokens < 1:
+    def observe(self, path: object, segment: str, load: float, e2e_s: float, tokens: int) -> None:
+        """One completed request: ``load`` the mean in-flight count on its path while it ran
+        (itself included)."""
+        if load <= 0.0 or e2e_s < 0.0 or tokens < 1:
             return  # nothing generated (or a bad clock): says nothing about per-token latency
         with self._lock:
             fit = self._fits.setdefault((path, segment), LatencyFit())
-            fit.add(float(in_flight), e2e_s / tokens, self.decay)
+            fit.add(float(load), e2e_s / tokens, self.decay)
 
     def samples(self, path: object, segment: str) -> int:
         fit = self._fits.get((path, segment))
         return 0 if fit is None else fit.count
 
     def predict(self, path: object, segment: str, in_flight: int) -> float | None:
-        """Seconds per generated token for a request arriving to make ``in_flight``; None: unseen."""
+        """Seconds per generated token for a request running under ``in_flight`` requests (itself
+        included); None: unseen."""
         with self._lock:
             fit = self._fits.get((path, segment))
             return None if fit is None else fit.predict(float(in_flight))

@@ -27,9 +27,9 @@ Rule order (first match wins):
    touched. A request is routed once, on arrival: without this a burst larger than the
    BatchEngine's batch queues there while the SpecEngine drains its few requests and idles.
    "Sooner" is measured once both paths have completed ``overflow_min_samples`` requests of the
-   segment: each path's normalized latency (seconds per generated token) fitted against its
-   in-flight count (``cluster.routing.load_latency``), compared at both paths' counts plus this
-   request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
+   segment: each path's normalized latency (seconds per generated token) fitted against the mean
+   in-flight count its requests ran under (``cluster.routing.load_latency``), compared at both
+   paths' counts now plus this request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
    relative to their capacities (in-flight / max_num_seqs x replicas), which never fires below the
    BatchEngine's capacity.
 """
@@ -171,10 +171,10 @@ class RouterPolicy:
     def spec_open(self) -> bool:
         return self._spec_open
 
-    def observe(self, path: Path, segment: str, in_flight: int, e2e_s: float, tokens: int) -> None:
-        """A request completed on ``path``; ``in_flight``: that path's count at its arrival, itself
-        included."""
-        self.latency.observe(path, segment, in_flight, e2e_s, tokens)
+    def observe(self, path: Path, segment: str, load: float, e2e_s: float, tokens: int) -> None:
+        """A request completed on ``path``; ``load``: that path's mean in-flight count while it ran,
+        itself included (``cluster.routing.load_latency.InFlightMeter``)."""
+        self.latency.observe(path, segment, load, e2e_s, tokens)
 
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:

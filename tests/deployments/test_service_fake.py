@@ -201,6 +201,10 @@ def test_overflow_balance_follows_measured_latency(addr):
     for mode in (1, 2):  # 8 completions per path: SpecEngine ~4x faster per token on "fast"
         for _ in range(8):
             assert c.generate(prompt="measure ", max_tokens=8, mode=mode, segment="fast").route.path == mode
+    info = c.stub.ModelInfo(c.pb2.ModelInfoRequest(), metadata=c.md, timeout=10)
+    fits = {pl.path: pl for pl in info.path_latency if pl.segment == "fast"}
+    assert set(fits) == {1, 2} and fits[1].samples == fits[2].samples == 8
+    assert fits[1].at_no_load_s + fits[1].per_request_s < 0.5 * (fits[2].at_no_load_s + fits[2].per_request_s)
     held, reasons = [], []
     try:
         for _ in range(4):  # 4 x 256 tokens at 1 token per 50 ms step: in flight for ~13 s
@@ -219,6 +223,8 @@ def test_overflow_balance_follows_measured_latency(addr):
         # slower than the BatchEngine at 1 (per token ~1/4, x5 load), faster than it at 2 or 3
         assert reasons[0] == "above_exit_threshold"
         assert reasons[-1] == "overflow_balanced" and len(reasons) in (2, 3), reasons
+        info = c.stub.ModelInfo(c.pb2.ModelInfoRequest(), metadata=c.md, timeout=10)
+        assert (info.spec_in_flight, info.plain_in_flight) == (5, len(reasons) - 1)
     finally:
         for it in held:
             it.cancel()
@@ -321,6 +327,10 @@ def test_bench_serve_quick(addr, tmp_path):
     assert all(k.startswith("plain:") for k in cells[("fixed_plain", 4)]["route_mix"])
     assert cells[("fixed_plain", 1)]["e2e_p50"] > 0 and cells[("routed", 4)]["tokens_per_s"] > 0
     assert not any(c["errors"] for c in cells.values())
+    # what the Router measured for the segment, from every policy's requests (the front door's too)
+    fits = cells[("routed", 16)]["router_latency"]
+    assert set(fits) == {"speculative", "plain"} and all(f["samples"] >= 16 for f in fits.values())
+    assert "router's ms/token" in bench.format_report(report)
     assert len(report["summary"]) == 3
     fd = report["front_door"]
     assert fd["engine"] == "cluster.engine.fake_engine:FakeEngine" and set(fd["paths"]) == {

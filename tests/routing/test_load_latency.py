@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.routing.load_latency import LatencyFit, LoadLatencyModel
+from cluster.routing.load_latency import InFlightMeter, LatencyFit, LoadLatencyModel
 
 
 def test_fit_recovers_a_line_and_extrapolates():
@@ -61,3 +61,32 @@ def test_decay_must_be_a_fraction():
         LoadLatencyModel(decay=0.0)
     with pytest.raises(ValueError):
         LoadLatencyModel(decay=1.5)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_meter_charges_a_request_the_mean_load_it_ran_under():
+    clock = _Clock()
+    m = InFlightMeter(clock)
+    first = m.enter("plain")  # alone for 1 s, then 15 more arrive and all run 3 s together
+    clock.t += 1.0
+    others = [m.enter("plain") for _ in range(15)]
+    assert m.count("plain") == 16 and m.count("spec") == 0
+    clock.t += 3.0
+    assert m.mean_load(first) == pytest.approx((1 * 1.0 + 16 * 3.0) / 4.0)
+    assert m.mean_load(others[-1]) == pytest.approx(16.0)
+    m.leave(first)
+    for mark in others[:-1]:
+        m.leave(mark)
+    clock.t += 2.0  # the last one finishes alone
+    assert m.mean_load(others[-1]) == pytest.approx((16 * 3.0 + 1 * 2.0) / 5.0)
+    m.leave(others[-1])
+    assert m.count("plain") == 0
+    instant = m.enter("spec")  # no time passed: the count itself
+    assert m.mean_load(instant) == 1.0
