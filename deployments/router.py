@@ -57,10 +57,11 @@ class Router:
                 raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
-        self.load = InFlightMeter()  # requests forwarded, not yet done, per path (and ∫ dt)
         # sequences each engine side runs at once, for overflow balancing (policy rule 8)
         self._spec_capacity = self.app.spec_engine.max_num_seqs * self.app.spec_engine.num_replicas
         self._plain_capacity = self.app.batch_engine.max_num_seqs * self.app.batch_engine.num_replicas
+        # requests forwarded, not yet done, per path (and how many ran beside each)
+        self.load = InFlightMeter({Path.SPECULATIVE: self._spec_capacity, Path.PLAIN: self._plain_capacity})
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
         configure_from_section(self.app.telemetry)
@@ -139,8 +140,9 @@ class Router:
                     raise item.to_service_error()
                 done = item.finished
                 if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
-                    self.policy.observe(decision.path, vreq.segment, self.load.mean_load(mark),
-                                        time.monotonic() - mark.t, item.num_output_tokens)
+                    queued = min(max(item.queue_time, 0.0), time.monotonic() - mark.t)
+                    self.policy.observe(decision.path, vreq.segment, self.load.running_beside(mark, queued),
+                                        time.monotonic() - mark.t - queued, item.num_output_tokens)
                 yield item
         finally:
             self.load.leave(mark)
@@ -216,8 +218,9 @@ class Router:
 
     def _path_latency_pb(self, pb2) -> list:
         paths = {Path.SPECULATIVE.value: pb2.PATH_SPECULATIVE, Path.PLAIN.value: pb2.PATH_PLAIN}
+        caps = {Path.SPECULATIVE.value: self._spec_capacity, Path.PLAIN.value: self._plain_capacity}
         return [pb2.PathLatency(segment=segment, path=paths[path], samples=int(fit["samples"]),
-                                at_no_load_s=fit["a"], per_request_s=fit["b"])
+                                base_s=fit["a"], per_running_s=fit["s"], capacity=caps[path])
                 for segment, by_path in self.policy.latency.snapshot().items()
                 for path, fit in by_path.items()]
 

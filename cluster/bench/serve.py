@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import gc
 import json
+import signal
 import statistics
 import sys
 import time
@@ -346,11 +347,13 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
 
 def router_latency(stub, pb2, md, segment: str) -> dict[str, dict]:
     """What the Router measured for ``segment`` so far (ModelInfo ``path_latency``): path ->
-    samples, seconds per token at no load and per in-flight request. Empty if it reports none."""
+    samples, service seconds per token ≈ base + per_running x requests running, capacity. Empty if
+    it reports none."""
     info = stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=30)
     names = {pb2.PATH_SPECULATIVE: "speculative", pb2.PATH_PLAIN: "plain"}
-    return {names.get(pl.path, str(pl.path)): {"samples": pl.samples, "at_no_load_s": round(pl.at_no_load_s, 5),
-                                                 "per_request_s": round(pl.per_request_s, 5)}
+    return {names.get(pl.path, str(pl.path)): {"samples": pl.samples, "base_s": round(pl.base_s, 5),
+                                                 "per_running_s": round(pl.per_running_s, 5),
+                                                 "capacity": pl.capacity}
             for pl in info.path_latency if pl.segment == segment}
 
 
@@ -431,9 +434,10 @@ def format_report(report: dict) -> str:
                      f"{_f(c['e2e_p50'], 1e3):>7} {_f(c['e2e_p99'], 1e3):>7} {_f(c['tokens_per_s']):>7} "
                      f"{_f(c['acceptance_rate'], 1, 2):>5}  {mix}")
         if c.get("router_latency"):
-            fits = "; ".join(f"{path} {f['at_no_load_s'] * 1e3:.1f} + {f['per_request_s'] * 1e3:.2f}·n "
-                             f"({f['samples']} requests)" for path, f in sorted(c["router_latency"].items()))
-            lines.append(f"{'':<17} router's ms/token at n in flight: {fits}")
+            fits = "; ".join(f"{path} {f['base_s'] * 1e3:.1f} + {f['per_running_s'] * 1e3:.2f}·b "
+                             f"(cap {f['capacity']}, {f['samples']} requests)"
+                             for path, f in sorted(c["router_latency"].items()))
+            lines.append(f"{'':<17} router's service ms/token at b running: {fits}")
     if report["summary"]:
         lines += ["", f"routed p50 e2e / better fixed policy (goal <= {ROUTED_GOAL}):"]
         lines += [f"  {s['segment']:<12} c={s['concurrency']:<3} {s['routed_over_best_fixed']:.3f} "
@@ -475,6 +479,10 @@ def _local_config(args) -> dict:
     return cfg
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = _local_config(args)
     app_args = cfg["applications"][0].get("args", {})
@@ -487,6 +495,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         from cluster.commands.serve import local_service
 
+        # SIGTERM (e.g. `timeout`, a CI runner) unwinds like Ctrl-C, so the local Ray is shut down
+        # instead of leaving its agents behind
+        signal.signal(signal.SIGTERM, _interrupt)
         with local_service(cfg) as (addr, app):
             report = _bench(args, addr, app, app_args)
     print(format_report(report), flush=True)

@@ -111,17 +111,19 @@ class FakeEngine:
 
     async def _run(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         assert self._slots is not None
+        arrival = time.monotonic()
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        queued = time.monotonic() - arrival
         rid, prompt = req.request_id, list(req.prompt_token_ids)
         blocks = math.ceil((len(prompt) + req.params.max_tokens) / self.config.block_size)
         self._running[rid] = blocks
         stats = SpecStats()
         out: list[int] = []
         finish = FinishReason.CANCELLED
-        arrival, first_at = time.monotonic(), None
+        first_at = None
         try:
             while len(out) < req.params.max_tokens:
                 await asyncio.sleep(self.token_delay_s)
@@ -139,6 +141,7 @@ class FakeEngine:
                                     finish_reason=finish if done else None,
                                     num_prompt_tokens=len(prompt), num_output_tokens=len(out),
                                     spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None,
+                                    queue_time=queued if done else 0.0,
                                     first_token_time=first_at - arrival if done and first_at else None,
                                     finish_time=time.monotonic() - arrival if done else None)
         finally:

@@ -1,14 +1,11 @@
-"""Load latency: how slow each path is for a segment at a given in-flight count, as measured.
+"""Load latency: how long each path would take, per generated token, to serve the next request of a
+segment, from what the Router saw its requests take.
 
-Owns: the in-flight count of each path and its time integral (``InFlightMeter``), so that a
-completed request is charged the mean load it ran under; per (path, segment) a recency-weighted
-straight-line fit of normalized latency (end-to-end seconds per generated token, queueing and
-prefill included) against that load (``LoadLatencyModel``); and the comparison the router's
-overflow rule asks for: which path would serve the next request of a segment sooner, given both
-paths' in-flight counts now (a new request runs under about the current count plus itself).
-Why the mean load over a request's life and not the count at its arrival: in a burst the first
-arrivals find an empty engine but run beside every later one, so the count at arrival says little
-about the load a request actually met (a batch of 16 arriving together shares one latency).
+Owns: the in-flight count of each path and the time integral of its running part
+(``InFlightMeter``); per (path, segment) a recency-weighted straight-line fit of service time per
+generated token against the number of requests running beside it (``LoadLatencyModel``); the
+prediction for a new request from a path's in-flight count and capacity; and the comparison the
+router's overflow rule asks for (which path would serve the next request of a segment sooner).
 Why: the two engines do different work per request on different segments (on CPU a long summarize
 prompt costs the BatchEngine far more per slot than a short chat turn, and the SpecEngine's cost
 depends on the segment's acceptance rate), so filling them in proportion to their configured
@@ -17,11 +14,20 @@ slower; nothing has to be calibrated beforehand.
 Ignores: where the counts come from (the Router deployment observes its own forwarded requests)
 and the rest of the route decision (``cluster.routing.policy``).
 
-Fit: weighted least squares of y = a + b·n with every earlier observation's weight multiplied by
-``decay`` when a new one arrives (recent load regimes dominate). The slope is clamped at >= 0 (more
-load never makes a path faster); when the observed counts barely spread, the slope cannot be
-estimated and latency is taken as proportional to the count (y = ȳ·n / n̄), the pessimistic
-extrapolation for a path that has only been seen lightly loaded.
+Model. A path runs at most C requests at once (its capacity: max_num_seqs x replicas); more wait
+in its queue. Service time (end-to-end minus the engine-reported queue time) per generated token
+at b running requests is fitted as S(b) = a + s·b. A request's b is the mean of min(in-flight, C)
+over its service: not the count at its arrival, since in a burst the first arrivals find an empty
+engine but run beside every later one. While it waited in the queue all C slots were busy, so that
+part of the integral is C x queue time and is taken out. A new request joining n in flight
+(m = n + 1) is predicted to take S(m) per token when m <= C, else S(C)·m/C: C slots drain the
+m - C requests ahead of it at C per S(C) (queueing at the path's measured drain rate).
+
+Fit: weighted least squares with every earlier observation's weight multiplied by ``decay`` when a
+new one arrives (recent load regimes dominate). The slope is clamped at >= 0 (more requests running
+never make each faster); when the observed batch sizes barely spread, the slope cannot be
+estimated and the per-token time is taken as proportional to the batch size (S = ȳ·b / b̄), the
+pessimistic extrapolation for a path seen only lightly loaded.
 """
 from __future__ import annotations
 
@@ -31,36 +37,41 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-MIN_SPREAD = 1.0  # variance of the observed in-flight counts needed to trust a fitted slope
+MIN_SPREAD = 1.0  # variance of the observed batch sizes needed to trust a fitted slope
 
 
 @dataclass(slots=True)
 class _PathLoad:
     count: int = 0
-    area: float = 0.0  # ∫ count dt up to ``since``
+    running_area: float = 0.0  # ∫ min(count, capacity) dt up to ``since``
     since: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
 class LoadMark:
-    """Where a request entered: its path, the time, and the path's load integral then."""
+    """Where a request entered: its path, the time, and the path's running integral then."""
 
     path: object
     t: float
-    area: float
+    running_area: float
 
 
 class InFlightMeter:
-    """Requests in flight per path and ∫ count dt, for the mean load over a request's life."""
+    """Requests in flight per path and ∫ min(count, capacity) dt, for the mean number of requests
+    a request ran beside. ``capacities``: path -> requests it runs at once (absent: unbounded)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, capacities: dict[object, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacities = dict(capacities or {})
         self._clock = clock
         self._loads: dict[object, _PathLoad] = {}
 
     def _advance(self, path: object) -> tuple[_PathLoad, float]:
         now = self._clock()
         load = self._loads.setdefault(path, _PathLoad(since=now))
-        load.area += load.count * (now - load.since)
+        cap = self.capacities.get(path)
+        running = load.count if cap is None else min(load.count, cap)
+        load.running_area += running * (now - load.since)
         load.since = now
         return load, now
 
@@ -71,14 +82,20 @@ class InFlightMeter:
     def enter(self, path: object) -> LoadMark:
         load, now = self._advance(path)
         load.count += 1
-        return LoadMark(path, now, load.area)
+        return LoadMark(path, now, load.running_area)
 
-    def mean_load(self, mark: LoadMark) -> float:
-        """Mean in-flight count on the mark's path since it entered (the request itself included)."""
+    def running_beside(self, mark: LoadMark, queue_s: float = 0.0) -> float:
+        """Mean requests running on the mark's path (itself included) over its service, i.e. since
+        it entered less the first ``queue_s`` seconds it waited (all slots busy then)."""
         load, now = self._advance(mark.path)
-        if now <= mark.t:
-            return float(load.count)
-        return (load.area - mark.area) / (now - mark.t)
+        cap = self.capacities.get(mark.path)
+        elapsed = now - mark.t
+        queue_s = min(max(queue_s, 0.0), elapsed) if cap is not None else 0.0
+        service = elapsed - queue_s
+        if service <= 0.0:
+            return float(load.count if cap is None else min(load.count, cap))
+        area = load.running_area - mark.running_area - (cap or 0) * queue_s
+        return max(1.0, area / service)
 
     def leave(self, mark: LoadMark) -> None:
         load, _now = self._advance(mark.path)
@@ -87,7 +104,7 @@ class InFlightMeter:
 
 @dataclass(slots=True)
 class LatencyFit:
-    """Decayed sums for one (path, segment): weight, Σn, Σy, Σn², Σny, and an undecayed count."""
+    """Decayed sums for one (path, segment): weight, Σb, Σy, Σb², Σby, and an undecayed count."""
 
     w: float = 0.0
     sn: float = 0.0
@@ -105,22 +122,31 @@ class LatencyFit:
         self.count += 1
 
     def line(self) -> tuple[float, float]:
-        """(a, b) of y = a + b·n."""
+        """(a, s) of y = a + s·b."""
         mean_n, mean_y = self.sn / self.w, self.sy / self.w
         var_n = self.snn / self.w - mean_n * mean_n
         if var_n >= MIN_SPREAD:
-            b = max(0.0, (self.sny / self.w - mean_n * mean_y) / var_n)
+            s = max(0.0, (self.sny / self.w - mean_n * mean_y) / var_n)
         else:
-            b = mean_y / max(mean_n, 1.0)
-        return mean_y - b * mean_n, b
+            s = mean_y / max(mean_n, 1.0)
+        return mean_y - s * mean_n, s
 
     def predict(self, n: float) -> float:
-        a, b = self.line()
-        return max(0.0, a + b * n)
+        a, s = self.line()
+        return max(0.0, a + s * n)
+
+
+def queued_latency(service: Callable[[float], float], in_flight: int, capacity: int | None) -> float:
+    """Per-token latency of a request that makes the path's count ``in_flight`` (itself included):
+    S(m) within capacity, S(C)·m/C beyond it."""
+    m = float(max(in_flight, 1))
+    if capacity is None or m <= capacity:
+        return service(m)
+    return service(float(capacity)) * m / capacity
 
 
 class LoadLatencyModel:
-    """Normalized latency per (path key, segment); path keys are opaque (the policy uses ``Path``)."""
+    """Service time per token per (path key, segment); path keys are opaque (the policy uses ``Path``)."""
 
     def __init__(self, decay: float = 0.95) -> None:
         if not 0.0 < decay <= 1.0:
@@ -129,41 +155,41 @@ class LoadLatencyModel:
         self._fits: dict[tuple[object, str], LatencyFit] = {}
         self._lock = threading.Lock()
 
-    def observe(self, path: object, segment: str, load: float, e2e_s: float, tokens: int) -> None:
-        """One completed request: ``load`` the mean in-flight count on its path while it ran
-        (itself included)."""
-        if load <= 0.0 or e2e_s < 0.0 or tokens < 1:
-            return  # nothing generated (or a bad clock): says nothing about per-token latency
+    def observe(self, path: object, segment: str, running: float, service_s: float, tokens: int) -> None:
+        """One completed request: ``running`` the mean number of requests running on its path while
+        it was served (itself included), ``service_s`` its time less the time it queued."""
+        if running <= 0.0 or service_s < 0.0 or tokens < 1:
+            return  # nothing generated (or a bad clock): says nothing about per-token time
         with self._lock:
             fit = self._fits.setdefault((path, segment), LatencyFit())
-            fit.add(float(load), e2e_s / tokens, self.decay)
+            fit.add(float(running), service_s / tokens, self.decay)
 
     def samples(self, path: object, segment: str) -> int:
         fit = self._fits.get((path, segment))
         return 0 if fit is None else fit.count
 
-    def predict(self, path: object, segment: str, in_flight: int) -> float | None:
-        """Seconds per generated token for a request running under ``in_flight`` requests (itself
-        included); None: unseen."""
+    def predict(self, path: object, segment: str, in_flight: int, capacity: int | None) -> float | None:
+        """Seconds per generated token, queueing included, for a request that makes the path's
+        count ``in_flight``; None: the segment has not been seen on the path."""
         with self._lock:
             fit = self._fits.get((path, segment))
-            return None if fit is None else fit.predict(float(in_flight))
+            return None if fit is None else queued_latency(fit.predict, in_flight, capacity)
 
-    def faster(self, segment: str, a: tuple[object, int], b: tuple[object, int],
+    def faster(self, segment: str, a: tuple[object, int, int | None], b: tuple[object, int, int | None],
                min_samples: int) -> bool | None:
-        """Is path ``a[0]`` at in-flight ``a[1]`` predicted strictly faster than ``b[0]`` at ``b[1]``?
-        None when either path has fewer than ``min_samples`` completions of the segment."""
+        """Is path ``a = (path, in_flight, capacity)`` predicted strictly faster than ``b``? None when
+        either path has fewer than ``min_samples`` completions of the segment."""
         if min(self.samples(a[0], segment), self.samples(b[0], segment)) < max(min_samples, 1):
             return None
-        pa, pb = self.predict(a[0], segment, a[1]), self.predict(b[0], segment, b[1])
+        pa, pb = self.predict(a[0], segment, a[1], a[2]), self.predict(b[0], segment, b[1], b[2])
         return pa is not None and pb is not None and pa < pb
 
     def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
-        """segment -> path -> {samples, a, b} (a: s/token at no load, b: s/token per request)."""
+        """segment -> path -> {samples, a, s}: service seconds per token ≈ a + s·(requests running)."""
         out: dict[str, dict[str, dict[str, float]]] = {}
         with self._lock:
             for (path, segment), fit in sorted(self._fits.items(), key=lambda kv: (kv[0][1], str(kv[0][0]))):
-                a, b = fit.line()
+                a, s = fit.line()
                 name = getattr(path, "value", str(path))
-                out.setdefault(segment, {})[name] = {"samples": fit.count, "a": a, "b": b}
+                out.setdefault(segment, {})[name] = {"samples": fit.count, "a": a, "s": s}
         return out

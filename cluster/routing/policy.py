@@ -27,9 +27,10 @@ Rule order (first match wins):
    touched. A request is routed once, on arrival: without this a burst larger than the
    BatchEngine's batch queues there while the SpecEngine drains its few requests and idles.
    "Sooner" is measured once both paths have completed ``overflow_min_samples`` requests of the
-   segment: each path's normalized latency (seconds per generated token) fitted against the mean
-   in-flight count its requests ran under (``cluster.routing.load_latency``), compared at both
-   paths' counts now plus this request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
+   segment: each path's service time per generated token fitted against the number of requests
+   running beside, with queueing beyond its capacity at its measured drain rate
+   (``cluster.routing.load_latency``), predicted for both paths at their counts now plus this
+   request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
    relative to their capacities (in-flight / max_num_seqs x replicas), which never fires below the
    BatchEngine's capacity.
 """
@@ -171,10 +172,11 @@ class RouterPolicy:
     def spec_open(self) -> bool:
         return self._spec_open
 
-    def observe(self, path: Path, segment: str, load: float, e2e_s: float, tokens: int) -> None:
-        """A request completed on ``path``; ``load``: that path's mean in-flight count while it ran,
-        itself included (``cluster.routing.load_latency.InFlightMeter``)."""
-        self.latency.observe(path, segment, load, e2e_s, tokens)
+    def observe(self, path: Path, segment: str, running: float, service_s: float, tokens: int) -> None:
+        """A request completed on ``path``: ``running`` requests ran beside it on average (itself
+        included, ``cluster.routing.load_latency.InFlightMeter``), ``service_s`` its time less the
+        time it queued in the engine."""
+        self.latency.observe(path, segment, running, service_s, tokens)
 
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:
@@ -220,8 +222,8 @@ class RouterPolicy:
         return decision
 
     def _spec_sooner(self, segment: str, view: EngineView) -> bool:
-        measured = self.latency.faster(segment, (Path.SPECULATIVE, view.spec_in_flight + 1),
-                                       (Path.PLAIN, view.plain_in_flight + 1),
+        measured = self.latency.faster(segment, (Path.SPECULATIVE, view.spec_in_flight + 1, view.spec_capacity),
+                                       (Path.PLAIN, view.plain_in_flight + 1, view.plain_capacity),
                                        self.config.overflow_min_samples)
         return view.spec_less_full() if measured is None else measured
 

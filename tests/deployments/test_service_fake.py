@@ -204,7 +204,8 @@ def test_overflow_balance_follows_measured_latency(addr):
     info = c.stub.ModelInfo(c.pb2.ModelInfoRequest(), metadata=c.md, timeout=10)
     fits = {pl.path: pl for pl in info.path_latency if pl.segment == "fast"}
     assert set(fits) == {1, 2} and fits[1].samples == fits[2].samples == 8
-    assert fits[1].at_no_load_s + fits[1].per_request_s < 0.5 * (fits[2].at_no_load_s + fits[2].per_request_s)
+    assert (fits[1].capacity, fits[2].capacity) == (8, 8)
+    assert fits[1].base_s + fits[1].per_running_s < 0.5 * (fits[2].base_s + fits[2].per_running_s)
     held, reasons = [], []
     try:
         for _ in range(4):  # 4 x 256 tokens at 1 token per 50 ms step: in flight for ~13 s
@@ -330,7 +331,7 @@ def test_bench_serve_quick(addr, tmp_path):
     # what the Router measured for the segment, from every policy's requests (the front door's too)
     fits = cells[("routed", 16)]["router_latency"]
     assert set(fits) == {"speculative", "plain"} and all(f["samples"] >= 16 for f in fits.values())
-    assert "router's ms/token" in bench.format_report(report)
+    assert "router's service ms/token" in bench.format_report(report)
     assert len(report["summary"]) == 3
     fd = report["front_door"]
     assert fd["engine"] == "cluster.engine.fake_engine:FakeEngine" and set(fd["paths"]) == {

@@ -146,10 +146,11 @@ def test_overflow_balance_off_unknown_capacity_or_gated_segment():
 
 
 def _measure(p, segment, spec_per_token, plain_per_token, counts=range(1, 17)):
-    """Completed requests on both paths whose latency grows in proportion to the in-flight count."""
+    """Completed requests on both paths whose service time per token grows in proportion to the
+    requests running beside them."""
     for n in counts:
-        p.observe(SPEC, segment, n, e2e_s=spec_per_token * n * 32, tokens=32)
-        p.observe(PLAIN, segment, n, e2e_s=plain_per_token * n * 32, tokens=32)
+        p.observe(SPEC, segment, n, service_s=spec_per_token * n * 32, tokens=32)
+        p.observe(PLAIN, segment, n, service_s=plain_per_token * n * 32, tokens=32)
 
 
 def test_overflow_balance_follows_measured_latency_once_both_paths_have_samples():
@@ -183,9 +184,9 @@ def test_overflow_balance_uses_capacity_until_each_path_has_enough_samples():
     _measure(p, "summarize", spec_per_token=0.01, plain_per_token=0.03, counts=range(1, 8))  # 7 each
     view = EngineView(spec_in_flight=6, plain_in_flight=2, spec_capacity=8, plain_capacity=16)
     assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.ABOVE_EXIT_THRESHOLD
-    p.observe(SPEC, "summarize", 8, e2e_s=0.08 * 32, tokens=32)  # spec has 8, plain still 7
+    p.observe(SPEC, "summarize", 8, service_s=0.08 * 32, tokens=32)  # spec has 8, plain still 7
     assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.HYSTERESIS_PLAIN
-    p.observe(PLAIN, "summarize", 8, e2e_s=0.24 * 32, tokens=32)
+    p.observe(PLAIN, "summarize", 8, service_s=0.24 * 32, tokens=32)
     assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.OVERFLOW_BALANCED
     with pytest.raises(ValueError):
         RouterConfig(overflow_min_samples=0)
