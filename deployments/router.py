@@ -57,9 +57,12 @@ class Router:
                 raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
-        # sequences each engine side runs at once, for overflow balancing (policy rule 8)
-        self._spec_capacity = self.app.spec_engine.max_num_seqs * self.app.spec_engine.num_replicas
-        self._plain_capacity = self.app.batch_engine.max_num_seqs * self.app.batch_engine.num_replicas
+        # sequences each engine side runs at once, for overflow balancing (policy rule 8); in-flight
+        # counts are per Router replica, so each replica plans with its share of the slots
+        share = self.app.router_deployment.num_replicas
+        spec, batch = self.app.spec_engine, self.app.batch_engine
+        self._spec_capacity = max(1, round(spec.max_num_seqs * spec.num_replicas / share))
+        self._plain_capacity = max(1, round(batch.max_num_seqs * batch.num_replicas / share))
         # requests forwarded, not yet done, per path (and how many ran beside each)
         self.load = InFlightMeter({Path.SPECULATIVE: self._spec_capacity, Path.PLAIN: self._plain_capacity})
         self._spec_stats: dict = {}
