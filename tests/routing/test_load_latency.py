@@ -56,7 +56,6 @@ def test_faster_compares_paths_at_their_own_counts_and_capacities_per_segment():
     for b in range(1, 9):  # summarize: spec 10 ms/token per running request, plain 30
         m.observe("spec", "summarize", b, service_s=0.01 * b * 32, tokens=32)
         m.observe("plain", "summarize", b, service_s=0.03 * b * 32, tokens=32)
-    caps = {"spec": 8, "plain": 16}
     assert m.faster("summarize", ("spec", 8, 8), ("plain", 4, 16), min_samples=8) is True  # 0.08 < 0.12
     assert m.faster("summarize", ("spec", 13, 8), ("plain", 4, 16), min_samples=8) is False  # 0.13 > 0.12
     # beyond its capacity the spec path queues: 24 in flight drain 8 at a time, 0.08·3 = 0.24
@@ -65,7 +64,7 @@ def test_faster_compares_paths_at_their_own_counts_and_capacities_per_segment():
     assert m.faster("chat", ("spec", 1, 8), ("plain", 9, 16), min_samples=8) is None  # chat unmeasured
     assert m.faster("summarize", ("spec", 1, 8), ("plain", 9, 16), min_samples=9) is None  # too few yet
     snap = m.snapshot()["summarize"]
-    assert snap["spec"]["samples"] == 8 and snap["plain"]["s"] == pytest.approx(0.03) and caps
+    assert snap["spec"]["samples"] == 8 and snap["plain"]["s"] == pytest.approx(0.03)
 
 
 def test_decay_must_be_a_fraction():
@@ -91,17 +90,17 @@ def test_meter_charges_a_request_the_requests_it_ran_beside():
     others = [m.enter("plain") for _ in range(15)]
     assert m.count("plain") == 16 and m.count("spec") == 0
     clock.t += 3.0
-    assert m.running_beside(first) == pytest.approx((1 * 1.0 + 16 * 3.0) / 4.0)
-    assert m.running_beside(others[-1]) == pytest.approx(16.0)
+    assert m.served(first) == pytest.approx(((1 * 1.0 + 16 * 3.0) / 4.0, 4.0))
+    assert m.served(others[-1]) == pytest.approx((16.0, 3.0))
     m.leave(first)
     for mark in others[:-1]:
         m.leave(mark)
     clock.t += 2.0  # the last one finishes alone
-    assert m.running_beside(others[-1]) == pytest.approx((16 * 3.0 + 1 * 2.0) / 5.0)
+    assert m.served(others[-1]) == pytest.approx(((16 * 3.0 + 1 * 2.0) / 5.0, 5.0))
     m.leave(others[-1])
     assert m.count("plain") == 0
     instant = m.enter("spec")  # no time passed: the count itself
-    assert m.running_beside(instant) == 1.0
+    assert m.served(instant) == (1.0, 0.0)
 
 
 def test_meter_takes_the_queue_wait_out_beyond_capacity():
@@ -113,6 +112,6 @@ def test_meter_takes_the_queue_wait_out_beyond_capacity():
     for mark in batch[:3]:
         m.leave(mark)
     clock.t += 1.0
-    assert m.running_beside(late, queue_s=2.0) == pytest.approx(2.0)
-    assert m.running_beside(batch[3]) == pytest.approx((4 * 2.0 + 2 * 1.0) / 3.0)  # min(5, 4) = 4 first
-    assert m.running_beside(late, queue_s=99.0) == pytest.approx(2.0)  # queue clipped to its life
+    assert m.served(late, queue_s=2.0) == pytest.approx((2.0, 1.0))
+    assert m.served(batch[3]) == pytest.approx(((4 * 2.0 + 2 * 1.0) / 3.0, 3.0))  # min(5, 4) = 4 first
+    assert m.served(late, queue_s=99.0) == (2.0, 0.0)  # queue clipped to its life: no service seen
