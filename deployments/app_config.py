@@ -38,6 +38,9 @@ class RouterKnobs(_Strict):
     #                                SpecEngine when it would serve it sooner (measured latency)
     overflow_min_samples: int = Field(8, ge=1)  # completions per path and segment before measured
     #                                latency decides; until then fullness relative to capacity
+    plain_when_faster: bool = True  # below the exit threshold, send a request plain when measured
+    #                                latency says the BatchEngine serves it faster by the margin
+    plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
 
 
 class LimitsKnobs(_Strict):

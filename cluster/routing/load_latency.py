@@ -177,13 +177,14 @@ class LoadLatencyModel:
             return None if fit is None else queued_latency(fit.predict, in_flight, capacity)
 
     def faster(self, segment: str, a: tuple[object, int, int | None], b: tuple[object, int, int | None],
-               min_samples: int) -> bool | None:
-        """Is path ``a = (path, in_flight, capacity)`` predicted strictly faster than ``b``? None when
-        either path has fewer than ``min_samples`` completions of the segment."""
+               min_samples: int, margin: float = 0.0) -> bool | None:
+        """Is path ``a = (path, in_flight, capacity)`` predicted faster than ``b`` by more than
+        ``margin`` (a fraction of b's time; 0: strictly faster)? None when either path has fewer
+        than ``min_samples`` completions of the segment."""
         if min(self.samples(a[0], segment), self.samples(b[0], segment)) < max(min_samples, 1):
             return None
         pa, pb = self.predict(a[0], segment, a[1], a[2]), self.predict(b[0], segment, b[1], b[2])
-        return pa is not None and pb is not None and pa < pb
+        return pa is not None and pb is not None and pa < pb * (1.0 - margin)
 
     def snapshot(self) -> dict[str, dict[object, dict[str, float]]]:
         """segment -> path key -> {samples, a, s}: service seconds per token ≈ a + s·(requests running)."""

@@ -33,6 +33,15 @@ Rule order (first match wins):
    request. Until then it is the capacity rule: the SpecEngine is less full than the BatchEngine
    relative to their capacities (in-flight / max_num_seqs x replicas), which never fires below the
    BatchEngine's capacity.
+9. measured plain (``plain_when_faster``): when rule 7 says speculative but, by the same measured
+   latency (both paths with ``overflow_min_samples`` completions of the segment), the BatchEngine
+   would serve the request more than ``plain_faster_margin`` faster per token, go plain
+   (MEASURED_PLAIN_FASTER); the hysteresis bit is not touched. The thresholds are calibrated for
+   the typical segment; one with a middling α can be slower speculated well below the exit
+   threshold (chat at 8 concurrent on 2 CPU cores). The margin keeps near-ties on the
+   hysteresis's choice, and every ``probe_every``-th such request still speculates so that the
+   SpecEngine's fit for the segment stays current (it would otherwise go stale and keep the
+   segment plain after the load that made plain faster is gone).
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ class RouteReason(enum.Enum):
     HYSTERESIS_SPECULATIVE = "hysteresis_speculative"  # between thresholds, staying speculative
     HYSTERESIS_PLAIN = "hysteresis_plain"  # between thresholds, staying plain
     OVERFLOW_BALANCED = "overflow_balanced"  # plain by hysteresis, but the BatchEngine is fuller
+    MEASURED_PLAIN_FASTER = "measured_plain_faster"  # speculative by hysteresis, but measured slower
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,7 +96,9 @@ class RouterConfig:
     request that hysteresis sends plain to the SpecEngine when it would be served sooner there —
     by measured latency under load once each path has ``overflow_min_samples`` completed requests
     of the segment, by fullness relative to capacity before (needs both capacities in the
-    EngineView)."""
+    EngineView). plain_when_faster: send a request that hysteresis sends speculative to the
+    BatchEngine when measured latency says it would be served more than ``plain_faster_margin``
+    (a fraction) faster per token there."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
@@ -95,6 +107,8 @@ class RouterConfig:
     probe_every: int = 16
     balance_overflow: bool = True
     overflow_min_samples: int = 8
+    plain_when_faster: bool = True
+    plain_faster_margin: float = 0.05
 
     def __post_init__(self) -> None:
         if self.enter_threshold < 1:
@@ -111,6 +125,8 @@ class RouterConfig:
             raise ValueError("router.min_alpha_samples must be >= 0")
         if self.overflow_min_samples < 1:
             raise ValueError("router.overflow_min_samples must be >= 1")
+        if not 0.0 <= self.plain_faster_margin < 1.0:
+            raise ValueError(f"router.plain_faster_margin must be in [0, 1), got {self.plain_faster_margin}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,6 +183,7 @@ class RouterPolicy:
         self._spec_open = True
         self._lock = threading.Lock()
         self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
+        self._moved: dict[str, int] = {}  # segment -> requests moved plain (rule 9) since its last probe
 
     @property
     def spec_open(self) -> bool:
@@ -193,9 +210,9 @@ class RouterPolicy:
         if measured is not None:
             alpha, samples = measured
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
-                if not self._probe_due(req.segment):
+                if not self._probe_due(self._gated, req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
-                decision = self._hysteresis(req.segment, view)
+                decision = self._hysteresis(req.segment, view, probing=True)
                 if decision.path is Path.SPECULATIVE:
                     return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
                 return decision
@@ -206,20 +223,29 @@ class RouterPolicy:
             return float(self.config.min_alpha)
         return FALLBACK_MIN_ALPHA if view.break_even_alpha is None else view.break_even_alpha
 
-    def _probe_due(self, segment: str) -> bool:
+    def _probe_due(self, counts: dict[str, int], segment: str) -> bool:
         if self.config.probe_every == 0:
             return False
         with self._lock:
-            n = self._gated.get(segment, 0) + 1
+            n = counts.get(segment, 0) + 1
             due = n >= self.config.probe_every
-            self._gated[segment] = 0 if due else n
+            counts[segment] = 0 if due else n
             return due
 
-    def _hysteresis(self, segment: str, view: EngineView) -> RouteDecision:
+    def _hysteresis(self, segment: str, view: EngineView, probing: bool = False) -> RouteDecision:
+        """Rules 7-9; ``probing``: an α probe, which rule 9 must not move plain."""
         decision = self._hysteresis_bit(view.spec_in_flight)
         if decision.path is Path.PLAIN and self.config.balance_overflow and self._spec_sooner(segment, view):
             return RouteDecision(Path.SPECULATIVE, RouteReason.OVERFLOW_BALANCED)
+        if (decision.path is Path.SPECULATIVE and self.config.plain_when_faster and not probing
+                and self._plain_faster(segment, view) and not self._probe_due(self._moved, segment)):
+            return RouteDecision(Path.PLAIN, RouteReason.MEASURED_PLAIN_FASTER)
         return decision
+
+    def _plain_faster(self, segment: str, view: EngineView) -> bool:
+        return bool(self.latency.faster(segment, (Path.PLAIN, view.plain_in_flight + 1, view.plain_capacity),
+                                        (Path.SPECULATIVE, view.spec_in_flight + 1, view.spec_capacity),
+                                        self.config.overflow_min_samples, margin=self.config.plain_faster_margin))
 
     def _spec_sooner(self, segment: str, view: EngineView) -> bool:
         measured = self.latency.faster(segment, (Path.SPECULATIVE, view.spec_in_flight + 1, view.spec_capacity),

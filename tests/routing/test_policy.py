@@ -190,3 +190,51 @@ def test_overflow_balance_uses_capacity_until_each_path_has_enough_samples():
     assert p.decide(RequestFeatures(segment="summarize"), view).reason is RouteReason.OVERFLOW_BALANCED
     with pytest.raises(ValueError):
         RouterConfig(overflow_min_samples=0)
+
+
+def _spec_view(spec=2, plain=0):
+    return EngineView(spec_in_flight=spec, plain_in_flight=plain, spec_capacity=8, plain_capacity=16)
+
+
+def test_measured_plain_faster_moves_a_request_hysteresis_would_speculate():
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6, overflow_min_samples=8, probe_every=4))
+    chat = RequestFeatures(segment="chat")
+    # chat: the SpecEngine per token grows 0.02/running, the BatchEngine 0.01/running
+    _measure(p, "chat", spec_per_token=0.02, plain_per_token=0.01)
+    d = p.decide(chat, _spec_view(spec=2, plain=0))  # 3 x 0.02 vs 1 x 0.01
+    assert (d.path, d.reason) == (PLAIN, RouteReason.MEASURED_PLAIN_FASTER)
+    assert p.spec_open  # the hysteresis bit is not touched
+    # every probe_every-th request the rule would move still speculates (keeps the spec fit current)
+    reasons = [p.decide(chat, _spec_view(spec=2, plain=0)).reason for _ in range(8)]
+    assert reasons.count(RouteReason.BELOW_ENTER_THRESHOLD) == 2, reasons
+    assert reasons.count(RouteReason.MEASURED_PLAIN_FASTER) == 6, reasons
+    # where spec is predicted faster (or within the margin), the hysteresis's choice stands
+    d = p.decide(chat, _spec_view(spec=0, plain=1))  # 1 x 0.02 vs 2 x 0.01: a tie, inside the margin
+    assert (d.path, d.reason) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    d = p.decide(chat, _spec_view(spec=0, plain=3))  # 0.02 vs 0.04
+    assert (d.path, d.reason) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    # an unmeasured segment, or one measured on a single path, keeps the hysteresis's choice
+    assert p.decide(RequestFeatures(segment="code"), _spec_view()).path is SPEC
+    for n in range(1, 17):
+        p.observe(PLAIN, "code", n, service_s=0.001 * n * 32, tokens=32)
+    assert p.decide(RequestFeatures(segment="code"), _spec_view()).path is SPEC
+
+
+def test_measured_plain_faster_margin_off_switch_and_alpha_probes():
+    chat = RequestFeatures(segment="chat")
+    # plain 4% faster: inside the default 5% margin -> speculative; a 3% margin moves it
+    for margin, path in ((0.05, SPEC), (0.03, PLAIN)):
+        p = RouterPolicy(RouterConfig(plain_faster_margin=margin, probe_every=0))
+        _measure(p, "chat", spec_per_token=0.01, plain_per_token=0.0096)
+        assert p.decide(chat, _spec_view(spec=0, plain=0)).path is path, margin
+    off = RouterPolicy(RouterConfig(plain_when_faster=False))
+    _measure(off, "chat", spec_per_token=0.02, plain_per_token=0.01)
+    assert off.decide(chat, _spec_view()).reason is RouteReason.BELOW_ENTER_THRESHOLD
+    # an α probe of a gated segment is never moved plain by the measured rule
+    p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=1, probe_every=1))
+    _measure(p, "chat", spec_per_token=0.02, plain_per_token=0.01)
+    view = EngineView(spec_in_flight=0, spec_capacity=8, plain_capacity=16, alpha_by_segment=(("chat", 0.1, 50),))
+    assert p.decide(chat, view).reason is RouteReason.PROBE_BELOW_BREAK_EVEN
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError):
+            RouterConfig(plain_faster_margin=bad)
