@@ -18,6 +18,7 @@ from cluster.spec.draft_server import DraftServerCore, start_server
 from cluster.spec.proposer import DrafterKind, parse_drafter_spec
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
+from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.draft_server")
 
@@ -46,6 +47,7 @@ class DraftServer:
         import ray
 
         app = AppConfig(**config)
+        quiet_polls("address")  # the SpecEngine asks for it on a timer
         configure_from_section(app.telemetry)  # before start_server: its interceptor reads it per call
         import torch  # before loading a draft model: loading and drafting use these threads
 

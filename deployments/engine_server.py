@@ -22,15 +22,16 @@ from cluster.engine.request import RequestOutput, merge_outputs
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
+from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.engine")
-
 
 class EngineServer:
     speculative: bool = False
 
     async def _init_engine(self, config: dict, proposer=None) -> None:
         self.app = AppConfig(**config)
+        quiet_polls("stats")  # the Router asks each engine twice a second
         configure_from_section(self.app.telemetry)
         self.limits = self.app.limits_config()
         self._set_threads(self.app.torch_threads)

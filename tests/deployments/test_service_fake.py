@@ -339,3 +339,28 @@ def test_bench_serve_quick(addr, tmp_path):
     for path in fd["paths"].values():  # same tokens both ways; the front door costs something
         assert path["requests"] == 2 and path["same_token_counts"] and path["e2e_ratio"] > 0.5
         assert path["e2e_ratio_paired"] > 0.5 and len(path["pairs_e2e_s"]) == 2
+
+
+def test_engine_access_log_has_requests_not_polls(main):
+    """The Router polls each engine's stats twice a second; those calls leave no access-log line,
+    the requests it forwards do."""
+    import glob
+    import os
+
+    from ray._private.worker import global_worker
+
+    main.generate(prompt="logged ", max_tokens=2, mode=1)
+    main.generate(prompt="logged ", max_tokens=2, mode=2)
+    logs = os.path.join(global_worker.node.get_logs_dir_path(), "serve")
+
+    def lines(deployment):
+        out = []
+        for f in glob.glob(os.path.join(logs, f"replica_main_{deployment}_*.log")):
+            with open(f, errors="replace") as fh:
+                out += [ln for ln in fh if " CALL " in ln]
+        return out
+
+    for deployment in ("SpecEngine", "BatchEngine"):
+        wait_for(lambda: any(" CALL generate OK " in ln for ln in lines(deployment)),
+                 what=f"{deployment} access log for generate")
+        assert not [ln for ln in lines(deployment) if " CALL stats " in ln], deployment
