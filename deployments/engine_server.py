@@ -26,6 +26,7 @@ from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.engine")
 
+
 class EngineServer:
     speculative: bool = False
 

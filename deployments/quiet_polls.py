@@ -21,8 +21,8 @@ class QuietPolls(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "serve_access_log", False):
             return True
-        parts = record.getMessage().split(" ", 3)  # "CALL <method> <status> <latency>ms"
-        return not (len(parts) >= 3 and parts[1] in self.methods and parts[2] == "OK")
+        words = record.getMessage().split()  # "[client] CALL <method> <status> <latency>ms"
+        return not any(w in self.methods and status == "OK" for w, status in zip(words, words[1:]))
 
 
 def quiet_polls(*methods: str) -> None:

@@ -14,6 +14,7 @@ def _record(msg: str, access: bool = True) -> logging.LogRecord:
 def test_drops_only_successful_access_lines_of_the_named_methods():
     f = QuietPolls(("stats",))
     assert not f.filter(_record("CALL stats OK 1.2ms"))
+    assert not f.filter(_record("10.0.0.7:51234 CALL stats OK 1.2ms"))  # client address logged
     assert f.filter(_record("CALL stats ERROR 5003.0ms"))  # a failing poll is worth a line
     assert f.filter(_record("CALL stats CANCELLED 2.0ms"))
     assert f.filter(_record("CALL generate OK 812.4ms"))
