@@ -48,6 +48,8 @@ class LimitsKnobs(_Strict):
     max_prompt_tokens: int = Field(4096, ge=1)
     max_message_bytes: int = Field(1 << 20, ge=64)
     max_queue: int = Field(256, ge=1)
+    max_segments: int = Field(32, ge=1)  # distinct segment labels measured per Router replica;
+    #                                      further new ones are folded into "other"
 
 
 class AuthKnobs(_Strict):

@@ -16,6 +16,7 @@ Ignores: tokenization (engine side), engine internals.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import uuid
@@ -32,6 +33,7 @@ from cluster.api.status import EngineFailure, ServiceError
 from cluster.engine.request import FinishReason
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
+from cluster.routing.segments import SegmentLabels
 from deployments.app_config import AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import RequestTelemetry
@@ -49,6 +51,7 @@ class Router:
         self.app = AppConfig(**config)
         self.policy = RouterPolicy(self.app.router_config())
         self.limits = self.app.limits_config()
+        self.segments = SegmentLabels(self.app.limits.max_segments)
         self.token = None
         if self.app.auth.token_env:
             self.token = os.environ.get(self.app.auth.token_env) or None
@@ -114,6 +117,9 @@ class Router:
         check_bearer(grpc_context.invocation_metadata(), self.token)
         request_id = grpc_context.request_id() or uuid.uuid4().hex
         vreq = validate_request(request, request_id, self.limits)
+        segment = self.segments.label(vreq.segment)
+        if segment != vreq.segment:  # past limits.max_segments distinct labels
+            vreq = dataclasses.replace(vreq, segment=segment)
         decision = self.policy.decide(
             RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment),
             self._view())

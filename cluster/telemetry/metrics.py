@@ -33,13 +33,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from cluster.routing.segments import OTHER_SEGMENT
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-OTHER_SEGMENT = "other"
 
 
 @dataclass(slots=True)

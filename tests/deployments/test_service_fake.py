@@ -32,6 +32,7 @@ def expected(prompt: str, n: int) -> list[int]:
 # 50 ms per step; the fake SpecEngine emits 4 tokens a step (α 0.75, K 4) except on segment "slow"
 OVERFLOW_ARGS = fake_args(
     router={"enter_threshold": 2, "exit_threshold": 4, "overflow_min_samples": 8},
+    limits={"max_segments": 4},  # fast, slow and two more (test_segment_labels_are_bounded)
     spec_engine={"num_cpus": 0.1, "max_num_seqs": 8}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 8},
     engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                  "options": {"token_delay_s": 0.05, "alpha_by_segment": {"slow": 0.0}}})
@@ -364,3 +365,20 @@ def test_engine_access_log_has_requests_not_polls(main):
         wait_for(lambda: any(" CALL generate OK " in ln for ln in lines(deployment)),
                  what=f"{deployment} access log for generate")
         assert not [ln for ln in lines(deployment) if " CALL stats " in ln], deployment
+
+
+def test_segment_labels_are_bounded(addr):
+    """A client labelling every request uniquely cannot grow what the service measures per segment:
+    past limits.max_segments (4 here) new labels are measured together as "other"."""
+    c = Client(addr, "overflow")
+    labels = [f"user-{i}" for i in range(8)]
+    for seg in labels:
+        for mode in (1, 2):
+            r = c.generate(prompt="label ", max_tokens=2, mode=mode, segment=seg)
+            assert list(r.token_ids) == expected("label ", 2)
+    spec_segments = set(engine_stats("overflow", "SpecEngine")["spec_by_segment"])
+    info = c.stub.ModelInfo(c.pb2.ModelInfoRequest(), metadata=c.md, timeout=10)
+    fit_segments = {pl.segment for pl in info.path_latency}
+    for seen in (spec_segments, fit_segments):
+        assert "other" in seen and len(seen - {"other"}) <= 4, seen
+        assert 1 <= len(seen & set(labels)) <= 4, seen  # some of ours kept (fast/slow may hold 2)
