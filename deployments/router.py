@@ -63,10 +63,10 @@ class Router:
         # counts are per Router replica, so each replica plans with its share of the slots
         share = self.app.router_deployment.num_replicas
         spec, batch = self.app.spec_engine, self.app.batch_engine
-        self._spec_capacity = max(1, round(spec.max_num_seqs * spec.num_replicas / share))
-        self._plain_capacity = max(1, round(batch.max_num_seqs * batch.num_replicas / share))
         # requests forwarded, not yet done, per path (and how many ran beside each)
-        self.load = InFlightMeter({Path.SPECULATIVE: self._spec_capacity, Path.PLAIN: self._plain_capacity})
+        self.load = InFlightMeter({
+            Path.SPECULATIVE: max(1, round(spec.max_num_seqs * spec.num_replicas / share)),
+            Path.PLAIN: max(1, round(batch.max_num_seqs * batch.num_replicas / share))})
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
         configure_from_section(self.app.telemetry)
@@ -108,7 +108,8 @@ class Router:
         return EngineView.from_spec_by_segment(
             s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
             spec_in_flight=self.spec_in_flight, plain_in_flight=self.load.count(Path.PLAIN),
-            spec_capacity=self._spec_capacity, plain_capacity=self._plain_capacity,
+            spec_capacity=self.load.capacities[Path.SPECULATIVE],
+            plain_capacity=self.load.capacities[Path.PLAIN],
             moe=bool(s.get("moe", False)),
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
 

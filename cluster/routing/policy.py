@@ -158,6 +158,13 @@ class EngineView:
             return False
         return self.spec_in_flight * self.plain_capacity < self.plain_in_flight * self.spec_capacity
 
+    def joining(self, path: Path) -> tuple[Path, int, int | None]:
+        """(path, its in-flight count once a new request joins it, its capacity): what the latency
+        model predicts a path from."""
+        if path is Path.SPECULATIVE:
+            return path, self.spec_in_flight + 1, self.spec_capacity
+        return path, self.plain_in_flight + 1, self.plain_capacity
+
     def alpha(self, segment: str) -> tuple[float, int] | None:
         for name, alpha, n in self.alpha_by_segment:
             if name == segment:
@@ -243,13 +250,11 @@ class RouterPolicy:
         return decision
 
     def _plain_faster(self, segment: str, view: EngineView) -> bool:
-        return bool(self.latency.faster(segment, (Path.PLAIN, view.plain_in_flight + 1, view.plain_capacity),
-                                        (Path.SPECULATIVE, view.spec_in_flight + 1, view.spec_capacity),
+        return bool(self.latency.faster(segment, view.joining(Path.PLAIN), view.joining(Path.SPECULATIVE),
                                         self.config.overflow_min_samples, margin=self.config.plain_faster_margin))
 
     def _spec_sooner(self, segment: str, view: EngineView) -> bool:
-        measured = self.latency.faster(segment, (Path.SPECULATIVE, view.spec_in_flight + 1, view.spec_capacity),
-                                       (Path.PLAIN, view.plain_in_flight + 1, view.plain_capacity),
+        measured = self.latency.faster(segment, view.joining(Path.SPECULATIVE), view.joining(Path.PLAIN),
                                        self.config.overflow_min_samples)
         return view.spec_less_full() if measured is None else measured
 

@@ -8,13 +8,13 @@ otherwise grow by one entry per distinct label; a client labelling each request 
 request id, a user id) would grow them without bound. The first labels seen are kept (the
 workload's own segments arrive first in practice); the rest share one label and one estimate.
 Ignores: validation of the label itself (``cluster.api.requests``) and the metrics' own cap
-(``cluster.telemetry.metrics`` folds its Prometheus series into the same label).
+(``cluster.telemetry.metrics`` keeps a SegmentLabels of its own for its Prometheus series).
 """
 from __future__ import annotations
 
 import threading
 
-OTHER_SEGMENT = "other"  # the label every segment past the cap shares (here and in the metrics)
+OTHER_SEGMENT = "other"  # the label every segment past the cap shares (Router and metrics alike)
 
 
 class SegmentLabels:

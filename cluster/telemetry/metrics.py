@@ -9,7 +9,7 @@ Ignores: where the numbers come from and how they are exposed (``metrics_backend
 EngineStats carries cumulative totals; counters are fed the positive difference since the last
 export of the same engine (a drop means the engine restarted: the new total is counted afresh).
 Segments are a client-supplied label: at most ``max_segments`` distinct values are kept, the rest
-report as ``other`` (bounded Prometheus cardinality).
+report as ``other`` (bounded Prometheus cardinality; ``cluster.routing.segments``).
 
 Metric (Prometheus name; inside Ray prefixed ``ray_``)      labels
 specserve_requests_total                                   path, reason, segment, finish_reason
@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from cluster.routing.segments import OTHER_SEGMENT
+from cluster.routing.segments import SegmentLabels
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 
@@ -61,7 +61,7 @@ class SpecserveMetrics:
         self.config = config or MetricsConfig()
         self.backend: PrometheusBackend | RayBackend = make_backend(self.config.backend)
         b = self.backend
-        self._segments: set[str] = set()
+        self._segments = SegmentLabels(self.config.max_segments)
         self._last: dict[tuple, float] = {}
         # Router side.
         self.requests = b.counter("specserve_requests", "Finished requests by route path, route reason, "
@@ -107,13 +107,7 @@ class SpecserveMetrics:
 
     # --- helpers ---------------------------------------------------------------------------
     def segment(self, segment: str | None) -> str:
-        seg = segment or "default"
-        if seg in self._segments:
-            return seg
-        if len(self._segments) < self.config.max_segments:
-            self._segments.add(seg)
-            return seg
-        return OTHER_SEGMENT
+        return self._segments.label(segment or "default")
 
     def _delta(self, counter: Any, tags: dict[str, str], total: float, key: tuple = ()) -> None:
         """Feed ``counter`` the growth of a cumulative ``total``. ``key`` identifies the source
