@@ -77,7 +77,11 @@ def test_app_args_build_app_config(rendered):
     for key in ("model", "drafter", "placement", "num_spec_tokens"):
         if key in values_app:
             assert args[key] == values_app[key]
-    assert args["auth"] == {"token_env": "SPECSERVE_AUTH_TOKEN"}
+    secret = rendered.values.get("auth", {})
+    with_secret = bool(secret.get("create") or secret.get("existingSecret"))
+    # token_env only when a Secret fills the variable: the Router refuses a named, empty one
+    assert args["auth"] == {"token_env": "SPECSERVE_AUTH_TOKEN" if with_secret else None}
+    assert config.auth.token_env == args["auth"]["token_env"]
 
 
 # AppConfig knobs the chart deliberately does not expose.
@@ -202,6 +206,85 @@ def test_auth_token_from_secret(render):
     ref = _env(created.templates()[0])["SPECSERVE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret["metadata"]["name"]
     assert all("SPECSERVE_AUTH_TOKEN" not in _env(t) for t in render({}).templates())
+    assert r.app_args["auth"] == created.app_args["auth"] == {"token_env": "SPECSERVE_AUTH_TOKEN"}
+    assert render({}).app_args["auth"] == {"token_env": None}  # no Secret: auth off in the app too
+
+
+def _head(r) -> dict:
+    return r.rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+
+
+def test_dashboard_and_client_closed_by_default(rendered):
+    """The dashboard runs jobs and the Ray client port runs code: neither is reachable from
+    outside the head pod unless a value opts in."""
+    head = _head(rendered)
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for template in rendered.templates():
+        names = {p["containerPort"] for p in _container(template)["ports"]}
+        assert not names & {8265, 10001}, template["metadata"]["labels"]["app.kubernetes.io/component"]
+    for svc in rendered.of_kind("Service"):
+        ports = {p["port"] for p in svc["spec"]["ports"]} | {p.get("targetPort") for p in svc["spec"]["ports"]}
+        assert not ports & {8265, 10001, "dashboard", "client"}, svc["metadata"]["name"]
+    for group in rendered.groups().values():  # workers run no dashboard of their own
+        assert "dashboard-host" not in group["rayStartParams"]
+
+
+def test_dashboard_opt_in(render):
+    opened = render({"head": {"dashboardHost": "0.0.0.0", "exposeDashboard": True, "exposeClient": True}})
+    assert _head(opened)["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in _container(_head(opened)["template"])["ports"]}
+    assert ports["dashboard"] == 8265 and ports["client"] == 10001
+    # the user's own rayStartParams win over the chart's default
+    own = render({"head": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"}}})
+    assert _head(own)["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert "0.0.0.0" in own.manifests["specserve/templates/NOTES.txt"]
+
+
+NETPOL_PEERS = {
+    "grpc": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+    "metrics": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                 "podSelector": {"matchLabels": {"app": "prometheus"}}}],
+    "dashboard": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}}],
+}
+
+
+def _rule_for(policy: dict, port: int) -> list[dict]:
+    return [r for r in policy["spec"]["ingress"] if any(p["port"] == port for p in r.get("ports", []))]
+
+
+def test_network_policy_off_by_default(render):
+    assert not render({}).of_kind("NetworkPolicy")
+
+
+def test_network_policy_defaults(render):
+    r = render({"networkPolicy": {"enabled": True}})
+    policy = r.one("NetworkPolicy", RELEASE)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    selector = policy["spec"]["podSelector"]["matchLabels"].items()
+    for template in r.templates():  # every Ray pod of the release is covered
+        assert selector <= template["metadata"]["labels"].items()
+    (grpc_rule,) = _rule_for(policy, 9000)
+    assert "from" not in grpc_rule  # gRPC from anywhere
+    # Ray between the release's own pods, on every port
+    (internal,) = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    (peer,) = internal["from"]
+    assert peer["podSelector"]["matchLabels"].items() == selector
+    # metrics and dashboard: nobody unless named
+    assert _rule_for(policy, 8080) == [] and _rule_for(policy, 8265) == []
+    assert len(policy["spec"]["ingress"]) == 2
+
+
+def test_network_policy_selectors(render):
+    r = render({"networkPolicy": {"enabled": True, **{k: {"from": v} for k, v in NETPOL_PEERS.items()}},
+                "serve": {"grpcPort": 9100}, "metrics": {"port": 9091}})
+    policy = r.one("NetworkPolicy", RELEASE)
+    for port, key in ((9100, "grpc"), (9091, "metrics"), (8265, "dashboard")):
+        (rule,) = _rule_for(policy, port)
+        assert rule["from"] == NETPOL_PEERS[key], key
+    # metrics off: no metrics rule even with peers named
+    off = render({"networkPolicy": {"enabled": True, "metrics": {"from": NETPOL_PEERS["metrics"]}},
+                  "metrics": {"enabled": False}})
+    assert _rule_for(off.one("NetworkPolicy"), 8080) == []
 
 
 def test_tracing_env_and_args_agree(render):

@@ -57,6 +57,12 @@ BAD_VALUES = {
     "service port": {"service": {"port": 70000}},
     "pull policy": {"image": {"pullPolicy": "Sometimes"}},
     "servicer path": {"serve": {"grpcServicerFunctions": ["not a path"]}},
+    "dashboard host empty": {"head": {"dashboardHost": ""}},
+    "expose dashboard not bool": {"head": {"exposeDashboard": "yes"}},
+    "network policy peer typo": {"networkPolicy": {"grpc": {"from": [{"podSelectr": {}}]}}},
+    "network policy empty peer": {"networkPolicy": {"metrics": {"from": [{}]}}},
+    "network policy ipBlock without cidr": {"networkPolicy": {"dashboard": {"from": [{"ipBlock": {}}]}}},
+    "network policy unknown key": {"networkPolicy": {"enabled": True, "egress": []}},
 }
 
 

@@ -83,7 +83,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 The serve application's arguments (AppConfig). auth and telemetry come from the auth and
-tracing values so that the pods' environment and the app agree.
+tracing values so that the pods' environment and the app agree: token_env is set only when a
+Secret fills SPECSERVE_AUTH_TOKEN (the Router refuses to start with a named but empty variable).
 */}}
 {{- define "specserve.appArgs" -}}
 {{- $a := .Values.app }}
@@ -98,7 +99,7 @@ tracing values so that the pods' environment and the app agree.
   "torch_threads" $a.torch_threads
   "router" $a.router
   "limits" $a.limits
-  "auth" (dict "token_env" "SPECSERVE_AUTH_TOKEN")
+  "auth" (dict "token_env" (ternary "SPECSERVE_AUTH_TOKEN" nil (ne (include "specserve.authSecretName" .) "")))
   "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName "enabled" .Values.tracing.enabled)
   "router_deployment" $a.router_deployment
   "spec_engine" $a.spec_engine
@@ -232,10 +233,14 @@ spec:
         {{- if $isHead }}
         - name: gcs-server
           containerPort: 6379
+        {{- if $root.Values.head.exposeDashboard }}
         - name: dashboard
           containerPort: 8265
+        {{- end }}
+        {{- if $root.Values.head.exposeClient }}
         - name: client
           containerPort: 10001
+        {{- end }}
         # KubeRay's <name>-serve-svc (HTTP) is built from the head port named "serve", and its
         # proxy health check uses it: keep it on the HTTP port.
         - name: serve
@@ -303,11 +308,19 @@ spec:
   {{- end }}
 {{- end }}
 
-{{/* rayStartParams of a group: the user's, plus the metrics port when it is not Ray's default. */}}
+{{/*
+rayStartParams of a group: the user's, plus the metrics port when it is not Ray's default, plus
+(head only) the dashboard bound to the pod's loopback unless head.dashboardHost or the user's own
+dashboard-host opens it (KubeRay would otherwise bind it to 0.0.0.0: the dashboard submits jobs,
+so whoever reaches it runs code in the cluster).
+*/}}
 {{- define "specserve.rayStartParams" -}}
 {{- $p := deepCopy (default (dict) .group.rayStartParams) }}
 {{- if .root.Values.metrics.enabled }}
 {{- $_ := set $p "metrics-export-port" (toString .root.Values.metrics.port) }}
+{{- end }}
+{{- if and .head (not (hasKey $p "dashboard-host")) }}
+{{- $_ := set $p "dashboard-host" .root.Values.head.dashboardHost }}
 {{- end }}
 {{- if $p }}
 {{- toYaml $p }}
