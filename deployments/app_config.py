@@ -43,6 +43,20 @@ class RouterKnobs(_Strict):
     plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
 
 
+class MoeKnobs(_Strict):
+    """The live MoE gate (cluster.spec.moe); dense targets ignore it. While a segment's gate is
+    closed, 1 in ``probe_every`` of its requests speculates as a probe (0: the gate never opens
+    live); each window of ``min_draft_tokens`` probe draft tokens opens the segment when its α
+    reaches ``alpha_threshold`` ("auto": the SpecEngine's break-even from its measured step costs,
+    0.5 without adaptive K). ``validated``: open for every segment from the start (an operator
+    vouches for a measurement made elsewhere)."""
+
+    probe_every: int = Field(8, ge=0)
+    min_draft_tokens: int = Field(256, ge=1)
+    alpha_threshold: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
+    validated: bool = False
+
+
 class LimitsKnobs(_Strict):
     max_tokens: int = Field(1024, ge=1)
     max_prompt_tokens: int = Field(4096, ge=1)
@@ -110,6 +124,7 @@ class AppConfig(_Strict):
     placement: Placement = Placement.SHARED
     torch_threads: int = Field(1, ge=1)
     router: RouterKnobs = RouterKnobs()
+    moe: MoeKnobs = MoeKnobs()
     limits: LimitsKnobs = LimitsKnobs()
     auth: AuthKnobs = AuthKnobs()
     telemetry: TelemetryKnobs = TelemetryKnobs()
@@ -132,7 +147,7 @@ class AppConfig(_Strict):
         return self.drafter.strip().lower() not in ("", "none")
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(**self.router.model_dump())
+        return RouterConfig(**self.router.model_dump(), moe_probe_every=self.moe.probe_every)
 
     def limits_config(self) -> Limits:
         return Limits(max_tokens=self.limits.max_tokens,
@@ -144,7 +159,9 @@ class AppConfig(_Strict):
         if not self.speculative:
             return None
         return SpecConfig(drafter=self.drafter, num_spec_tokens=self.num_spec_tokens,
-                          force_vocab_mismatch=self.force_vocab_mismatch)
+                          force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
+                          moe_min_draft_tokens=self.moe.min_draft_tokens,
+                          moe_alpha_threshold=self.moe.alpha_threshold)
 
     def engine_config(self, speculative: bool) -> EngineConfig:
         knobs = self.spec_engine if speculative else self.batch_engine

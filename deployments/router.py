@@ -30,9 +30,9 @@ from cluster.api.auth import check_bearer
 from cluster.api.requests import ValidatedRequest, validate_request
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, ServiceError
-from cluster.engine.request import FinishReason
+from cluster.engine.request import FinishReason, SpecMode
 from cluster.routing.load_latency import InFlightMeter
-from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
+from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouteReason, RouterPolicy
 from cluster.routing.segments import SegmentLabels
 from deployments.app_config import AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
@@ -129,6 +129,8 @@ class Router:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the {decision.path.value} engine is not ready yet; retry later")
         self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
+        if decision.reason is RouteReason.PROBE_MOE_UNVALIDATED:  # the mark the SpecEngine drafts on
+            vreq = dataclasses.replace(vreq, mode=SpecMode.SPECULATIVE)
         return vreq, decision
 
     @property

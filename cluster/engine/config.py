@@ -36,6 +36,10 @@ class SpecConfig:
     draft_vocab_trim: int | None = None  # keep the N most frequent tokens in the draft LM head
     force_vocab_mismatch: bool = False
     moe_validated: bool = False  # MoE targets speculate only after an acceptance measurement
+    # live MoE gate per segment (cluster.spec.moe): probe draft tokens per measurement window, and
+    # the α a window must reach to open its segment ("auto": adaptive K's break-even, else 0.5)
+    moe_min_draft_tokens: int = 256
+    moe_alpha_threshold: float | str = AUTO_K
 
     def __post_init__(self) -> None:
         if not self.drafter:
@@ -54,6 +58,11 @@ class SpecConfig:
             raise ValueError(f"k_max must be in [1, 16], got {self.k_max}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.moe_min_draft_tokens < 1:
+            raise ValueError(f"moe_min_draft_tokens must be >= 1, got {self.moe_min_draft_tokens}")
+        if self.moe_alpha_threshold != AUTO_K and (isinstance(self.moe_alpha_threshold, (str, bool))
+                                                   or not 0.0 <= self.moe_alpha_threshold <= 1.0):
+            raise ValueError(f"moe_alpha_threshold must be 'auto' or in [0, 1], got {self.moe_alpha_threshold!r}")
 
     @property
     def adaptive(self) -> bool:

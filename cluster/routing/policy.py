@@ -10,7 +10,12 @@ Rule order (first match wins):
 2. constrained (json_schema / regex) -> plain (CONSTRAINED): speculation with constrained decoding
    silently corrupts output unless the grammar is applied to drafts, which this service does not do.
 3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
-4. MoE target whose acceptance is not yet validated -> plain (MOE_UNVALIDATED).
+4. MoE target whose gate is closed for the request's segment -> plain (MOE_UNVALIDATED) — except
+   every ``moe_probe_every``-th such request, which goes through the hysteresis rule as a probe
+   (PROBE_MOE_UNVALIDATED when it speculates; the Router forwards it with mode SPECULATIVE, the
+   one mark the SpecEngine lets draft in a closed segment). The SpecEngine measures the probes'
+   acceptance per segment and opens the segment's gate once a window of enough draft tokens
+   reaches its threshold (``cluster.spec.moe``); from then on the segment follows rules 5-9.
 5. mode SPECULATIVE -> speculative (MODE_SPECULATIVE); the client asked and nothing forbids it.
 6. live α of the request's segment below ``min_alpha`` — by default ("auto") the SpecEngine's
    break-even α from its measured step costs, ``FALLBACK_MIN_ALPHA`` while it reports none —
@@ -64,6 +69,7 @@ class RouteReason(enum.Enum):
     CONSTRAINED = "constrained"
     SPEC_UNAVAILABLE = "spec_unavailable"
     MOE_UNVALIDATED = "moe_unvalidated"
+    PROBE_MOE_UNVALIDATED = "probe_moe_unvalidated"  # a closed MoE segment's periodic measurement
     BELOW_BREAK_EVEN = "below_break_even"
     PROBE_BELOW_BREAK_EVEN = "probe_below_break_even"  # a gated segment's periodic measurement
     BELOW_ENTER_THRESHOLD = "below_enter_threshold"
@@ -92,7 +98,9 @@ class RouterConfig:
     costs (with a cheap verification it is far below the seed's rule of thumb of 0.5, which is
     the fallback while the engine reports none). min_alpha_samples: draft tokens a
     segment needs before its α is trusted. probe_every: one in this many requests of a segment
-    below break-even still speculates, to keep measuring it (0: never). balance_overflow: send a
+    below break-even still speculates, to keep measuring it (0: never). moe_probe_every: the same
+    for a segment whose MoE gate is closed: its probes are what opens it (0: never opens live).
+    balance_overflow: send a
     request that hysteresis sends plain to the SpecEngine when it would be served sooner there —
     by measured latency under load once each path has ``overflow_min_samples`` completed requests
     of the segment, by fullness relative to capacity before (needs both capacities in the
@@ -109,6 +117,7 @@ class RouterConfig:
     overflow_min_samples: int = 8
     plain_when_faster: bool = True
     plain_faster_margin: float = 0.05
+    moe_probe_every: int = 8
 
     def __post_init__(self) -> None:
         if self.enter_threshold < 1:
@@ -121,6 +130,8 @@ class RouterConfig:
             raise ValueError(f"router.min_alpha must be \"auto\" or a number in [0, 1], got {self.min_alpha!r}")
         if self.probe_every < 0:
             raise ValueError("router.probe_every must be >= 0")
+        if self.moe_probe_every < 0:
+            raise ValueError("moe.probe_every must be >= 0")
         if self.min_alpha_samples < 0:
             raise ValueError("router.min_alpha_samples must be >= 0")
         if self.overflow_min_samples < 1:
@@ -143,7 +154,8 @@ class EngineView:
     spec_available: bool = True
     spec_in_flight: int = 0
     moe: bool = False
-    moe_gate_open: bool = True
+    moe_gate_open: bool = True  # for every segment (dense target, or validated as a whole)
+    moe_open_segments: frozenset[str] = frozenset()  # MoE segments the SpecEngine opened live
     # segment -> (acceptance rate α, draft tokens measured)
     alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
     break_even_alpha: float | None = None  # from the SpecEngine's measured step costs
@@ -165,6 +177,9 @@ class EngineView:
             return path, self.spec_in_flight + 1, self.spec_capacity
         return path, self.plain_in_flight + 1, self.plain_capacity
 
+    def moe_open(self, segment: str) -> bool:
+        return not self.moe or self.moe_gate_open or segment in self.moe_open_segments
+
     def alpha(self, segment: str) -> tuple[float, int] | None:
         for name, alpha, n in self.alpha_by_segment:
             if name == segment:
@@ -177,7 +192,8 @@ class EngineView:
         rows = tuple((seg, float(d.get("recent_acceptance_rate", d.get("acceptance_rate", 0.0))),
                       int(d.get("recent_draft_tokens", d.get("draft_tokens", 0))))
                      for seg, d in sorted(spec_by_segment.items()))
-        return cls(alpha_by_segment=rows, **kw)
+        opened = frozenset(seg for seg, d in spec_by_segment.items() if d.get("moe_gate_open"))
+        return cls(alpha_by_segment=rows, moe_open_segments=opened, **kw)
 
 
 class RouterPolicy:
@@ -191,6 +207,7 @@ class RouterPolicy:
         self._lock = threading.Lock()
         self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
         self._moved: dict[str, int] = {}  # segment -> requests moved plain (rule 9) since its last probe
+        self._moe_gated: dict[str, int] = {}  # segment -> requests kept plain by its MoE gate since its last probe
 
     @property
     def spec_open(self) -> bool:
@@ -209,7 +226,11 @@ class RouterPolicy:
             return RouteDecision(Path.PLAIN, RouteReason.CONSTRAINED)
         if not view.spec_available:
             return RouteDecision(Path.PLAIN, RouteReason.SPEC_UNAVAILABLE)
-        if view.moe and not view.moe_gate_open:
+        if not view.moe_open(req.segment):
+            if self._probe_due(self._moe_gated, req.segment, self.config.moe_probe_every):
+                probe = self._probe(req.segment, view, RouteReason.PROBE_MOE_UNVALIDATED)
+                if probe.path is Path.SPECULATIVE:
+                    return probe
             return RouteDecision(Path.PLAIN, RouteReason.MOE_UNVALIDATED)
         if req.mode is SpecMode.SPECULATIVE:
             return RouteDecision(Path.SPECULATIVE, RouteReason.MODE_SPECULATIVE)
@@ -219,10 +240,7 @@ class RouterPolicy:
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
                 if not self._probe_due(self._gated, req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
-                decision = self._hysteresis(req.segment, view, probing=True)
-                if decision.path is Path.SPECULATIVE:
-                    return RouteDecision(Path.SPECULATIVE, RouteReason.PROBE_BELOW_BREAK_EVEN)
-                return decision
+                return self._probe(req.segment, view, RouteReason.PROBE_BELOW_BREAK_EVEN)
         return self._hysteresis(req.segment, view)
 
     def min_alpha(self, view: EngineView) -> float:
@@ -230,12 +248,21 @@ class RouterPolicy:
             return float(self.config.min_alpha)
         return FALLBACK_MIN_ALPHA if view.break_even_alpha is None else view.break_even_alpha
 
-    def _probe_due(self, counts: dict[str, int], segment: str) -> bool:
-        if self.config.probe_every == 0:
+    def _probe(self, segment: str, view: EngineView, reason: RouteReason) -> RouteDecision:
+        """A gated segment's due probe: speculative (with ``reason``) unless the hysteresis rule
+        keeps the SpecEngine off now."""
+        decision = self._hysteresis(segment, view, probing=True)
+        return RouteDecision(Path.SPECULATIVE, reason) if decision.path is Path.SPECULATIVE else decision
+
+    def _probe_due(self, counts: dict[str, int], segment: str, every: int | None = None) -> bool:
+        """Count one gated request of ``segment``; True for every ``every``-th (default
+        ``probe_every``; 0: never)."""
+        every = self.config.probe_every if every is None else every
+        if every == 0:
             return False
         with self._lock:
             n = counts.get(segment, 0) + 1
-            due = n >= self.config.probe_every
+            due = n >= every
             counts[segment] = 0 if due else n
             return due
 

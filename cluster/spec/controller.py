@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.engine.config import AUTO_K, EngineConfig, SpecConfig
 from cluster.engine.protocol import EngineStats
+from cluster.engine.request import SpecMode
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
 from cluster.spec.adaptive_k import AdaptiveK, StepCostModel, with_context
@@ -72,9 +73,9 @@ class SpecController:
     # -- before scheduling: K per running sequence -----------------------------------------------
     def plan(self, running: list[Sequence]) -> None:
         self._plan = {}
-        if not self.moe_gate.speculation_allowed or time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at:
             return
-        eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1]
+        eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1 and self._moe_allows(s)]
         if not eligible:
             return
         if self.adaptive is not None:
@@ -84,6 +85,27 @@ class SpecController:
         else:
             ks = [int(self.config.num_spec_tokens)] * len(eligible)
         self._plan = {s.seq_id: k for s, k in zip(eligible, ks)}
+
+    def _moe_allows(self, seq: Sequence) -> bool:
+        """MoE gate: a segment speculates once open; while closed only the Router's probes
+        (forwarded with mode SPECULATIVE) draft, to measure it."""
+        return self.moe_gate.allows(seq.request.segment) or seq.request.mode is SpecMode.SPECULATIVE
+
+    def _moe_observe(self, sampling: list[ScheduledSeq], counts: list[int], accepted: list[int]) -> None:
+        if self.moe_gate.speculation_allowed:
+            return
+        for s, k, a in zip(sampling, counts, accepted):
+            segment = s.seq.request.segment
+            if k and self.moe_gate.record(segment, k, a) and self.moe_gate.decide(segment, self.moe_threshold()):
+                log.info("MoE gate open for segment %r: %s", segment, self.moe_gate.segment_reason(segment))
+
+    def moe_threshold(self) -> float:
+        """α a probe window must reach: the configured one, else the cost model's break-even."""
+        if self.config.moe_alpha_threshold != AUTO_K:
+            return float(self.config.moe_alpha_threshold)
+        if self.adaptive is not None:
+            return self.adaptive.break_even_alpha(self.config.k_max)
+        return self.moe_gate.threshold
 
     def _adaptive_keys(self, eligible: list[Sequence]) -> tuple[list[Sequence], list[tuple[str, str]]]:
         """(sequence, segment) keys for adaptive K. A drafter with a draft context (ngram: the
@@ -157,6 +179,7 @@ class SpecController:
             [s.seq.request.params for s in sampling], [s.seq.generator for s in sampling])
         committed = [result.committed(i) for i in range(len(sampling))]
         accepted = [int(a) for a in result.num_accepted]
+        self._moe_observe(sampling, counts, accepted)
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
         if self.adaptive is not None:
@@ -187,7 +210,11 @@ class SpecController:
         st.spec_enabled = True
         st.drafter = self.drafter_name
         st.moe = self.moe_gate.moe
-        st.moe_gate_open = self.moe_gate.speculation_allowed
+        st.moe_gate_open = self.moe_gate.speculation_allowed  # open for every segment
+        for segment, d in st.spec_by_segment.items():  # the Router's per-segment gate
+            d["moe_gate_open"] = self.moe_gate.allows(segment)
+            if self.moe_gate.moe:
+                d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
         st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
@@ -227,7 +254,8 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     name = spec_cfg.drafter
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
-    gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated)
+    gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
+                              min_draft_tokens=spec_cfg.moe_min_draft_tokens)
     step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
                           draft_cost_ratio(proposer, model.runner), step_costs)

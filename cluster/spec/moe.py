@@ -2,14 +2,19 @@
 
 Owns: recognising an MoE target from its Hugging Face config (``is_moe_config``) and the gate
 state (``MoeGate``): closed for MoE targets until a measurement with enough draft tokens shows
-α >= threshold, always open for dense targets. Why: expert routing can differ between the
-drafter's view and the target's, so acceptance is unpredictable and may sit below break-even;
-the only safe policy is to measure before enabling. Ignores: running the measurement (the engine
-or benchmark does it) and where the state is shown (router decision, metrics).
+α >= threshold, always open for dense targets. The gate is kept per segment from live probe
+traffic (``record`` / ``decide``: each window of ``min_draft_tokens`` probe draft tokens either
+opens the segment or is discarded, so a segment that improves opens on a later window), or for
+the whole target at once (an operator's vouching, ``validate`` with an offline measurement).
+Why: expert routing can differ between the drafter's view and the target's, so acceptance is
+unpredictable and may sit below break-even; the only safe policy is to measure before enabling.
+Ignores: which requests probe (the Router picks them, the SpecController lets them draft), the
+threshold's source (the controller passes the cost model's break-even) and where the state is
+shown (engine stats, route reasons).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Fields that count experts. Present with a value > 1 -> MoE; present and <= 1 -> dense.
@@ -70,6 +75,23 @@ def is_moe_config(config: Any) -> bool:
 
 
 @dataclass(slots=True)
+class SegmentGate:
+    """One segment's live measurement: the current window's probe counters, and the last decision."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    open: bool = False
+    windows: int = 0  # windows decided so far
+    last_alpha: float | None = None
+    last_threshold: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"open": self.open, "window_draft_tokens": self.draft_tokens,
+                "window_accepted_tokens": self.accepted_tokens, "windows": self.windows,
+                "last_alpha": self.last_alpha, "last_threshold": self.last_threshold}
+
+
+@dataclass(slots=True)
 class MoeGate:
     """Speculation is allowed iff the target is dense or its acceptance was validated.
 
@@ -83,6 +105,7 @@ class MoeGate:
     measured_draft_tokens: int | None = None
     threshold: float = 0.5
     min_draft_tokens: int = 256
+    segments: dict[str, SegmentGate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -91,12 +114,60 @@ class MoeGate:
             raise ValueError("min_draft_tokens must be >= 1")
 
     @classmethod
-    def for_config(cls, config: Any, validated: bool = False) -> "MoeGate":
-        return cls(moe=is_moe_config(config), validated=validated)
+    def for_config(cls, config: Any, validated: bool = False, min_draft_tokens: int = 256) -> "MoeGate":
+        return cls(moe=is_moe_config(config), validated=validated, min_draft_tokens=min_draft_tokens)
 
     @property
     def speculation_allowed(self) -> bool:
+        """Open for every segment (dense target, or validated as a whole)."""
         return not self.moe or self.validated
+
+    def allows(self, segment: str) -> bool:
+        """May requests of ``segment`` speculate without being probes?"""
+        if self.speculation_allowed:
+            return True
+        gate = self.segments.get(segment)
+        return gate is not None and gate.open
+
+    def record(self, segment: str, draft_tokens: int, accepted_tokens: int) -> bool:
+        """Count one probe verification of a closed segment; True once its window holds
+        ``min_draft_tokens`` draft tokens (call ``decide``). Open segments are not measured here."""
+        if not 0 <= accepted_tokens <= draft_tokens:
+            raise ValueError(f"need 0 <= accepted ({accepted_tokens}) <= drafted ({draft_tokens})")
+        if self.allows(segment):
+            return False
+        gate = self.segments.setdefault(segment, SegmentGate())
+        gate.draft_tokens += draft_tokens
+        gate.accepted_tokens += accepted_tokens
+        return gate.draft_tokens >= self.min_draft_tokens
+
+    def decide(self, segment: str, threshold: float) -> bool:
+        """Close the segment's window: open iff it holds enough draft tokens with α >= threshold.
+        A window below threshold is discarded, so the next one measures the segment afresh."""
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        gate = self.segments.setdefault(segment, SegmentGate())
+        if gate.open or gate.draft_tokens < self.min_draft_tokens:
+            return self.allows(segment)
+        gate.last_alpha = gate.accepted_tokens / gate.draft_tokens
+        gate.last_threshold = float(threshold)
+        gate.windows += 1
+        gate.open = gate.last_alpha >= threshold
+        gate.draft_tokens = gate.accepted_tokens = 0
+        return gate.open
+
+    def segment_reason(self, segment: str) -> str:
+        if self.speculation_allowed:
+            return self.reason
+        gate = self.segments.get(segment)
+        if gate is None or gate.last_alpha is None:
+            measured = 0 if gate is None else gate.draft_tokens
+            return (f"MoE target: segment {segment!r} measuring ({measured}/{self.min_draft_tokens} "
+                    "probe draft tokens)")
+        cmp = ">=" if gate.open else "<"
+        state = "open" if gate.open else "closed"
+        return (f"MoE target: segment {segment!r} {state}, probe alpha {gate.last_alpha:.3f} {cmp} "
+                f"{gate.last_threshold:.3f}")
 
     def validate(self, measured_alpha: float, threshold: float = 0.5,
                  num_draft_tokens: int | None = None) -> bool:
@@ -139,4 +210,5 @@ class MoeGate:
             "measured_draft_tokens": self.measured_draft_tokens,
             "threshold": self.threshold,
             "reason": self.reason,
+            "segments": {name: gate.to_dict() for name, gate in sorted(self.segments.items())},
         }

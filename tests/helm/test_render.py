@@ -106,7 +106,8 @@ def test_extra_app_knobs_pass_through(render):
     knobs = {"router": {"min_alpha_samples": 16},
              "spec_engine": {"max_num_seqs": 4, "kv_cache_memory_mb": 1024},
              "draft_server": {"timeout_s": 0.5, "max_sequences": 64, "port": 0},
-             "router_deployment": {"num_gpus": 0}}
+             "router_deployment": {"num_gpus": 0},
+             "moe": {"probe_every": 4, "min_draft_tokens": 128, "alpha_threshold": 0.4, "validated": False}}
     r = render({"app": knobs})
     config = _app_config_cls().model_validate(r.app_args).model_dump(mode="json")
     _assert_subset(knobs, config)
@@ -300,6 +301,9 @@ def test_tracing_env_and_args_agree(render):
         assert env["OTEL_SERVICE_NAME"]["value"] == "llm"
     off = render({})
     assert off.app_args["telemetry"]["otlp_endpoint"] is None
+    # tracing on without an endpoint: unset, i.e. off (the app refuses enabled=true without one)
+    assert off.app_args["telemetry"]["enabled"] is None
+    assert render({"tracing": {"enabled": False}}).app_args["telemetry"]["enabled"] is False
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(off.templates()[0])
 
 

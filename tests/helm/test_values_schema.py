@@ -62,6 +62,8 @@ BAD_VALUES = {
     "network policy peer typo": {"networkPolicy": {"grpc": {"from": [{"podSelectr": {}}]}}},
     "network policy empty peer": {"networkPolicy": {"metrics": {"from": [{}]}}},
     "network policy ipBlock without cidr": {"networkPolicy": {"dashboard": {"from": [{"ipBlock": {}}]}}},
+    "moe alpha threshold": {"app": {"moe": {"alpha_threshold": 1.5}}},
+    "moe window zero": {"app": {"moe": {"min_draft_tokens": 0}}},
     "network policy unknown key": {"networkPolicy": {"enabled": True, "egress": []}},
 }
 

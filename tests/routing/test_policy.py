@@ -10,7 +10,8 @@ SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
 
 def decide(policy, in_flight=0, **kw):
     view_kw = {k: kw.pop(k) for k in list(kw) if k in ("spec_available", "moe", "moe_gate_open",
-                                                        "alpha_by_segment", "break_even_alpha")}
+                                                        "alpha_by_segment", "break_even_alpha",
+                                                        "moe_open_segments")}
     d = policy.decide(RequestFeatures(**kw), EngineView(spec_in_flight=in_flight, **view_kw))
     return d.path, d.reason
 
@@ -54,6 +55,64 @@ def test_moe_gate_and_unavailable_spec():
         PLAIN, RouteReason.MOE_UNVALIDATED)
     assert decide(p, moe=True, moe_gate_open=True) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
     assert decide(p, spec_available=False) == (PLAIN, RouteReason.SPEC_UNAVAILABLE)
+
+
+MOE_PLAIN = (PLAIN, RouteReason.MOE_UNVALIDATED)
+MOE_PROBE = (SPEC, RouteReason.PROBE_MOE_UNVALIDATED)
+
+
+def test_closed_moe_segment_is_probed_every_nth_per_segment():
+    p = RouterPolicy(RouterConfig(moe_probe_every=3))
+    closed = {"moe": True, "moe_gate_open": False}
+    # (segment, mode, expected): each segment counts its own requests; an explicit SPECULATIVE
+    # wish is gated like AUTO (and may be the probe); PLAIN never counts
+    table = [
+        ("chat", SpecMode.AUTO, MOE_PLAIN),
+        ("chat", SpecMode.SPECULATIVE, MOE_PLAIN),
+        ("code", SpecMode.AUTO, MOE_PLAIN),
+        ("chat", SpecMode.PLAIN, (PLAIN, RouteReason.MODE_PLAIN)),
+        ("chat", SpecMode.AUTO, MOE_PROBE),
+        ("code", SpecMode.AUTO, MOE_PLAIN),
+        ("chat", SpecMode.AUTO, MOE_PLAIN),
+        ("code", SpecMode.SPECULATIVE, MOE_PROBE),
+        ("chat", SpecMode.AUTO, MOE_PLAIN),
+        ("chat", SpecMode.AUTO, MOE_PROBE),
+    ]
+    for i, (segment, mode, expected) in enumerate(table):
+        assert decide(p, segment=segment, mode=mode, **closed) == expected, (i, segment, mode)
+
+
+def test_moe_probe_respects_the_spec_engines_load_and_can_be_off():
+    p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4, moe_probe_every=1))
+    # the SpecEngine is full: a due probe waits for the next due one (stays plain, gate reason)
+    assert decide(p, 4, moe=True, moe_gate_open=False) == MOE_PLAIN
+    assert decide(p, 1, moe=True, moe_gate_open=False) == MOE_PROBE
+    never = RouterPolicy(RouterConfig(moe_probe_every=0))
+    assert {decide(never, moe=True, moe_gate_open=False) for _ in range(20)} == {MOE_PLAIN}
+
+
+def test_moe_segment_opened_by_the_engine_follows_the_usual_rules():
+    p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, moe_probe_every=100))
+    stats = {"chat": {"recent_acceptance_rate": 0.7, "recent_draft_tokens": 300, "moe_gate_open": True},
+             "code": {"recent_acceptance_rate": 0.2, "recent_draft_tokens": 300, "moe_gate_open": False}}
+    view = EngineView.from_spec_by_segment(stats, moe=True, moe_gate_open=False)
+    assert view.moe_open_segments == frozenset({"chat"})
+
+    def route(segment, mode=SpecMode.AUTO):
+        d = p.decide(RequestFeatures(mode=mode, segment=segment), view)
+        return d.path, d.reason
+
+    assert route("chat") == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    assert route("chat", SpecMode.SPECULATIVE) == (SPEC, RouteReason.MODE_SPECULATIVE)
+    assert route("code") == MOE_PLAIN  # measured below threshold: still closed
+    assert route("new") == MOE_PLAIN  # never probed
+    # an opened segment whose α later falls below break-even is gated by rule 6 like any other
+    view = EngineView.from_spec_by_segment({"chat": {**stats["chat"], "recent_acceptance_rate": 0.3}},
+                                           moe=True, moe_gate_open=False)
+    assert route("chat") == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
+    # a dense target's view never gates on MoE, whatever the per-segment flags say
+    dense = EngineView.from_spec_by_segment({"x": {"moe_gate_open": False}})
+    assert dense.moe_open("x") and dense.moe_open("y")
 
 
 def test_break_even_per_segment():

@@ -72,7 +72,7 @@ def test_gate_moe_target_opens_only_after_good_measurement():
     assert gate.to_dict() == {
         "moe": True, "validated": False, "speculation_allowed": False, "measured_alpha": 0.35,
         "measured_draft_tokens": 2000, "threshold": 0.5,
-        "reason": "MoE target: measured alpha 0.350 < 0.5"}
+        "reason": "MoE target: measured alpha 0.350 < 0.5", "segments": {}}
     # Enough samples and α at threshold: open.
     assert gate.validate(0.5, threshold=0.5, num_draft_tokens=2000) is True
     assert gate.speculation_allowed and gate.validated
@@ -93,3 +93,54 @@ def test_gate_validation_errors():
         gate.validate(1.5)
     with pytest.raises(ValueError):
         MoeGate(moe=True, threshold=2.0)
+
+
+# Live per-segment gate, min_draft_tokens=10. Each row: one probe verification recorded for the
+# segment (drafted, accepted), the threshold decide() gets when the window is full, and then
+# (window full?, segment open?, window draft tokens left, windows decided, last alpha).
+LIVE_TABLE = [
+    # a window below threshold is decided closed and discarded
+    ("chat", 4, 1, 0.5, False, False, 4, 0, None),
+    ("chat", 4, 2, 0.5, False, False, 8, 0, None),
+    ("chat", 4, 1, 0.5, True, False, 0, 1, 4 / 12),     # 12 drafted, 4 accepted: 0.333 < 0.5
+    # the next window starts afresh: an improved segment opens at threshold exactly
+    ("chat", 6, 3, 0.5, False, False, 6, 1, 4 / 12),
+    ("chat", 4, 2, 0.5, True, True, 0, 2, 0.5),          # 10 drafted, 5 accepted: 0.5 >= 0.5
+    # once open it is no longer measured here (rules 6-9 watch its α from then on)
+    ("chat", 5, 0, 0.5, False, True, 0, 2, 0.5),
+    # segments are independent: the threshold (the cost model's break-even) decides per window
+    ("code", 10, 3, 0.25, True, True, 0, 1, 0.3),
+    ("json", 10, 3, 0.35, True, False, 0, 1, 0.3),
+]
+
+
+def test_live_gate_per_segment_table():
+    gate = MoeGate(moe=True, min_draft_tokens=10)
+    for row in LIVE_TABLE:
+        segment, drafted, accepted, threshold, full, is_open, left, windows, alpha = row
+        assert gate.record(segment, drafted, accepted) is full, row
+        if full:
+            assert gate.decide(segment, threshold) is is_open, row
+        assert gate.allows(segment) is is_open, row
+        state = gate.to_dict()["segments"][segment]
+        assert (state["window_draft_tokens"], state["windows"]) == (left, windows), row
+        assert state["last_alpha"] == (None if alpha is None else pytest.approx(alpha)), row
+    assert not gate.speculation_allowed  # the target as a whole stays gated
+    assert not gate.allows("never-probed")
+    assert gate.segment_reason("chat") == "MoE target: segment 'chat' open, probe alpha 0.500 >= 0.500"
+    assert gate.segment_reason("json") == "MoE target: segment 'json' closed, probe alpha 0.300 < 0.350"
+    assert gate.segment_reason("new") == "MoE target: segment 'new' measuring (0/10 probe draft tokens)"
+
+
+def test_live_gate_decide_needs_a_full_window_and_dense_needs_nothing():
+    gate = MoeGate(moe=True, min_draft_tokens=10)
+    gate.record("a", 9, 9)
+    assert gate.decide("a", 0.1) is False and gate.to_dict()["segments"]["a"]["windows"] == 0
+    dense = MoeGate(moe=False, min_draft_tokens=10)
+    assert dense.allows("a") and dense.record("a", 10, 10) is False and dense.segments == {}
+    vouched = MoeGate(moe=True, validated=True)
+    assert vouched.allows("a") and vouched.record("a", 500, 0) is False
+    with pytest.raises(ValueError):
+        gate.record("a", 2, 3)
+    with pytest.raises(ValueError):
+        gate.decide("a", 1.5)

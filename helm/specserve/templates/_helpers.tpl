@@ -84,7 +84,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/*
 The serve application's arguments (AppConfig). auth and telemetry come from the auth and
 tracing values so that the pods' environment and the app agree: token_env is set only when a
-Secret fills SPECSERVE_AUTH_TOKEN (the Router refuses to start with a named but empty variable).
+Secret fills SPECSERVE_AUTH_TOKEN (the Router refuses to start with a named but empty variable);
+telemetry.enabled is left unset (on when an endpoint is known) when tracing is on without an
+endpoint (the app refuses enabled=true without one).
 */}}
 {{- define "specserve.appArgs" -}}
 {{- $a := .Values.app }}
@@ -98,9 +100,10 @@ Secret fills SPECSERVE_AUTH_TOKEN (the Router refuses to start with a named but 
   "placement" $a.placement
   "torch_threads" $a.torch_threads
   "router" $a.router
+  "moe" (default (dict) $a.moe)
   "limits" $a.limits
   "auth" (dict "token_env" (ternary "SPECSERVE_AUTH_TOKEN" nil (ne (include "specserve.authSecretName" .) "")))
-  "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName "enabled" .Values.tracing.enabled)
+  "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName "enabled" (ternary nil .Values.tracing.enabled (and .Values.tracing.enabled (eq $endpoint ""))))
   "router_deployment" $a.router_deployment
   "spec_engine" $a.spec_engine
   "batch_engine" $a.batch_engine
