@@ -2,7 +2,8 @@
 drafter, verifying with the rejection sampler, and learning α and step costs.
 
 Owns: K per sequence (fixed, or adaptive from ``AdaptiveK``) within each sequence's remaining
-budget and context, the MoE gate, draft-side failure handling (a ``DraftUnavailableError`` makes
+budget and context, the MoE gate (in a closed segment only probes draft, and their acceptance
+opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
 this step plain and backs off before asking again: no request waits on a dead drafter), and
 speculation statistics. Ignores: scheduling and KV allocation (the scheduler reserves the K
 lookahead slots this controller asks for), model execution.
