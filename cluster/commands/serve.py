@@ -110,13 +110,28 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     try:
         with local_service(cfg, args.num_cpus, args.ready_timeout) as (addr, name):
-            print(f"specserve: gRPC on {addr} (app {name!r}); try: specserve client --addr {addr} \"Hello\"",
-                  flush=True)
+            print(f"specserve: gRPC on {addr} (app {name!r}); try in another terminal: "
+                  f"{_this_cli()} client --addr {addr} \"Hello\"", flush=True)
             while not stop["flag"]:
                 time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _this_cli() -> str:
+    """This CLI as a command that runs as shown in a new terminal from the current directory: its
+    path (`.venv/bin/specserve` after `make run`; nothing activates the venv, so a bare `specserve`
+    would not be found), relative when it lies below here."""
+
+    def shown(path: str) -> str:
+        rel = os.path.relpath(path)
+        return path if rel.startswith("..") else rel
+
+    exe = os.path.abspath(sys.argv[0])
+    if os.path.basename(exe) != "specserve":  # started as `python -m cluster.cli`
+        return f"{shown(sys.executable)} -m cluster.cli"
+    return shown(exe)
 
 
 def _wait_serving(addr: str, app: str, timeout_s: float) -> bool:

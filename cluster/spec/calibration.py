@@ -3,8 +3,9 @@
 Owns: timing one decode forward (1 new token) and one verification-shaped forward (K_max + 1 new
 tokens) of the real target on this machine, on a throw-away sequence whose KV is freed
 afterwards. Why: whether speculation pays depends on how much more a (K+1)-token forward costs
-than a 1-token one — nearly nothing on a GPU, about 1.8x for 6 tokens on a 2-core CPU in fp32 —
-and a sequence mix that never varies its token count would otherwise never teach the model the
+than a 1-token one — nearly nothing on a GPU; for 6 tokens on a 2-core CPU in fp32 about
+1.1-1.24x with the skinny-GEMM kernel (cluster/kernels), 1.8x on MKL's sgemm (docs/measurements.md)
+— and a sequence mix that never varies its token count would otherwise never teach the model the
 slope. Ignores: draft costs (measured online as drafts happen).
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ Cost model — why a summarised decode span with per-step *events*, not a span p
 loop only appends a tuple to a Python list (``step()``); spans and events are built once per
 request with the recorded timestamps, and not even on the engine thread: ``finish()`` stamps the
 end time and hands the recorder to a daemon emitter thread, so the final token is never delayed
-by span building. Measured (tests/telemetry/bench_engine_spans.py,
+by span building. Measured (cluster/bench/tracing_hooks.py,
 a loaded shared 2-core CPU): ``step()`` ~0.5 µs vs 86-164 µs for a live span per step; a simulated
 64-step request at 2 ms/step is +1.4-1.6 % with this design vs +4.5-18 % with per-step spans. One
 span per request instead of hundreds also keeps Jaeger readable. The decode span

@@ -2,7 +2,7 @@
 finish) against the alternative (a live span per step), with the real SDK/OTLP pipeline."""
 from __future__ import annotations
 
-from tests.telemetry import bench_engine_spans as bench
+from cluster.bench import tracing_hooks as bench
 
 
 def test_step_hook_is_far_cheaper_than_a_span_per_step(traced):

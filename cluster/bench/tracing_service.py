@@ -7,7 +7,9 @@ sends the same greedy requests to both, strictly one at a time, interleaved (the
 round so that drift and warm-up hit both sides alike); per prompt we compare median end-to-end
 latency on/off and report the median of the per-round paired ratios.
 
-    .venv/bin/python tests/telemetry/bench_service_tracing.py --rounds 10 --json .bench/tracing.json
+Run from the repository root (it reuses the test tree's Serve app harness and OTLP receiver):
+
+    .venv/bin/python -m cluster.bench.tracing_service --rounds 10 --json .bench/tracing_overhead.json
 """
 from __future__ import annotations
 
@@ -19,20 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from cluster.bench import from_test_tree
 
-from tests.deployments.harness import SMALL, Client, serve_apps  # noqa: E402
-from tests.telemetry.otlp_receiver import OtlpReceiver  # noqa: E402
-
-WORKLOADS = ROOT.parent / "shared" / "workloads"
+_BENCH = "cluster.bench.tracing_service"
+WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 
 
 def app_args(telemetry: dict | None) -> dict:
-    eng = {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64}
+    small = from_test_tree("tests.deployments.harness", "SMALL", _BENCH)
+    eng = {**small, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64}
     args = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
-            "placement": "separate", "router_deployment": SMALL, "spec_engine": eng, "batch_engine": eng,
-            "draft_server": {**SMALL, "host": "127.0.0.1", "timeout_s": 5.0},
+            "placement": "separate", "router_deployment": small, "spec_engine": eng, "batch_engine": eng,
+            "draft_server": {**small, "host": "127.0.0.1", "timeout_s": 5.0},
             "limits": {"max_tokens": 256, "max_prompt_tokens": 1024, "max_message_bytes": 65536,
                        "max_queue": 16}}
     if telemetry:
@@ -58,6 +58,9 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "5000")  # the SDK default, stated explicitly
     work = prompts(a.prompts_per_segment)
+    serve_apps = from_test_tree("tests.deployments.harness", "serve_apps", _BENCH)
+    Client = from_test_tree("tests.deployments.harness", "Client", _BENCH)
+    OtlpReceiver = from_test_tree("tests.telemetry.otlp_receiver", "OtlpReceiver", _BENCH)
     lat: dict[str, dict[int, list[float]]] = {"off": {}, "on": {}}
     tokens: dict[str, dict[int, list[int]]] = {"off": {}, "on": {}}
     with OtlpReceiver() as receiver:

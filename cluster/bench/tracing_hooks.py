@@ -1,6 +1,7 @@
-"""Microbenchmark: what tracing costs one request at concurrency 1.
+"""Microbenchmark: what the tracing hooks cost one request at concurrency 1 (not a test; prints).
 
-Run: ``.venv/bin/python tests/telemetry/bench_engine_spans.py [--steps 64] [--step-ms 2]``
+Run from the repository root (the OTLP receiver is a test helper, ``tests/telemetry/otlp_receiver.py``):
+``.venv/bin/python -m cluster.bench.tracing_hooks [--steps 64] [--step-ms 2]``
 
 Measures, per decode step and per request, with the real SDK pipeline (BatchSpanProcessor + OTLP
 exporter to a local receiver):
@@ -14,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from opentelemetry import trace
 
-from opentelemetry import trace  # noqa: E402
-
-from cluster.telemetry import tracing  # noqa: E402
-from cluster.telemetry.config import TelemetryConfig  # noqa: E402
-from cluster.telemetry.engine_spans import kvsync_context, start_request_trace  # noqa: E402
-from cluster.telemetry.request_span import request_span  # noqa: E402
+from cluster.bench import from_test_tree
+from cluster.telemetry import tracing
+from cluster.telemetry.config import TelemetryConfig
+from cluster.telemetry.engine_spans import kvsync_context, start_request_trace
+from cluster.telemetry.request_span import request_span
 
 STEP = (4, 3)
 
@@ -122,7 +120,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--step-ms", type=float, default=2.0)
     args = ap.parse_args()
-    from tests.telemetry.otlp_receiver import OtlpReceiver
+    OtlpReceiver = from_test_tree("tests.telemetry.otlp_receiver", "OtlpReceiver", "cluster.bench.tracing_hooks")
 
     with OtlpReceiver() as receiver:
         cfg = TelemetryConfig.resolve({"otlp_endpoint": receiver.endpoint}, env={})
