@@ -216,10 +216,16 @@ def _head(r) -> dict:
 
 
 def test_dashboard_and_client_closed_by_default(rendered):
-    """The dashboard runs jobs and the Ray client port runs code: neither is reachable from
-    outside the head pod unless a value opts in."""
+    """The dashboard runs jobs and the Ray client port runs code: by default no Service or named
+    port exposes either, and the NetworkPolicy admits only the KubeRay operator (which deploys the
+    serve config through the dashboard) and the release's own pods to the dashboard."""
     head = _head(rendered)
-    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"  # the operator must reach it
+    policy = rendered.one("NetworkPolicy", RELEASE)
+    (rule,) = _rule_for(policy, 8265)
+    # named peers only (the defaults name the operator; the "full" scenario its own namespace)
+    assert rule["from"] and all(peer and peer != {"namespaceSelector": {}} for peer in rule["from"])
+    assert _rule_for(policy, 10001) == []
     for template in rendered.templates():
         names = {p["containerPort"] for p in _container(template)["ports"]}
         assert not names & {8265, 10001}, template["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -228,6 +234,11 @@ def test_dashboard_and_client_closed_by_default(rendered):
         assert not ports & {8265, 10001, "dashboard", "client"}, svc["metadata"]["name"]
     for group in rendered.groups().values():  # workers run no dashboard of their own
         assert "dashboard-host" not in group["rayStartParams"]
+
+
+def test_dashboard_on_loopback(render):
+    loopback = render({"head": {"dashboardHost": "127.0.0.1"}})
+    assert _head(loopback)["rayStartParams"]["dashboard-host"] == "127.0.0.1"
 
 
 def test_dashboard_opt_in(render):
@@ -253,12 +264,13 @@ def _rule_for(policy: dict, port: int) -> list[dict]:
     return [r for r in policy["spec"]["ingress"] if any(p["port"] == port for p in r.get("ports", []))]
 
 
-def test_network_policy_off_by_default(render):
-    assert not render({}).of_kind("NetworkPolicy")
+def test_network_policy_can_be_turned_off(render):
+    assert render({}).of_kind("NetworkPolicy")
+    assert not render({"networkPolicy": {"enabled": False}}).of_kind("NetworkPolicy")
 
 
 def test_network_policy_defaults(render):
-    r = render({"networkPolicy": {"enabled": True}})
+    r = render({})
     policy = r.one("NetworkPolicy", RELEASE)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     selector = policy["spec"]["podSelector"]["matchLabels"].items()
@@ -270,9 +282,12 @@ def test_network_policy_defaults(render):
     (internal,) = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
     (peer,) = internal["from"]
     assert peer["podSelector"]["matchLabels"].items() == selector
-    # metrics and dashboard: nobody unless named
-    assert _rule_for(policy, 8080) == [] and _rule_for(policy, 8265) == []
-    assert len(policy["spec"]["ingress"]) == 2
+    # metrics: nobody outside the release unless named; dashboard: the KubeRay operator only
+    assert _rule_for(policy, 8080) == []
+    (dashboard,) = _rule_for(policy, 8265)
+    assert [p["podSelector"]["matchLabels"] for p in dashboard["from"]] == [
+        {"app.kubernetes.io/name": "kuberay-operator"}]
+    assert len(policy["spec"]["ingress"]) == 3
 
 
 def test_network_policy_selectors(render):
