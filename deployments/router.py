@@ -45,7 +45,7 @@ from cluster.engine.request import FinishReason
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouterPolicy
 from cluster.routing.segments import SegmentLabels
-from deployments.app_config import AppConfig
+from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section
@@ -106,6 +106,10 @@ class Router:
                                        description="Router decisions by path and reason",
                                        tag_keys=("path", "reason"))
         self._checker = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="constraint-check")
+        if not os.environ.get(PROXY_MAX_MESSAGE_ENV):  # `serve deploy` on a cluster started without it
+            log.warning("%s is unset on this node: Ray Serve's gRPC proxy reads messages up to 2 GiB before "
+                        "this Router refuses them over %d bytes; set it to %d where Ray starts",
+                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.app.proxy_max_message_bytes())
         self._poll_task = asyncio.create_task(self._poll_loop())
 
     # -- engine view -----------------------------------------------------------------------
@@ -201,10 +205,10 @@ class Router:
         grpc_context.set_code(exc.code)
         grpc_context.set_details(exc.message)
 
-    @staticmethod
-    def _label(grpc_context) -> str:
+    def _label(self, grpc_context) -> str:
         """The client's label for logs, before (or whether or not) the request validates."""
-        return next((str(v)[:128] for k, v in grpc_context.invocation_metadata() if k == "request_id"), "")
+        cap = self.limits.max_label_chars
+        return next((str(v)[:cap] for k, v in grpc_context.invocation_metadata() if k == "request_id"), "")
 
     def _failed(self, exc: Exception, request_id: str, grpc_context, tel: RequestTelemetry) -> ServiceError:
         """Any failure of a request as the status the client gets (set on the context)."""
