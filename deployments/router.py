@@ -169,6 +169,8 @@ class Router:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the {decision.path.value} engine is not ready yet; retry later")
         self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
+        log.debug("request %s (label %r) -> %s (%s)", vreq.request_id, vreq.label, decision.path.value,
+                  decision.reason.value)
         return vreq, decision
 
     @property
