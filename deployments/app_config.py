@@ -4,6 +4,7 @@ Owns: every knob of the app — models, drafter, placement, replicas and resourc
 router thresholds, limits, auth, telemetry, and ``engine_impl`` (the engine class to inject; tests
 use ``cluster.engine.fake_engine:FakeEngine``) — and their conversion into the internal dataclass
 configs (``EngineConfig``, ``RouterConfig``, ``Limits``). Unknown keys are errors (extra="forbid").
+``proxy_env`` gives the environment Ray Serve's gRPC proxy reads its message cap from.
 Ignores: building deployments (``deployments.app``).
 """
 from __future__ import annotations
@@ -64,6 +65,9 @@ class LimitsKnobs(_Strict):
     max_queue: int = Field(256, ge=1)
     max_segments: int = Field(32, ge=1)  # distinct segment labels measured per Router replica;
     #                                      further new ones are folded into "other"
+    max_stop_strings: int = Field(16, ge=1)  # stop strings per request (each is searched after
+    max_stop_chars: int = Field(256, ge=1)  # every token of the shared step), and their length
+    max_constraint_chars: int = Field(16384, ge=1)  # json_schema / regex text length
 
 
 class AuthKnobs(_Strict):
@@ -153,7 +157,16 @@ class AppConfig(_Strict):
         return Limits(max_tokens=self.limits.max_tokens,
                       default_max_tokens=min(128, self.limits.max_tokens),
                       max_prompt_tokens=self.limits.max_prompt_tokens,
-                      max_message_bytes=self.limits.max_message_bytes)
+                      max_message_bytes=self.limits.max_message_bytes,
+                      max_stop_strings=self.limits.max_stop_strings,
+                      max_stop_chars=self.limits.max_stop_chars,
+                      max_constraint_chars=self.limits.max_constraint_chars)
+
+    def proxy_max_message_bytes(self) -> int:
+        """The gRPC proxy's own message cap (it reads requests before the Router sees them; it
+        also caps what it sends): the request limit, or the largest unary response this app can
+        produce if that is bigger (max_tokens x a generous 64 bytes per token, plus slack)."""
+        return max(self.limits.max_message_bytes, self.limits.max_tokens * 64 + (64 << 10))
 
     def spec_config(self) -> SpecConfig | None:
         if not self.speculative:
@@ -170,3 +183,14 @@ class AppConfig(_Strict):
                             max_num_batched_tokens=knobs.max_num_batched_tokens,
                             torch_threads=self.torch_threads,
                             spec=self.spec_config() if speculative else None)
+
+
+# Ray Serve's gRPC proxy reads its max send/receive message size from this variable when the proxy
+# process starts (default: 2 GiB): it must be in the environment of the process that starts Ray.
+PROXY_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def proxy_env(apps: list[dict]) -> dict[str, str]:
+    """Environment for the Ray node(s) serving ``apps`` (AppConfig args): the proxy refuses a
+    message over the largest app's limit (RESOURCE_EXHAUSTED) without reading it into memory."""
+    return {PROXY_MAX_MESSAGE_ENV: str(max(AppConfig(**a).proxy_max_message_bytes() for a in apps))}

@@ -5,7 +5,8 @@ starting it in the background so the replica is up at once and ``ready()`` repor
 real readiness, tokenizing + checking prompts next to the model, and streaming ``RequestOutput``
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
-the Router can set a precise gRPC status. Closing the stream (client cancelled, deadline) aborts the request,
+the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
+log with the request's server id, the record says only ``internal error (id ...)``. Closing the stream (client cancelled, deadline) aborts the request,
 which frees its KV blocks on target and draft. Ignores: routing, gRPC.
 """
 from __future__ import annotations
@@ -80,6 +81,15 @@ class EngineServer:
     def model_info(self) -> dict:
         return self.engine.model_info() if self.ready() else {}
 
+    @staticmethod
+    def _failure(exc: Exception, req: ValidatedRequest) -> EngineFailure:
+        failure = EngineFailure.from_exception(exc, req.request_id)
+        if failure.kind is FailureKind.INTERNAL:  # not the engine's own user-facing error: log it all
+            log.error("request %s (label %r) failed in the engine", req.request_id, req.label, exc_info=exc)
+        elif failure.kind is FailureKind.UNAVAILABLE:
+            log.warning("request %s (label %r): %s", req.request_id, req.label, exc)
+        return failure
+
     async def generate(self, req: ValidatedRequest, trace_carrier: dict[str, str] | None = None,
                        whole: bool = False) -> AsyncIterator[RequestOutput | EngineFailure]:
         if not self.ready():
@@ -100,7 +110,7 @@ class EngineServer:
                 yield EngineFailure(FailureKind.INTERNAL, "engine produced no output")
                 return
             except Exception as exc:  # InvalidRequestError, EngineOverloadedError, ...
-                yield EngineFailure.from_exception(exc)
+                yield self._failure(exc, req)
                 return
             finished = first.finished
             try:
@@ -117,7 +127,7 @@ class EngineServer:
                     yield out
             except Exception as exc:  # EngineUnavailableError: the engine's core process died
                 finished = True  # the engine has dropped the request already
-                yield EngineFailure.from_exception(exc)
+                yield self._failure(exc, req)
         finally:
             self._in_flight -= 1
             if stream is not None and not finished:

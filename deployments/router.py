@@ -8,6 +8,14 @@ overflow balancing; shown in ModelInfo) and the engines' polled stats (readiness
 forwarding to SpecEngine/BatchEngine through streaming handles (unary ``Generate`` asks the engine
 for the whole response as one message; ``GenerateStream`` relays every delta), and mapping failures to gRPC
 codes via ``grpc_context`` (set code + details, then return an empty message / raise in streams).
+Every request gets its own server id (uuid: the engine's request id, the KVSync seq id, the id in
+``internal error (id ...)`` messages); the client's ``request_id`` metadata is only a label, echoed
+in the response's ``request_id`` and logged/traced beside the server id, so two clients sending the
+same label cannot touch each other's requests. Failure hygiene: an engine's ERROR finish is
+INTERNAL with the engine's message; a dead engine replica is UNAVAILABLE; any other unexpected
+exception is INTERNAL ``internal error (id ...)`` with the detail (traceback, Ray ids) in the log
+only. Constraint syntax checks (JSON Schema / regex, size-capped) run in a small thread pool, off
+the event loop every request shares.
 Every decision is visible: ``route`` in the response, a span attribute, and the
 ``specserve_route_decisions`` metric. In-flight hysteresis is per Router replica: with R replicas,
 divide the thresholds by R. Health checks are exempt from auth (probes send no metadata).
@@ -20,21 +28,24 @@ import dataclasses
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import metrics
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
-from cluster.api.requests import ValidatedRequest, validate_request
+from cluster.api.requests import ValidatedRequest, check_constraint, request_label, validate_request
 from cluster.api.responses import Accumulator, chunk
-from cluster.api.status import EngineFailure, ServiceError
+from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
 from cluster.engine.request import FinishReason, SpecMode
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouteReason, RouterPolicy
 from cluster.routing.segments import SegmentLabels
-from deployments.app_config import AppConfig
+from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section
@@ -43,6 +54,26 @@ log = logging.getLogger("specserve.router")
 _POLL_S = 0.5
 _CALL_TIMEOUT_S = 5.0
 _UNMEASURED = (FinishReason.CANCELLED, FinishReason.ERROR)  # say nothing about a path's speed
+_CHECK_THREADS = 2  # constraint checks at once; more wait their turn, the event loop never does
+_GONE = (RayActorError, DeploymentUnavailableError)  # the engine replica died or has none ready
+
+
+def engine_error(message: str | None, request_id: str) -> ServiceError:
+    """An engine's ERROR finish: its message (it names what failed) with the id to quote."""
+    text = (message or "the engine failed this request").strip()[:512]
+    return ServiceError(grpc.StatusCode.INTERNAL, f"{text} (id {request_id})")
+
+
+def unexpected_error(exc: Exception, request_id: str, label: str) -> ServiceError:
+    """An exception nobody turned into a status: a clear code for the client, detail to the log."""
+    if isinstance(exc, BackPressureError):
+        log.warning("request %s (label %r) refused: %s", request_id, label, exc)
+        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the service is at capacity; retry later")
+    if isinstance(exc, _GONE):
+        log.warning("request %s (label %r): engine replica unavailable: %s", request_id, label, exc)
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, ENGINE_GONE)
+    log.error("request %s (label %r) failed", request_id, label, exc_info=exc)
+    return internal_error(request_id)
 
 
 @serve.deployment(name="Router", max_ongoing_requests=2048)
@@ -74,6 +105,11 @@ class Router:
         self._routes = metrics.Counter("specserve_route_decisions",
                                        description="Router decisions by path and reason",
                                        tag_keys=("path", "reason"))
+        self._checker = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="constraint-check")
+        if not os.environ.get(PROXY_MAX_MESSAGE_ENV):  # `serve deploy` on a cluster started without it
+            log.warning("%s is unset on this node: Ray Serve's gRPC proxy reads messages up to 2 GiB before "
+                        "this Router refuses them over %d bytes; set it to %d where Ray starts",
+                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.app.proxy_max_message_bytes())
         self._poll_task = asyncio.create_task(self._poll_loop())
 
     # -- engine view -----------------------------------------------------------------------
@@ -114,10 +150,14 @@ class Router:
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
 
     # -- request path ----------------------------------------------------------------------
-    def _admit(self, request, grpc_context) -> tuple[ValidatedRequest, RouteDecision]:
-        check_bearer(grpc_context.invocation_metadata(), self.token)
-        request_id = grpc_context.request_id() or uuid.uuid4().hex
-        vreq = validate_request(request, request_id, self.limits)
+    async def _admit(self, request, grpc_context, request_id: str) -> tuple[ValidatedRequest, RouteDecision]:
+        metadata = grpc_context.invocation_metadata()
+        check_bearer(metadata, self.token)
+        vreq = validate_request(request, request_id, self.limits, label=request_label(metadata, self.limits),
+                                constraints=False)
+        if vreq.constrained:
+            await asyncio.get_running_loop().run_in_executor(self._checker, check_constraint,
+                                                             request.json_schema, request.regex)
         segment = self.segments.label(vreq.segment)
         if segment != vreq.segment:  # past limits.max_segments distinct labels
             vreq = dataclasses.replace(vreq, segment=segment)
@@ -131,6 +171,8 @@ class Router:
         self._routes.inc(tags={"path": decision.path.value, "reason": decision.reason.value})
         if decision.reason is RouteReason.PROBE_MOE_UNVALIDATED:  # the mark the SpecEngine drafts on
             vreq = dataclasses.replace(vreq, mode=SpecMode.SPECULATIVE)
+        log.debug("request %s (label %r) -> %s (%s)", vreq.request_id, vreq.label, decision.path.value,
+                  decision.reason.value)
         return vreq, decision
 
     @property
@@ -150,6 +192,8 @@ class Router:
                     done = True
                     raise item.to_service_error()
                 done = item.finished
+                if done and item.finish_reason is FinishReason.ERROR:  # this request failed, alone
+                    raise engine_error(item.error, vreq.request_id)
                 if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
                     running, service_s = self.load.served(mark, item.queue_time)
                     self.policy.observe(decision.path, vreq.segment, running, service_s, item.num_output_tokens)
@@ -165,48 +209,65 @@ class Router:
         grpc_context.set_code(exc.code)
         grpc_context.set_details(exc.message)
 
+    def _label(self, grpc_context) -> str:
+        """The client's label for logs, before (or whether or not) the request validates."""
+        cap = self.limits.max_label_chars
+        return next((str(v)[:cap] for k, v in grpc_context.invocation_metadata() if k == "request_id"), "")
+
+    def _failed(self, exc: Exception, request_id: str, grpc_context, tel: RequestTelemetry) -> ServiceError:
+        """Any failure of a request as the status the client gets (set on the context)."""
+        err = exc if isinstance(exc, ServiceError) else unexpected_error(exc, request_id, self._label(grpc_context))
+        tel.error(err.message, err.code.name)
+        self._fail(grpc_context, err)
+        return err
+
     # -- gRPC methods ----------------------------------------------------------------------
     async def Generate(self, request, grpc_context):  # noqa: N802 (gRPC naming)
+        request_id = uuid.uuid4().hex
         with RequestTelemetry(self.metrics, model=self.app.model,
                               metadata=grpc_context.invocation_metadata()) as tel:
             try:
-                vreq, decision = self._admit(request, grpc_context)
+                vreq, decision = await self._admit(request, grpc_context, request_id)
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
-                acc = Accumulator(vreq.request_id, decision)
+                acc = Accumulator(vreq.echo_id, decision)
                 async for out in self._forward(vreq, decision, tel.carrier(), whole=True):
                     tel.output(out)
                     acc.add(out)
                 return acc.response()
-            except ServiceError as exc:
-                tel.error(exc.message, exc.code.name)
-                self._fail(grpc_context, exc)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                self._failed(exc, request_id, grpc_context, tel)
                 return stubs.generation_pb2().GenerateResponse()
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802
+        request_id = uuid.uuid4().hex
         with RequestTelemetry(self.metrics, model=self.app.model, stream=True,
                               metadata=grpc_context.invocation_metadata()) as tel:
             try:
-                vreq, decision = self._admit(request, grpc_context)
+                vreq, decision = await self._admit(request, grpc_context, request_id)
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 first, total = True, 0
                 async for out in self._forward(vreq, decision, tel.carrier()):
                     tel.output(out)
                     total += len(out.new_token_ids)
-                    yield chunk(out, decision, first, total)
+                    yield chunk(out, decision, first, total, request_id=vreq.echo_id)
                     first = False
-            except ServiceError as exc:
-                tel.error(exc.message, exc.code.name)
-                # A stream carries its status only through an exception once the code is set.
-                self._fail(grpc_context, exc)
-                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                # A stream carries its status only through an exception once the code is set; the
+                # code's details, not the exception's text, are what the client sees.
+                raise self._failed(exc, request_id, grpc_context, tel) from None
 
     async def ModelInfo(self, request, grpc_context):  # noqa: N802
         pb2 = stubs.generation_pb2()
         try:
             check_bearer(grpc_context.invocation_metadata(), self.token)
+            return await self._model_info(pb2)
         except ServiceError as exc:
             self._fail(grpc_context, exc)
-            return pb2.ModelInfoResponse()
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, detail logged
+            self._fail(grpc_context, unexpected_error(exc, uuid.uuid4().hex, self._label(grpc_context)))
+        return pb2.ModelInfoResponse()
+
+    async def _model_info(self, pb2):
         info: dict = {}
         for handle in (self.batch, self.spec):
             if handle is not None and not info:

@@ -1,17 +1,23 @@
 """Client request validation and conversion (``GenerateRequest`` proto -> typed request).
 
-Owns: every INVALID_ARGUMENT rule of the API that needs no model (prompt shape, limits, sampling
-ranges via ``SamplingParams``, constraint syntax) in ``validate_request``, and the model-side half
-(tokenize, prompt length, token id range) in ``to_generation_request``, which an engine deployment
-runs next to its tokenizer. Ignores: routing and transport.
+Owns: every INVALID_ARGUMENT rule of the API that needs no model (prompt shape, limits, finite
+sampling values, ranges via ``SamplingParams``, stop-string caps, the client's ``request_id`` label)
+in ``validate_request``; the constraint check (JSON Schema / regex syntax) in ``check_constraint``,
+kept apart because it is CPU work on client-chosen input that the Router runs off its event loop
+(size-capped first, so it is bounded; recursion and any other checker failure is the client's
+INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
+``to_generation_request``, which an engine deployment runs next to its tokenizer.
+Ignores: routing and transport.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 from dataclasses import dataclass
 
-from cluster.api.status import invalid
+from cluster.api.status import ServiceError, invalid
 from cluster.engine.request import (GenerationRequest, InvalidRequestError, SamplingParams,
                                     SpecMode)
 
@@ -26,9 +32,15 @@ class Limits:
     default_max_tokens: int = 128  # when the request leaves max_tokens unset
     max_prompt_tokens: int = 4096
     max_message_bytes: int = 1 << 20
+    # each stop string is searched for after every token of the request: bound that work
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string
+    max_constraint_chars: int = 16384  # json_schema / regex text; bounds the checker's work
+    max_label_chars: int = 128  # the client's request_id metadata (a label, echoed and logged)
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "default_max_tokens", "max_prompt_tokens", "max_message_bytes"):
+        for name in ("max_tokens", "default_max_tokens", "max_prompt_tokens", "max_message_bytes",
+                     "max_stop_strings", "max_stop_chars", "max_constraint_chars", "max_label_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limits.{name} must be >= 1")
         if self.default_max_tokens > self.max_tokens:
@@ -46,12 +58,18 @@ class PromptInput:
 
 @dataclass(slots=True, frozen=True)
 class ValidatedRequest:
-    request_id: str
+    request_id: str  # assigned by the server, unique: the engine's request id and KVSync seq id
     prompt: PromptInput
     params: SamplingParams
     mode: SpecMode
     segment: str
     constrained: bool
+    label: str = ""  # the client's request_id metadata: echoed back and logged, never an id
+
+    @property
+    def echo_id(self) -> str:
+        """The id a response carries: the client's label when it sent one, else the server's."""
+        return self.label or self.request_id
 
 
 def _check_json_schema(text: str) -> None:
@@ -69,8 +87,53 @@ def _check_json_schema(text: str) -> None:
         raise invalid(f"json_schema is not a valid JSON Schema: {exc.message}") from None
 
 
-def validate_request(pb, request_id: str, limits: Limits) -> ValidatedRequest:
-    """Raises ServiceError(INVALID_ARGUMENT) with a message naming the field."""
+def _check_regex(text: str) -> None:
+    try:
+        with warnings.catch_warnings():  # e.g. FutureWarning "possible nested set": not our log's
+            warnings.simplefilter("ignore")
+            re.compile(text)
+    except re.error as exc:
+        raise invalid(f"regex does not compile: {exc}") from None
+
+
+def check_constraint(json_schema: str, regex: str) -> None:
+    """The syntax of a request's constraint (at most one of the two is non-empty).
+
+    CPU work on client input: the Router runs it off its event loop. The text is size-capped by
+    ``validate_request`` first; whatever the checkers raise on what is left (``RecursionError`` on
+    deep nesting, or anything else) is the client's INVALID_ARGUMENT, not an internal error."""
+    field, check = ("json_schema", _check_json_schema) if json_schema else ("regex", _check_regex)
+    try:
+        check(json_schema or regex)
+    except ServiceError:
+        raise
+    except RecursionError:
+        raise invalid(f"{field} is nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - the checker rejects this input; say so, not how
+        raise invalid(f"{field} could not be checked ({type(exc).__name__})") from None
+
+
+def request_label(metadata, limits: Limits) -> str:
+    """The client's ``request_id`` metadata, if any: a label only (echoed back, logged)."""
+    label = next((v for k, v in metadata or () if k.lower() == "request_id"), "") or ""
+    if isinstance(label, bytes):
+        label = label.decode("utf-8", "replace")
+    if len(label) > limits.max_label_chars:
+        raise invalid(f"request_id metadata must be at most {limits.max_label_chars} characters")
+    return label
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise invalid(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
+                     constraints: bool = True) -> ValidatedRequest:
+    """Raises ServiceError(INVALID_ARGUMENT) with a message naming the field. ``request_id`` is the
+    server's own id for the request; ``label`` the client's. ``constraints=False`` leaves the
+    constraint's syntax (not its size) to the caller's ``check_constraint``."""
     size = pb.ByteSize()
     if size > limits.max_message_bytes:
         raise invalid(f"request is {size} bytes, over the {limits.max_message_bytes}-byte limit")
@@ -103,19 +166,23 @@ def validate_request(pb, request_id: str, limits: Limits) -> ValidatedRequest:
         raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
     if pb.json_schema and pb.regex:
         raise invalid("set at most one of json_schema and regex")
-    if pb.json_schema:
-        _check_json_schema(pb.json_schema)
-    if pb.regex:
-        try:
-            re.compile(pb.regex)
-        except re.error as exc:
-            raise invalid(f"regex does not compile: {exc}") from None
+    for name in ("json_schema", "regex"):
+        if len(getattr(pb, name)) > limits.max_constraint_chars:
+            raise invalid(f"{name} is {len(getattr(pb, name))} characters, over the "
+                          f"{limits.max_constraint_chars}-character limit")
+    if constraints and (pb.json_schema or pb.regex):
+        check_constraint(pb.json_schema, pb.regex)
+    if len(pb.stop) > limits.max_stop_strings:
+        raise invalid(f"stop has {len(pb.stop)} strings, limit is {limits.max_stop_strings}")
+    for i, s in enumerate(pb.stop):
+        if len(s) > limits.max_stop_chars:
+            raise invalid(f"stop[{i}] is {len(s)} characters, limit is {limits.max_stop_chars}")
     if pb.mode not in _MODE_FROM_PROTO:
         raise invalid(f"unknown mode {pb.mode}")
     try:
         params = SamplingParams(
-            max_tokens=int(max_tokens), temperature=float(pb.temperature),
-            top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0, top_k=int(pb.top_k),
+            max_tokens=int(max_tokens), temperature=_finite("temperature", float(pb.temperature)),
+            top_p=_finite("top_p", float(pb.top_p)) if pb.HasField("top_p") else 1.0, top_k=int(pb.top_k),
             seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
             ignore_eos=bool(pb.ignore_eos))
     except InvalidRequestError as exc:
@@ -125,7 +192,7 @@ def validate_request(pb, request_id: str, limits: Limits) -> ValidatedRequest:
         raise invalid("segment must be at most 64 characters")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params,
                             mode=_MODE_FROM_PROTO[pb.mode], segment=segment,
-                            constrained=bool(pb.json_schema or pb.regex))
+                            constrained=bool(pb.json_schema or pb.regex), label=label)
 
 
 def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_size: int,

@@ -1,7 +1,9 @@
 """Response building: engine deltas + route decision -> ``GenerateResponse`` / stream chunks.
 
 Owns: the mapping of finish reasons, route and speculation counters onto the proto, and the
-accumulation of a stream of ``RequestOutput`` deltas into one unary response. Ignores: transport.
+accumulation of a stream of ``RequestOutput`` deltas into one unary response. The ``request_id``
+a response carries is the one the caller passes (the client's label, else the server's id), never
+the engine's. Ignores: transport.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def spec_pb(spec: SpecStats | None):
 class Accumulator:
     """Collects deltas of one request; ``final`` is the last (finished) output."""
 
-    request_id: str
+    request_id: str  # what the response echoes
     decision: RouteDecision
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -58,11 +60,12 @@ class Accumulator:
             request_id=self.request_id)
 
 
-def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens: int):
+def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens: int, *,
+          request_id: str):
     """One stream chunk; the route rides on the first chunk and the last chunk carries the rest."""
     pb2 = stubs.generation_pb2()
     msg = pb2.GenerateStreamChunk(text_delta=out.text_delta, token_ids=out.new_token_ids,
-                                  finished=out.finished, request_id=out.request_id)
+                                  finished=out.finished, request_id=request_id)
     if first or out.finished:
         msg.route.CopyFrom(route_pb(decision))
     if out.finished:

@@ -1,8 +1,12 @@
 """Service errors with their gRPC status, and how engine-side failures travel to the Router.
 
-Owns: ``ServiceError`` (a gRPC code + a message for the client) and ``EngineFailure`` (a picklable
+Owns: ``ServiceError`` (a gRPC code + a message for the client), ``EngineFailure`` (a picklable
 record an engine deployment yields instead of raising, so the Router maps it to a status without
-depending on how Ray wraps remote exceptions). Ignores: setting the code on a context (the Router).
+depending on how Ray wraps remote exceptions), and what a client may be told of a failure: the
+messages of the engine's own user-facing errors (bad input, queue full, engine gone) pass, while
+any other exception becomes ``internal error (id ...)`` — its text (tracebacks, Ray actor ids, pids,
+node IPs) is for the log, which the caller writes. Ignores: setting the code on a context (the
+Router), logging.
 """
 from __future__ import annotations
 
@@ -46,17 +50,30 @@ class EngineFailure:
     message: str
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> "EngineFailure":
+    def from_exception(cls, exc: BaseException, request_id: str) -> "EngineFailure":
+        """Only the engine's user-facing errors keep their message; the caller logs ``exc``."""
         if isinstance(exc, InvalidRequestError):
             return cls(FailureKind.INVALID_ARGUMENT, str(exc))
         if isinstance(exc, EngineOverloadedError):
             return cls(FailureKind.RESOURCE_EXHAUSTED, str(exc) or "engine queue is full")
         if isinstance(exc, EngineUnavailableError):
-            return cls(FailureKind.UNAVAILABLE, str(exc))
-        return cls(FailureKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return cls(FailureKind.UNAVAILABLE, ENGINE_GONE)
+        return cls(FailureKind.INTERNAL, internal_message(request_id))
 
     def to_service_error(self) -> ServiceError:
         return ServiceError(self.kind.grpc_code, self.message)
+
+
+ENGINE_GONE = "the engine serving this request stopped; retry (a replacement replica is started)"
+
+
+def internal_message(request_id: str) -> str:
+    """What a client is told of an unexpected failure: the id to quote, the detail in the log."""
+    return f"internal error (id {request_id})"
+
+
+def internal_error(request_id: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INTERNAL, internal_message(request_id))
 
 
 def invalid(message: str) -> ServiceError:

@@ -2,9 +2,12 @@
 
 Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``), applying
 ``--port``/``--model``/``--drafter``/``--placement`` overrides, starting Ray with the machine's
-CPUs (dashboard off, node IP 127.0.0.1 so every internal hop stays on loopback), deploying, waiting
-until the engines are SERVING, printing the gRPC address, and shutting down on Ctrl-C.
-Ignores: what the app does (``deployments``).
+CPUs (dashboard off, node IP 127.0.0.1 so every internal hop stays on loopback) with the gRPC
+proxy's message cap set to the app's limit, deploying, waiting until the engines are SERVING,
+printing the gRPC address, and a clean shutdown (Serve, then Ray; exit 0) on SIGTERM or SIGINT,
+at any point after Ray started. ``ray.init`` installs its own SIGTERM handlers (Python's
+``sys.exit`` and the core worker's fatal-signal handler, which aborts: exit 134), so ours are
+installed after it. Ignores: what the app does (``deployments``).
 """
 from __future__ import annotations
 
@@ -63,6 +66,30 @@ def _needed_cpus(app_args: dict) -> float:
     return sum(p.num_cpus * p.num_replicas for p in parts)
 
 
+class ShutdownRequested(BaseException):
+    """SIGTERM / SIGINT: leave whatever the main thread is doing and shut down cleanly."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGINT raise ShutdownRequested once; signals during the shutdown are ignored."""
+    asked = {"n": 0}
+
+    def handler(signum, _frame):
+        asked["n"] += 1
+        if asked["n"] == 1:
+            raise ShutdownRequested(signal.Signals(signum).name)
+        print(f"specserve: {signal.Signals(signum).name} again: already shutting down", file=sys.stderr,
+              flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float = 900.0):
     """Start Ray + Serve + the app from a Serve config dict; yields (grpc address, app name)."""
@@ -73,6 +100,7 @@ def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float =
     from cluster.api import stubs
     from cluster.errors import UserFacingError
     from deployments.app import build
+    from deployments.app_config import proxy_env
 
     app_cfg = cfg["applications"][0]
     app_args = app_cfg.setdefault("args", {})
@@ -83,38 +111,39 @@ def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float =
     # Logical CPUs: at least what the deployments reserve, so a small machine still schedules.
     num_cpus = num_cpus or max(os.cpu_count() or 1, int(_needed_cpus(app_args) + 0.999))
     stubs.generation_pb2()  # generate stubs now (fresh install) rather than in every process
+    os.environ.update(proxy_env([app_args]))  # Ray's processes inherit it: the proxy's message cap
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False)
-    try:
-        serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))},
-                    grpc_options=gRPCOptions(port=port, grpc_servicer_functions=list(servicers)))
-        name = app_cfg.get("name", "specserve")
-        serve.run(build(app_args), name=name, route_prefix=app_cfg.get("route_prefix", f"/{name}"),
-                  blocking=False)
-        addr = f"127.0.0.1:{port}"
-        print(f"specserve: deployed app {name!r}; loading models...", file=sys.stderr, flush=True)
-        if not _wait_serving(addr, name, ready_timeout):
-            raise UserFacingError(f"engines not SERVING after {ready_timeout}s; see Ray logs")
-        yield addr, name
-    finally:
-        print("specserve: shutting down", file=sys.stderr, flush=True)
+    with _stop_on_signals():  # after ray.init, which installs handlers of its own
         try:
-            serve.shutdown()
+            serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))},
+                        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=list(servicers)))
+            name = app_cfg.get("name", "specserve")
+            serve.run(build(app_args), name=name, route_prefix=app_cfg.get("route_prefix", f"/{name}"),
+                      blocking=False)
+            addr = f"127.0.0.1:{port}"
+            print(f"specserve: deployed app {name!r}; loading models...", file=sys.stderr, flush=True)
+            if not _wait_serving(addr, name, ready_timeout):
+                raise UserFacingError(f"engines not SERVING after {ready_timeout}s; see Ray logs")
+            yield addr, name
         finally:
-            ray.shutdown()
+            print("specserve: shutting down", file=sys.stderr, flush=True)
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+            print("specserve: stopped", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     try:
         with local_service(cfg, args.num_cpus, args.ready_timeout) as (addr, name):
             print(f"specserve: gRPC on {addr} (app {name!r}); try in another terminal: "
                   f"{_this_cli()} client --addr {addr} \"Hello\"", flush=True)
-            while not stop["flag"]:
+            while True:
                 time.sleep(0.5)
-    except KeyboardInterrupt:
+    except (ShutdownRequested, KeyboardInterrupt):  # KeyboardInterrupt: before Ray started
         pass
     return 0
 

@@ -8,6 +8,10 @@ With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propo
 each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,
 finishes the step without speculation (counting ``draft_fallbacks``) like the real engine.
 Without one but with ``config.spec`` it simulates acceptance from ``alpha_by_segment``.
+Failure injection for service tests: a prompt containing ``FAIL_MARKER`` finishes that request
+alone with ``FinishReason.ERROR`` and an ``error`` message after its first tokens (as the real
+engine does when one sequence's step fails); one containing ``CRASH_MARKER`` raises an exception
+whose text looks like internals (pid, node IP, "Traceback") from the request's output stream.
 Ignores: real model quality, batching across requests, sampling.
 """
 from __future__ import annotations
@@ -25,6 +29,11 @@ from cluster.engine.request import (EngineOverloadedError, FinishReason, Generat
 
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); byte b is token b + 3
 EOS_ID = 2
+FAIL_MARKER = "@@fail-request@@"
+FAIL_MESSAGE = "sampling failed for this request (fake engine)"
+CRASH_MARKER = "@@crash-engine@@"
+CRASH_TEXT = "Traceback (most recent call last): worker pid=4242 node 10.1.2.3 actor ffff0001"
+_FAIL_AFTER = 2  # tokens a failing request produces first
 
 
 class FakeEngine:
@@ -124,8 +133,17 @@ class FakeEngine:
         out: list[int] = []
         finish = FinishReason.CANCELLED
         first_at = None
+        text_prompt = self.detokenize(prompt)
+        fail, crash = FAIL_MARKER in text_prompt, CRASH_MARKER in text_prompt
         try:
             while len(out) < req.params.max_tokens:
+                if (fail or crash) and len(out) >= _FAIL_AFTER:
+                    if crash:
+                        raise RuntimeError(CRASH_TEXT)
+                    yield RequestOutput(rid, [], "", finished=True, finish_reason=FinishReason.ERROR,
+                                        num_prompt_tokens=len(prompt), num_output_tokens=len(out),
+                                        error=FAIL_MESSAGE)
+                    return
                 await asyncio.sleep(self.token_delay_s)
                 new = await self._step(req, prompt, out, stats)
                 new = new[: req.params.max_tokens - len(out)]

@@ -26,6 +26,9 @@ from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.propagation import MetadataLike
 from cluster.telemetry.request_span import label, request_span
 
+# the client's request_id metadata: a label only (specserve.request_id is the server's own id)
+REQUEST_LABEL = "specserve.request_label"
+
 
 class RequestTelemetry:
     __slots__ = ("_metrics", "_span", "_t0", "_ttft", "_final", "_path", "_reason", "_segment", "_error")
@@ -60,6 +63,8 @@ class RequestTelemetry:
                 attrs[sc.GEN_AI_REQUEST_TOP_K] = int(p.top_k)
             if p.seed is not None:
                 attrs[sc.GEN_AI_REQUEST_SEED] = int(p.seed)
+            if getattr(vreq, "label", ""):
+                attrs[REQUEST_LABEL] = vreq.label
             prompt = getattr(vreq, "prompt", None)
             if getattr(prompt, "messages", None) is not None:
                 attrs[sc.GEN_AI_OPERATION_NAME] = sc.OP_CHAT

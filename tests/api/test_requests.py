@@ -1,12 +1,14 @@
-"""Request validation/conversion, auth and response building — no Ray."""
+"""Request validation/conversion, auth, failure messages and response building — no Ray."""
 import json
+import time
 
 import grpc
 import pytest
 
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
-from cluster.api.requests import Limits, to_generation_request, validate_request
+from cluster.api.requests import (Limits, check_constraint, request_label, to_generation_request,
+                                  validate_request)
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, FailureKind, ServiceError
 from cluster.engine.config import EngineConfig
@@ -16,7 +18,11 @@ from cluster.engine.request import (EngineOverloadedError, EngineUnavailableErro
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 pb2 = stubs.generation_pb2()
-LIMITS = Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=20, max_message_bytes=4096)
+LIMITS = Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=20, max_message_bytes=4096,
+                max_stop_strings=3, max_stop_chars=8, max_constraint_chars=4000, max_label_chars=10)
+DEEP_JSON = "[" * 1500 + "]" * 1500  # json.loads: RecursionError
+DEEP_SCHEMA = json.dumps(json.loads('{"properties": {"a": ' * 150 + "{}" + "}}" * 150))  # check_schema
+DEEP_REGEX = "(" * 900 + "a" + ")" * 900  # re.compile: RecursionError
 
 
 def bad(match, **fields):
@@ -40,6 +46,17 @@ def bad(match, **fields):
     (dict(prompt="x" * 5000), "over the 4096-byte limit"),
     (dict(messages=[pb2.ChatMessage(role="wizard", content="x")]), "role must be one of"),
     (dict(prompt_token_ids=pb2.TokenIds(ids=[])), "prompt is empty"),
+    (dict(prompt="hi", temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(prompt="hi", top_p=float("nan")), "top_p must be a finite number, got nan"),
+    (dict(prompt="hi", top_p=float("-inf")), "top_p must be a finite number, got -inf"),
+    (dict(prompt="hi", stop=["a", "b", "c", "d"]), "stop has 4 strings, limit is 3"),
+    (dict(prompt="hi", stop=["ok", "123456789"]), r"stop\[1\] is 9 characters, limit is 8"),
+    (dict(prompt="hi", json_schema=" " * 4001), "json_schema is 4001 characters, over the 4000-character limit"),
+    (dict(prompt="hi", regex="a" * 4001), "regex is 4001 characters, over the 4000-character limit"),
+    (dict(prompt="hi", json_schema=DEEP_JSON), "json_schema is nested too deeply"),
+    (dict(prompt="hi", json_schema=DEEP_SCHEMA), "json_schema is nested too deeply"),
+    (dict(prompt="hi", regex=DEEP_REGEX), "regex is nested too deeply"),
 ])
 def test_invalid_requests(fields, match):
     bad(match, **fields)
@@ -54,6 +71,45 @@ def test_valid_request_conversion():
     assert v.mode is SpecMode.PLAIN and v.segment == "code" and v.constrained
     s = validate_request(pb2.GenerateRequest(prompt="x", json_schema=json.dumps({"type": "object"})), "r", LIMITS)
     assert s.constrained and s.segment == "default" and s.mode is SpecMode.AUTO
+
+
+def test_caps_allow_what_they_allow():
+    v = validate_request(pb2.GenerateRequest(prompt="hi", stop=["a", "b", "12345678"], temperature=1e-30,
+                                             top_p=0.5), "r", LIMITS)
+    assert v.params.stop == ("a", "b", "12345678") and v.params.temperature == pytest.approx(1e-30)
+    assert validate_request(pb2.GenerateRequest(prompt="hi", regex="(" * 50 + "a" + ")" * 50), "r",
+                            LIMITS).constrained
+
+
+def test_constraint_check_is_separable_and_bounded():
+    """The Router validates without the constraint's syntax and checks it apart (in a thread)."""
+    pb = pb2.GenerateRequest(prompt="hi", regex=DEEP_REGEX)
+    assert validate_request(pb, "r", LIMITS, constraints=False).constrained  # size only
+    too_big = pb2.GenerateRequest(prompt="hi", regex="a" * 4001)
+    with pytest.raises(ServiceError, match="over the 4000-character limit"):
+        validate_request(too_big, "r", LIMITS, constraints=False)  # the size cap is never skipped
+    for schema, regex, needle in ((DEEP_JSON, "", "json_schema is nested too deeply"),
+                                  ("", DEEP_REGEX, "regex is nested too deeply"),
+                                  ("", "a(b", "regex does not compile")):
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match=needle) as e:
+            check_constraint(schema, regex)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and time.monotonic() - t0 < 5
+    check_constraint(json.dumps({"type": "object"}), "")
+    check_constraint("", "[a-z]+")
+
+
+def test_request_id_is_the_servers_and_the_clients_only_a_label():
+    label = request_label([("application", "x"), ("request_id", "mine")], LIMITS)
+    v = validate_request(pb2.GenerateRequest(prompt="hi"), "server-uuid", LIMITS, label=label)
+    assert (v.request_id, v.label, v.echo_id) == ("server-uuid", "mine", "mine")
+    engine = FakeEngine(EngineConfig())
+    assert to_generation_request(v, engine, LIMITS, 259).request_id == "server-uuid"
+    unlabelled = validate_request(pb2.GenerateRequest(prompt="hi"), "server-uuid", LIMITS)
+    assert unlabelled.echo_id == "server-uuid" and request_label([("application", "x")], LIMITS) == ""
+    with pytest.raises(ServiceError, match="request_id metadata must be at most 10 characters") as e:
+        request_label([("request_id", "x" * 11)], LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_tokenize_and_prompt_length():
@@ -81,12 +137,21 @@ def test_auth():
 
 
 def test_engine_failure_mapping():
-    assert EngineFailure.from_exception(InvalidRequestError("x")).kind is FailureKind.INVALID_ARGUMENT
-    assert EngineFailure.from_exception(EngineOverloadedError()).to_service_error().code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert EngineFailure.from_exception(KeyError("k")).kind is FailureKind.INTERNAL
-    gone = EngineFailure.from_exception(EngineUnavailableError("engine process exited (code -9)"))
+    bad_input = EngineFailure.from_exception(InvalidRequestError("prompt too long"), "id1")
+    assert bad_input.kind is FailureKind.INVALID_ARGUMENT and bad_input.message == "prompt too long"
+    full = EngineFailure.from_exception(EngineOverloadedError(), "id1").to_service_error()
+    assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED and full.message == "engine queue is full"
+    gone = EngineFailure.from_exception(EngineUnavailableError("engine process exited (code -9)"), "id1")
     assert gone.to_service_error().code == grpc.StatusCode.UNAVAILABLE
-    assert gone.message == "engine process exited (code -9)"
+    assert "stopped; retry" in gone.message and "-9" not in gone.message
+
+
+def test_unexpected_exception_text_never_reaches_the_client():
+    leak = RuntimeError("Traceback (most recent call last): pid=4242 node 10.1.2.3 actor ffff0001")
+    for exc in (leak, KeyError("k"), RecursionError("deep")):
+        f = EngineFailure.from_exception(exc, "abc123")
+        assert f.kind is FailureKind.INTERNAL and f.message == "internal error (id abc123)"
+        assert f.to_service_error().code == grpc.StatusCode.INTERNAL
 
 
 def test_response_building():
@@ -103,7 +168,9 @@ def test_response_building():
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 3
     assert r.route.path == pb2.PATH_SPECULATIVE and r.route.reason == "below_enter_threshold"
     assert r.spec.accepted_tokens == 3 and r.spec.acceptance_rate == pytest.approx(0.75)
-    first = chunk(RequestOutput("r", [1], "a"), d, first=True, total_tokens=1)
+    assert r.request_id == "r"
+    first = chunk(RequestOutput("engine-id", [1], "a"), d, first=True, total_tokens=1, request_id="label")
     assert first.route.reason == "below_enter_threshold" and not first.HasField("usage")
-    end = chunk(last, d, first=False, total_tokens=3)
+    assert first.request_id == "label"  # the id the caller echoes, not the engine's
+    end = chunk(last, d, first=False, total_tokens=3, request_id="label")
     assert end.finished and end.usage.completion_tokens == 3 and end.spec.drafts == 1

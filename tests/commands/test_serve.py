@@ -1,10 +1,85 @@
-"""`specserve serve`'s printed hint is a command that runs as shown from the same directory in a new
-terminal, where nothing has activated the venv (`make run` calls `.venv/bin/specserve`)."""
+"""`specserve serve` as a user runs it: a subprocess with a fake-engine config, stopped by a signal;
+and its printed hint, a command that runs as shown from the same directory in a new terminal, where
+nothing has activated the venv (`make run` calls `.venv/bin/specserve`).
+
+Each case starts Ray once (in the subprocess); the process must answer SIGTERM / SIGINT by
+shutting Serve and Ray down and exiting 0 within a bounded time, leaving no process of its
+session behind.
+"""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
 
 from cluster.commands import serve
+from tests.deployments.harness import Client, fake_args, free_port
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_cleanly_on_signal(tmp_path, signum):
+    port = free_port()
+    args = fake_args(drafter="none")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": free_port()},
+        "grpc_options": {"port": port},
+        "applications": [{"name": "specserve", "import_path": "deployments.app:build", "args": args}]}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
+                             "serve", "--config", str(config), "--num-cpus", "2", "--ready-timeout", "180"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        client = Client(f"127.0.0.1:{port}", "specserve")
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                r = client.generate(prompt="up ", max_tokens=3, timeout=5)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "specserve serve never answered"
+                time.sleep(1.0)
+        assert r.text == "up "
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=90)
+        took = time.monotonic() - t0
+        assert proc.returncode == 0, err[-3000:]
+        assert "specserve: stopped" in err and took < 90
+        deadline = time.monotonic() + 20  # Ray's daemons exit on their own once the driver is gone
+        while _session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _session_pids(proc.pid), "processes of the service left running"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _session_pids(proc.pid):  # whatever it left behind (a failed run)
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_hint_names_the_venv_script_by_its_path(tmp_path, monkeypatch):

@@ -49,3 +49,19 @@ def test_bad_knobs_are_rejected_with_the_field_named(args, needle):
     with pytest.raises(ValidationError) as e:
         AppConfig(**args)
     assert needle in str(e.value)
+
+
+def test_limits_reach_the_router_and_the_proxy():
+    from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig, proxy_env
+
+    a = AppConfig(limits={"max_stop_strings": 4, "max_stop_chars": 32, "max_constraint_chars": 999})
+    lim = a.limits_config()
+    assert (lim.max_stop_strings, lim.max_stop_chars, lim.max_constraint_chars) == (4, 32, 999)
+    # the proxy's cap: the request limit, unless a unary response may be bigger; the largest app's
+    small = {"limits": {"max_message_bytes": 8192, "max_tokens": 256}}
+    big = {"limits": {"max_message_bytes": 4 << 20}}
+    assert proxy_env([small]) == {PROXY_MAX_MESSAGE_ENV: str(256 * 64 + (64 << 10))}
+    assert proxy_env([small, big, {}]) == {PROXY_MAX_MESSAGE_ENV: str(4 << 20)}
+    assert proxy_env([{}]) == {PROXY_MAX_MESSAGE_ENV: str(1 << 20)}
+    with pytest.raises(ValueError):
+        AppConfig(limits={"max_stop_strings": 0})

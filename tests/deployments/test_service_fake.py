@@ -1,9 +1,11 @@
 """The Serve app end to end with the fake engine: real Ray Serve, real gRPC on 127.0.0.1.
 
-Four apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
+Five apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
 thresholds and queue), ``moe`` (unvalidated MoE target, auth off), ``sep`` (placement separate:
 a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine), ``overflow``
-(slow steps, a segment the fake SpecEngine cannot accelerate: measured overflow balancing).
+(slow steps, a segment the fake SpecEngine cannot accelerate: measured overflow balancing),
+``fault`` (plain only: its BatchEngine replica is killed mid-stream). The gRPC proxy runs with the
+message cap ``specserve serve`` gives it (``proxy_env``).
 """
 import json
 import threading
@@ -13,6 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from cluster.api.status import ENGINE_GONE
+from cluster.engine.fake_engine import CRASH_MARKER, CRASH_TEXT, FAIL_MARKER, FAIL_MESSAGE
+from deployments.app_config import proxy_env
 from tests.deployments.harness import Client, fake_args, serve_apps
 
 pytestmark = pytest.mark.ray
@@ -52,8 +57,10 @@ def addr():
                                       "options": {"moe": True}}),
         "sep": SEP_ARGS,
         "overflow": OVERFLOW_ARGS,
+        "fault": fake_args(drafter="none", engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
+                                                        "options": {"token_delay_s": 0.05}}),
     }
-    with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN}) as a:
+    with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN, **proxy_env(list(apps.values()))}) as a:
         for name in apps:
             Client(a, name, TOKEN).wait_ready()
         yield a
@@ -131,6 +138,13 @@ def test_auth_required_when_configured(addr, main):
     (dict(prompt="a", json_schema=json.dumps({"type": 12})), "not a valid JSON Schema"),
     (dict(prompt="a", regex="a(b"), "regex does not compile"),
     (dict(prompt="x" * 9000), "8192-byte limit"),
+    (dict(prompt="a", temperature=float("nan")), "temperature must be a finite number"),
+    (dict(prompt="a", temperature=float("inf")), "temperature must be a finite number"),
+    (dict(prompt="a", top_p=float("nan")), "top_p must be a finite number"),
+    (dict(prompt="a", stop=[str(i) for i in range(17)]), "stop has 17 strings, limit is 16"),
+    (dict(prompt="a", stop=["x" * 257]), "stop[0] is 257 characters, limit is 256"),
+    (dict(prompt="a", json_schema="[" * 3000 + "]" * 3000), "json_schema is nested too deeply"),
+    (dict(prompt="a", regex="(" * 2000 + ")" * 2000), "regex is nested too deeply"),
 ])
 def test_invalid_argument(main, fields, needle):
     code, details = code_of(lambda: main.generate(**fields))
@@ -382,3 +396,93 @@ def test_segment_labels_are_bounded(addr):
     for seen in (spec_segments, fit_segments):
         assert "other" in seen and len(seen - {"other"}) <= 4, seen
         assert 1 <= len(seen & set(labels)) <= 4, seen  # some of ours kept (fast/slow may hold 2)
+
+
+def test_same_request_id_label_cannot_touch_another_request(main):
+    """The client's request_id metadata is a label: two clients sending the same one at once both
+    get their complete, correct streams, each echoing the label; the server's ids differ."""
+    md = main.md + [("request_id", "dup-1")]
+    prompts = ("first client ", "second client ")
+    with ThreadPoolExecutor(2) as pool:
+        streams = list(pool.map(lambda pr: list(main.stream(prompt=pr, max_tokens=120, md=md, timeout=60)),
+                                prompts))
+    for prompt, chunks in zip(prompts, streams):
+        assert [t for c in chunks for t in c.token_ids] == expected(prompt, 120)
+        assert chunks[-1].finished and chunks[-1].finish_reason == main.pb2.FINISH_REASON_LENGTH
+        assert {c.request_id for c in chunks} == {"dup-1"}
+    r = main.generate(prompt="echo", max_tokens=3, md=md)
+    assert r.request_id == "dup-1" and list(r.token_ids) == expected("echo", 3)
+    a, b = main.generate(prompt="x", max_tokens=1), main.generate(prompt="x", max_tokens=1)
+    assert len(a.request_id) == 32 and a.request_id != b.request_id  # unlabelled: the server's id
+    code, details = code_of(lambda: main.generate(prompt="x", max_tokens=1,
+                                                  md=main.md + [("request_id", "L" * 129)]))
+    assert code == CODE.INVALID_ARGUMENT and "at most 128 characters" in details
+
+
+def test_engine_error_is_internal_with_its_message_and_harms_no_one(main):
+    """A request the engine finishes with ERROR ends with INTERNAL and the engine's message, on
+    both RPCs, after the tokens it produced; a request running beside it is untouched."""
+    with ThreadPoolExecutor(1) as pool:
+        bystander = pool.submit(lambda: main.generate(prompt="bystander ", max_tokens=60, mode=2))
+        for mode in (1, 2):
+            code, details = code_of(lambda: main.generate(prompt=f"x {FAIL_MARKER}", max_tokens=50, mode=mode))
+            assert code == CODE.INTERNAL and FAIL_MESSAGE in details
+            got = []
+            with pytest.raises(grpc.RpcError) as e:
+                for c in main.stream(prompt=f"x {FAIL_MARKER}", max_tokens=50, mode=mode):
+                    got += c.token_ids
+            assert e.value.code() == CODE.INTERNAL and FAIL_MESSAGE in e.value.details()
+            # what it produced before failing (the SpecEngine commits several tokens a step)
+            assert got == expected(f"x {FAIL_MARKER}", len(got)) and 2 <= len(got) < 50
+        assert list(bystander.result().token_ids) == expected("bystander ", 60)
+    wait_for(kv_full, what="spec KV back to full")
+    wait_for(lambda: kv_full(deployment="BatchEngine"), what="batch KV back to full")
+
+
+def test_unexpected_errors_carry_no_internals(main):
+    """An exception inside the engine reaches the client as INTERNAL 'internal error (id ...)':
+    none of its text (traceback, pid, node IP, actor id) goes on the wire."""
+    import re
+
+    for call in (lambda: main.generate(prompt=f"y {CRASH_MARKER}", max_tokens=20),
+                 lambda: list(main.stream(prompt=f"y {CRASH_MARKER}", max_tokens=20))):
+        code, details = code_of(call)
+        assert code == CODE.INTERNAL and re.fullmatch(r"internal error \(id [0-9a-f]{32}\)", details), details
+        for leak in ("Traceback", "pid", "10.1.2.3", "ffff0001", CRASH_TEXT):
+            assert leak not in details
+    assert list(main.generate(prompt="after", max_tokens=4).token_ids) == expected("after", 4)
+
+
+def test_proxy_refuses_oversized_messages(main):
+    """The gRPC proxy's own cap (the largest app's limit, 1 MiB here) refuses a bigger message
+    before any replica sees it: RESOURCE_EXHAUSTED, not the Router's INVALID_ARGUMENT."""
+    code, _ = code_of(lambda: main.generate(prompt="z" * (2 << 20), max_tokens=1))
+    assert code == CODE.RESOURCE_EXHAUSTED
+    code, details = code_of(lambda: main.generate(prompt="z" * 9000, max_tokens=1))  # under the proxy's
+    assert code == CODE.INVALID_ARGUMENT and "8192-byte limit" in details
+    assert main.generate(prompt="fine", max_tokens=2).token_ids
+
+
+def test_dead_engine_replica_is_unavailable_then_replaced(addr):
+    """The BatchEngine replica dies mid-stream: the stream ends UNAVAILABLE with a plain message
+    (no Ray actor ids); Serve replaces the replica and new requests succeed."""
+    import ray
+
+    c = Client(addr, "fault")
+    it = c.stream(prompt="doomed ", max_tokens=250, timeout=60)
+    got = list(next(it).token_ids)
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "fault#BatchEngine" in a["name"]]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    with pytest.raises(grpc.RpcError) as e:
+        for ch in it:
+            got += ch.token_ids
+    assert e.value.code() == CODE.UNAVAILABLE and e.value.details() == ENGINE_GONE
+    assert got == expected("doomed ", len(got)) and len(got) < 250
+
+    def serving_again():
+        try:
+            return list(c.generate(prompt="reborn ", max_tokens=3, timeout=10).token_ids) == expected("reborn ", 3)
+        except grpc.RpcError:
+            return False
+    wait_for(serving_again, timeout=120, what="a replacement BatchEngine replica")

@@ -162,3 +162,23 @@ def test_preemption_and_queue_only_requests(traced):
     q_children = sorted(x.name for x in spans if x.parent_span_id == q_engine.span_id)
     assert q_children == [sc.SPAN_QUEUE_WAIT]
     assert q_engine.attributes[sc.FINISH_REASON] == "cancelled"
+
+
+def test_client_label_is_traced_beside_the_server_id(traced):
+    """The client's request_id metadata is a label: traced as its own attribute, while
+    specserve.request_id is the server's id (the engine's and KVSync's)."""
+    from cluster.telemetry.router_telemetry import REQUEST_LABEL
+
+    decision = SimpleNamespace(path=Path.PLAIN, reason=SimpleNamespace(value="mode_plain"))
+    with RequestTelemetry(None, model="smollm2") as tel:
+        vreq = _vreq("server-uuid-1")
+        vreq.label = "client-label"
+        tel.routed(vreq, decision)
+    with RequestTelemetry(None, model="smollm2") as tel:
+        tel.routed(_vreq("server-uuid-2"), decision)  # no label: no attribute
+    tracing.force_flush()
+    spans = traced.wait_for(lambda sp: sum(x.attributes.get(sc.REQUEST_ID, "").startswith("server-uuid-")
+                                           for x in sp) >= 2)
+    by_id = {x.attributes.get(sc.REQUEST_ID): x for x in spans}
+    assert by_id["server-uuid-1"].attributes[REQUEST_LABEL] == "client-label"
+    assert REQUEST_LABEL not in by_id["server-uuid-2"].attributes
