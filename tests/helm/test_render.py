@@ -397,3 +397,13 @@ def test_notes_tell_how_to_call(rendered):
     notes = rendered.manifests["specserve/templates/NOTES.txt"]
     assert 'specserve client --addr' in notes
     assert f"{RELEASE}.{NAMESPACE}.svc:9000" in notes
+
+
+def test_proxy_message_cap_matches_the_app(rendered):
+    """Ray Serve's gRPC proxy reads up to 2 GiB by default: every Ray pod caps it at what the app
+    computes from its own limits."""
+    from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
+
+    want = str(AppConfig(**rendered.app_args).proxy_max_message_bytes())
+    for template in rendered.templates():
+        assert _env(template)[PROXY_MAX_MESSAGE_ENV]["value"] == want

@@ -142,6 +142,14 @@ endpoint (the app refuses enabled=true without one).
 {{- end }}
 - name: SPECSERVE_CACHE
   value: {{ printf "%s/specserve" .Values.modelCache.mountPath | quote }}
+{{- /* Ray Serve's gRPC proxy reads messages up to 2 GiB unless told otherwise: cap it at the app's
+  limit (or the largest unary response, max_tokens x 64 bytes + 64 KiB, if larger), as
+  AppConfig.proxy_max_message_bytes computes it; defaults as in AppConfig's Limits. */}}
+{{- $limits := .Values.app.limits | default dict }}
+{{- $request := int (get $limits "max_message_bytes" | default 1048576) }}
+{{- $response := add (mul (int (get $limits "max_tokens" | default 1024)) 64) 65536 }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ max $request $response | quote }}
 - name: HF_HOME
   value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
 {{- $endpoint := include "specserve.otlpEndpoint" . }}
