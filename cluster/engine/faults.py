@@ -67,6 +67,8 @@ def per_row(n: int, run: Callable[[list[int]], list[T]], stage: FaultStage,
     except Exception as batch_exc:  # noqa: BLE001 (attributed below)
         if n == 1:
             return [fault(stage, batch_exc, seq_ids[0] if seq_ids else None)]
+        log.warning("batched %s failed (%s: %s); retrying each sequence alone",
+                    stage.value, type(batch_exc).__name__, batch_exc)
     results: list[T | SeqFault] = []
     for i in range(n):
         try:

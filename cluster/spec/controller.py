@@ -8,8 +8,8 @@ each sequence's drafts (ids inside the target vocabulary, q of shape [K_i, V] wi
 non-negative entries; anything else drops that sequence's drafts for the step — a lossless plain
 step for it — counted as a draft fallback), isolating a drafter exception to the sequence that
 causes it (that sequence decodes plainly from then on), verification with per-sequence faults
-(``cluster.engine.faults``), and speculation statistics. Ignores: scheduling and KV allocation (the scheduler reserves the K
-lookahead slots this controller asks for), model execution.
+(``cluster.engine.faults``), and speculation statistics. Ignores: scheduling and KV allocation
+(the scheduler reserves the K lookahead slots this controller asks for), model execution.
 """
 from __future__ import annotations
 
@@ -85,8 +85,7 @@ class SpecController:
         self._plan = {}
         if not self.moe_gate.speculation_allowed or time.monotonic() < self._retry_at:
             return
-        eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1
-                    and s.seq_id not in self._no_drafts]
+        eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1]
         if not eligible:
             return
         if self.adaptive is not None:
@@ -116,7 +115,7 @@ class SpecController:
         return kept, keys
 
     def lookahead(self, seq: Sequence) -> int:
-        k = self._plan.get(seq.seq_id, 0)
+        k = 0 if seq.seq_id in self._no_drafts else self._plan.get(seq.seq_id, 0)
         # never draft past max_tokens (K+1 tokens may commit) or the context length
         return max(0, min(k, seq.remaining_budget - 1, self.max_model_len - len(seq.token_ids) - 1))
 
