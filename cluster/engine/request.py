@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 
@@ -50,7 +51,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 def _finite_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
