@@ -1,13 +1,18 @@
-"""Synchronous engine: one ``step()`` = schedule -> (propose) -> forward -> sample/verify ->
-postprocess.
+"""Synchronous engine: one ``step()`` = schedule -> propose -> forward -> sample/verify ->
+commit -> emit.
 
 Owns: request admission and validation against the model's limits, the step loop body, turning
-committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. Speculation is
+committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. A request is a unit
+of failure: an exception traced to one sequence (its sampling row, its verification, its
+detokenizer / stop check) finishes that sequence alone with ``FinishReason.ERROR`` and a message
+in ``RequestOutput.error``, frees its KV, and leaves every other sequence's tokens unchanged; a
+forward pass that raises fails the sequences it carried (``cluster.engine.faults``). Speculation is
 delegated to a ``SpecController`` (``cluster.spec.controller``) when configured; without one
 every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,13 +20,14 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer
+from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
     FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
     SpecStats,
 )
 from cluster.engine.runner import SeqChunk
-from cluster.engine.sampler import make_generator, sample
+from cluster.engine.sampler import sample
 from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
 from cluster.telemetry.engine_spans import start_request_trace
@@ -49,6 +55,7 @@ class LoadedModel:
                            self.hf_config, self.dtype)
 
 
+log = logging.getLogger(__name__)
 RECENT_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half
 
 
@@ -88,7 +95,6 @@ class LLMEngine:
             request=request,
             detok=Detokenizer(self.tokenizer, request.params.stop),
             eos_token_ids=self.model.eos_token_ids,
-            generator=make_generator(request.params),
             speculate=speculate,
         )
         seq.trace = start_request_trace(request.trace_carrier, request.request_id,
@@ -110,19 +116,40 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        drafts = self.spec.propose(scheduled) if self.spec is not None else {}
+        sampling = [s for s in scheduled if s.samples]
+        try:
+            logits, forward_s, num_tokens = self._forward(scheduled, drafts)  # [sum num_logits, V]
+        except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
+            return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message)
+                    for s in scheduled]
+        if drafts:
+            verdicts = self.spec.verify(logits, sampling, drafts, forward_s, num_tokens)
+        else:
+            verdicts = self._sample(logits, sampling)
+            if self.spec is not None:
+                self.spec.observe_plain_step(forward_s, num_tokens)
+        return self._commit(scheduled, verdicts, drafts)
+
+    def _schedule(self) -> list[ScheduledSeq]:
         lookahead = (lambda seq: 0)
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
             lookahead = self.spec.lookahead
         scheduled = self.scheduler.schedule(lookahead)
-        if not scheduled:
-            return []
         now = time.monotonic()
         for s in scheduled:
             if s.seq.scheduled_at is None:
                 s.seq.scheduled_at = now
                 s.seq.trace.admitted()
-        drafts = self.spec.propose(scheduled) if self.spec is not None else {}
+        return scheduled
+
+    def _forward(self, scheduled: list[ScheduledSeq], drafts) -> tuple[torch.Tensor, float, int]:
+        """One target pass over every scheduled chunk (+ its drafts) -> (logits of the sampling
+        rows [sum(K_i + 1), V], seconds, tokens fed)."""
         chunks = []
         for s in scheduled:
             seq = s.seq
@@ -130,42 +157,60 @@ class LLMEngine:
             d = drafts[seq.seq_id][0] if seq.seq_id in drafts else []
             chunks.append(SeqChunk(seq.seq_id, new + d, seq.num_cached, len(d) + 1 if s.samples else 0))
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks)  # [sum num_logits, V]
-        forward_s = time.perf_counter() - t0
-        sampling = [s for s in scheduled if s.samples]
-        if drafts:
-            committed, accepted = self.spec.verify(logits, sampling, drafts, forward_s,
-                                                   sum(len(c.token_ids) for c in chunks))
-        else:
-            tokens = sample(logits, [s.seq.request.params for s in sampling],
-                            [s.seq.generator for s in sampling]) if sampling else torch.empty(0)
-            committed = [[int(t)] for t in tokens]
-            accepted = [0] * len(sampling)
-            if self.spec is not None:
-                self.spec.observe_plain_step(forward_s, sum(len(c.token_ids) for c in chunks))
+        logits = self.runner.forward(chunks)
+        return logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[tuple[list[int], int] | SeqFault]:
+        """Plain step: one token per sampling sequence (logits [len(sampling), V])."""
+        def run(rows: list[int]) -> list[tuple[list[int], int]]:
+            seqs = [sampling[r].seq for r in rows]
+            tokens = sample(logits[rows], [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
+            return [([int(t)], 0) for t in tokens]
+
+        return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])
+
+    def _commit(self, scheduled: list[ScheduledSeq], verdicts: list, drafts) -> list[RequestOutput]:
+        """Advance every scheduled sequence by what it committed this step; emit deltas."""
         outputs: list[RequestOutput] = []
-        j = 0
+        verdict = iter(verdicts)
         for s in scheduled:
             seq = s.seq
-            if not s.samples:
+            if not s.samples:  # a prefill chunk that samples nothing yet
                 seq.num_cached += s.num_new_tokens
                 continue
-            seq.num_cached += s.num_new_tokens + accepted[j]
-            self.runner.truncate(seq.seq_id, seq.num_cached)
-            if seq.seq_id in drafts:
-                k = len(drafts[seq.seq_id][0])
-                seq.spec.record(k, accepted[j])
-                seq.trace.step(k, accepted[j])
-                self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted[j])
-                self._observe_recent(seq.request.segment, k, accepted[j])
-            seq.append_committed(committed[j])
-            seq.trace.prefill_done()  # idempotent: marks the first token only
-            j += 1
+            v = next(verdict)
+            if isinstance(v, SeqFault):
+                outputs.append(self.fail(seq, v.message))
+                continue
+            try:
+                self._commit_one(s, v, drafts)
+            except Exception as exc:  # noqa: BLE001 (its detokenizer / stop check: its own fault)
+                outputs.append(self.fail(seq, fault(FaultStage.COMMIT, exc, seq.seq_id).message))
+                continue
             if seq.finished:
                 outputs.append(self._retire(seq))
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(self._delta(seq))
         return outputs
+
+    def _commit_one(self, s: ScheduledSeq, verdict: tuple[list[int], int], drafts) -> None:
+        seq = s.seq
+        committed, accepted = verdict
+        seq.num_cached += s.num_new_tokens + accepted
+        self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
+        if seq.seq_id in drafts:
+            k = len(drafts[seq.seq_id][0])
+            seq.spec.record(k, accepted)
+            seq.trace.step(k, accepted)
+            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted)
+            self._observe_recent(seq.request.segment, k, accepted)
+        seq.append_committed(committed)
+        seq.trace.prefill_done()  # idempotent: marks the first token only
+
+    def fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish one sequence with FinishReason.ERROR and ``message`` (its KV freed)."""
+        seq.fail(message)
+        return self._retire(seq)
 
     # -- outputs ------------------------------------------------------------------------------
     def _delta(self, seq: Sequence) -> RequestOutput:
@@ -178,6 +223,7 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
             spec=seq.spec if seq.speculate else None,
+            error=seq.error if seq.finish_reason is FinishReason.ERROR else None,
         )
         seq.pending_ids, seq.pending_text = [], ""
         return out
@@ -185,8 +231,7 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> RequestOutput:
         self.scheduler.remove(seq)
         self.seqs.pop(seq.seq_id, None)
-        if self.spec is not None:
-            self.spec.release(seq.seq_id)
+        self._release_draft(seq)
         out = self._delta(seq)
         start = seq.scheduled_at if seq.scheduled_at is not None else time.monotonic()
         out.queue_time = start - seq.arrival
@@ -205,8 +250,15 @@ class LLMEngine:
 
     def _on_preempt(self, seq: Sequence) -> None:
         seq.trace.preempted()
-        if self.spec is not None:
+        self._release_draft(seq)
+
+    def _release_draft(self, seq: Sequence) -> None:
+        if self.spec is None:
+            return
+        try:
             self.spec.release(seq.seq_id)
+        except Exception:  # noqa: BLE001 (a drafter's bookkeeping must not fail the request)
+            log.exception("releasing draft state of %s failed", seq.seq_id)
 
     def stats(self) -> EngineStats:
         kv = self.runner.kv

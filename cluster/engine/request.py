@@ -5,8 +5,11 @@ iterates, and the error raised for bad input. Ignores: tokenization and transpor
 """
 from __future__ import annotations
 
-import enum
 import dataclasses
+import enum
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 
@@ -39,10 +42,26 @@ class SpecMode(enum.Enum):
     PLAIN = "plain"
 
 
+# Temperatures below this act as greedy (argmax). Why: logits / T overflows float32 to inf (then
+# NaN probabilities) once T < |logit| / 3.4e38, e.g. T = 1e-44; and long before that the
+# distribution is numerically one-hot: at T = 1e-5 a logit gap of 1e-3 already weighs
+# exp(-100) ~ 4e-44. So below the epsilon sampling differs from argmax only between tokens whose
+# logits lie within ~1e-4 of each other, and greedy is the limit the user asked for.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _finite_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE_EPS means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -52,21 +71,35 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        try:
+            self.stop_token_ids = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError:
+            raise InvalidRequestError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}") from None
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):  # also rejects NaN
+        self.temperature = _finite_number("temperature", self.temperature)
+        if self.temperature < 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        self.top_p = _finite_number("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: what the sampler, the rejection sampler and the drafters all test."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def coupled(self) -> bool:
+        """Seeded sampling: each token is Gumbel-max with noise from (seed, position)
+        (``cluster.engine.sampler``), so the output is the same on every path and K."""
+        return self.seed is not None and not self.greedy
 
 
 @dataclass(slots=True)
@@ -166,6 +199,10 @@ class RequestOutput:
     queue_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None  # arrival -> this final output
+
+    def __post_init__(self) -> None:
+        if self.finish_reason is FinishReason.ERROR and not self.error:
+            self.error = "internal error"  # an ERROR finish always says something (gRPC INTERNAL)
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -1,56 +1,95 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Token sampling: greedy, temperature, top-k, top-p, and seeded (coupled) sampling.
 
-Owns: turning target logits into probabilities under a request's sampling parameters
-(``logits_to_probs``, shared with the rejection sampler and draft proposers so that p and q are
-processed the same way) and drawing one token per row. Ignores: stop conditions (scheduler) and
+Owns: turning target logits into the filtered scores and probabilities of a request's sampling
+parameters (``filtered_logits`` / ``logits_to_probs``, shared with the rejection sampler and the
+drafters so that p and q are processed the same way), the per-position Gumbel noise of seeded
+requests, and drawing one token per row. Ignores: stop conditions (``Sequence``) and
 speculative acceptance (``cluster.spec.rejection_sampler``).
+
+Seeded requests (``SamplingParams.coupled``) are sampled by Gumbel-max: the token at absolute
+position n (its index in prompt + output) is argmax_x(s_n(x) + g_n(x)), where s_n are the
+filtered scores (temperature-scaled logits, -inf outside top-k / top-p) and g_n is i.i.d.
+Gumbel(0, 1) noise that depends only on (seed, n). Since argmax(s + g) ~ softmax(s), each token
+is exactly distributed as the target's; since g_n does not depend on how the tokens before n
+were produced, the output of a seed is the same whichever path (plain, any K, any drafter)
+produced it. Unseeded requests draw from the global RNG (``torch.multinomial``).
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
 from cluster.engine.request import SamplingParams
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request CPU generator when the request is seeded; None uses the global RNG."""
-    if params.seed is None:
-        return None
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(params.seed))
-    return g
+class NonFiniteScoresError(ValueError):
+    """A row's scores or probabilities are NaN / inf: there is nothing sound to sample."""
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities of a sampling request. logits: [N, V] (any float dtype) -> [N, V] float32.
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Scores of a sampling request. logits: [N, V] (any float dtype) -> [N, V] float32.
 
     Order: temperature, then top-k, then top-p (nucleus over the temperature-scaled
-    distribution). Greedy requests get a one-hot distribution on the argmax.
+    distribution); filtered tokens get -inf, so softmax of the result is the request's p.
     """
     assert logits.dim() == 2, f"expected [N, V], got {tuple(logits.shape)}"
-    logits = logits.float()
-    if params.greedy:
-        probs = torch.zeros_like(logits)
-        probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return probs
-    scaled = logits / params.temperature
+    scaled = logits.float() / params.temperature
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
         sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
         cum = sorted_probs.cumsum(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
         drop_sorted = (cum - sorted_probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities of a request. logits: [N, V] -> [N, V] float32; greedy requests get a
+    one-hot distribution on the argmax."""
+    assert logits.dim() == 2, f"expected [N, V], got {tuple(logits.shape)}"
+    if params.greedy:
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs
+    return torch.softmax(filtered_logits(logits, params), dim=-1)
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteScoresError unless every row of logits [N, V] has no NaN / +inf and at
+    least one finite entry (-inf alone is a mask, not an error)."""
+    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
+    if bool(bad.any()):
+        raise NonFiniteScoresError(
+            f"the model produced non-finite scores (NaN/inf) for {int(bad.sum())} of {logits.shape[0]} rows")
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] float64 i.i.d. Gumbel(0, 1) noise of a seeded request at one absolute position: a pure
+    function of (seed, position), so nothing is consumed and any caller (plain sampling,
+    verification, a drafter) that asks for the same position gets the same noise. float64
+    uniforms keep the Gumbel tail exact far beyond what float32 (max ~16.6) would allow."""
+    key = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    g = torch.Generator(device="cpu").manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    u = torch.rand(vocab, generator=g, dtype=torch.float64)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def coupled_tokens(scores: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    """Gumbel-max tokens of one seeded sequence at consecutive positions. scores: [N, V]
+    (``filtered_logits``) for positions first_position .. first_position + N - 1 -> [N] int64."""
+    noise = torch.stack([gumbel_noise(seed, first_position + i, scores.shape[1], scores.device)
+                         for i in range(scores.shape[0])])  # [N, V]
+    return (scores.double() + noise).argmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row. probs: [N, V] -> [N] int64."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -58,13 +97,21 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
 def sample(
     logits: torch.Tensor,  # [B, V]
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    positions: list[int],  # [B] absolute position of the token each row samples
 ) -> torch.Tensor:  # [B] int64
-    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), (
-        f"logits {tuple(logits.shape)} vs {len(params)} params / {len(generators)} generators")
+    """One token per row: argmax for greedy rows, Gumbel-max with (seed, position) noise for
+    seeded rows, a multinomial draw from the global RNG otherwise. Raises
+    NonFiniteScoresError when a row has nothing sound to sample (the caller isolates the row)."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(positions), (
+        f"logits {tuple(logits.shape)} vs {len(params)} params / {len(positions)} positions")
+    check_finite(logits)
     out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
-        if not p.greedy:
-            probs = logits_to_probs(logits[i : i + 1], p)
-            out[i] = sample_from_probs(probs, generators[i])[0]
+        if p.greedy:
+            continue
+        scores = filtered_logits(logits[i : i + 1], p)  # [1, V]
+        if p.coupled:
+            out[i] = coupled_tokens(scores, p.seed, positions[i])[0]
+        else:
+            out[i] = sample_from_probs(torch.softmax(scores, dim=-1))[0]
     return out

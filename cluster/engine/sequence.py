@@ -1,7 +1,7 @@
 """One request's state inside the engine.
 
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
-KV), status, per-request RNG, detokenizer, finish reason, timings and speculation counters, and
+KV), status, detokenizer, error message, finish reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
 max_tokens). Ignores: scheduling and model execution.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.request import FinishReason, GenerationRequest, SpecStats
@@ -29,12 +27,12 @@ class Sequence:
     request: GenerationRequest
     detok: Detokenizer
     eos_token_ids: frozenset[int]
-    generator: torch.Generator | None
     speculate: bool  # may this request use the speculative path at all
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V the target holds
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it finished with FinishReason.ERROR (the client's message)
     spec: SpecStats = field(default_factory=SpecStats)
     pending_ids: list[int] = field(default_factory=list)  # new output ids not yet reported
     pending_text: str = ""
@@ -109,3 +107,14 @@ class Sequence:
         self.status = SeqStatus.FINISHED
         self.finish_reason = reason
         self.pending_text += self.detok.flush()
+
+    def fail(self, message: str) -> None:
+        """Finish with FinishReason.ERROR (even if a stop condition finished it a moment before
+        the fault), keeping what the detokenizer still holds if it can."""
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = FinishReason.ERROR
+        self.error = message
+        try:
+            self.pending_text += self.detok.flush()
+        except Exception:  # noqa: BLE001 (the detokenizer may be what failed)
+            pass

@@ -2,7 +2,8 @@
 
 Owns: a thread-safe inbox of new requests and aborts, stepping while there is work and sleeping
 when there is none, handing each step's outputs to ``deliver`` in one call, failing the running
-requests (never hanging their callers) when a step raises, and publishing an ``EngineStats``
+requests with an error message (never hanging their callers) when a step raises past the
+engine's own per-sequence isolation (a bug, not a request's fault), and publishing an ``EngineStats``
 snapshot at most every ``SNAPSHOT_EVERY_S`` while busy and whenever the engine goes idle.
 Used in a thread of the caller's process (``AsyncEngine``) and in the engine process's main thread
 (``cluster.engine.engine_core``). Ignores: who waits for the outputs and how they get there.
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from cluster.engine.faults import FaultStage, fault
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import FinishReason, GenerationRequest, RequestOutput
 
@@ -85,9 +87,8 @@ class StepLoop:
                 out.append((rid, eng.abort(rid)))
             try:
                 outputs = eng.step() if eng.has_work() else []
-            except Exception:  # never hang callers: fail the running requests
-                log.exception("engine step failed")
-                outputs = [self._fail(seq) for seq in list(eng.seqs.values())]
+            except Exception as exc:  # noqa: BLE001 (never hang callers: fail the running requests)
+                outputs = self._fail_running(exc)
             out += [(o.request_id, o) for o in outputs]
             if out:  # deltas first: the snapshot is not on the token's path
                 self._deliver(out)
@@ -104,8 +105,20 @@ class StepLoop:
             self._deliver(final)
         self._publish(eng.stats())
 
-    def _fail(self, seq) -> RequestOutput:
-        seq.finish(FinishReason.ERROR)
-        out = self.engine._retire(seq)
-        out.error = "engine step failed"
-        return out
+    def _fail_running(self, exc: Exception) -> list[RequestOutput]:
+        """The running sequences end with FinishReason.ERROR and a message; waiting ones stay
+        queued unless nothing runs (then the failure came from admitting them: fail them too,
+        or the loop would retry the same step forever)."""
+        eng = self.engine
+        message = fault(FaultStage.STEP, exc).message
+        victims = list(eng.scheduler.running) or list(eng.seqs.values())
+        outputs = []
+        for seq in victims:
+            try:
+                outputs.append(eng.fail(seq, message))
+            except Exception:  # noqa: BLE001 (its caller still gets a final output)
+                log.exception("retiring %s failed", seq.seq_id)
+                eng.seqs.pop(seq.seq_id, None)
+                outputs.append(RequestOutput(seq.seq_id, [], "", finished=True,
+                                             finish_reason=FinishReason.ERROR, error=message))
+        return outputs

@@ -4,19 +4,25 @@ drafter, verifying with the rejection sampler, and learning α and step costs.
 Owns: K per sequence (fixed, or adaptive from ``AdaptiveK``) within each sequence's remaining
 budget and context, the MoE gate (in a closed segment only probes draft, and their acceptance
 opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
-this step plain and backs off before asking again: no request waits on a dead drafter), and
-speculation statistics. Ignores: scheduling and KV allocation (the scheduler reserves the K
-lookahead slots this controller asks for), model execution.
+this step plain and backs off before asking again: no request waits on a dead drafter), checking
+each sequence's drafts (ids inside the target vocabulary, q of shape [K_i, V] with finite
+non-negative entries; anything else drops that sequence's drafts for the step — a lossless plain
+step for it — counted as a draft fallback), isolating a drafter exception to the sequence that
+causes it (that sequence decodes plainly from then on), verification with per-sequence faults
+(``cluster.engine.faults``), and speculation statistics. Ignores: scheduling and KV allocation
+(the scheduler reserves the K lookahead slots this controller asks for), model execution.
 """
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 
 import torch
 
 from cluster.engine.config import AUTO_K, EngineConfig, SpecConfig
+from cluster.engine.faults import FaultStage, SeqFault, per_row
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import SpecMode
 from cluster.engine.scheduler import ScheduledSeq
@@ -26,12 +32,15 @@ from cluster.spec.calibration import StepCosts, measure_step_costs
 from cluster.spec.moe import MoeGate
 from cluster.spec.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.spec.rejection_sampler import rejection_sample
-from cluster.spec.types import DraftUnavailableError, ProposeInput, SpecBatchMetadata
+from cluster.spec.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
 from cluster.telemetry.engine_spans import kvsync_context
 
 log = logging.getLogger(__name__)
 
 DRAFT_RETRY_S = 1.0  # back-off after the drafter failed, before speculating again
+
+Drafts = dict[str, tuple[list[int], "torch.Tensor | None"]]  # seq_id -> (draft ids [K], q [K, V] | None)
+Verdict = tuple[list[int], int]  # (committed tokens, number of accepted draft tokens)
 
 
 @dataclass(slots=True)
@@ -51,8 +60,9 @@ class SpecTiming:
 class SpecController:
     def __init__(self, config: SpecConfig, proposer: Proposer, drafter_name: str,
                  moe_gate: MoeGate, max_model_len: int, draft_cost_ratio_prior: float | None = None,
-                 step_costs: StepCosts | None = None) -> None:
+                 step_costs: StepCosts | None = None, vocab_size: int | None = None) -> None:
         self.config = config
+        self.vocab_size = vocab_size  # the target's: drafts and q are checked against it
         self.proposer = proposer
         self.drafter_name = drafter_name
         self.moe_gate = moe_gate
@@ -69,6 +79,7 @@ class SpecController:
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
+        self._no_drafts: set[str] = set()  # sequences whose drafting raised: plain until they finish
         self.timing = SpecTiming()
 
     # -- before scheduling: K per running sequence -----------------------------------------------
@@ -127,27 +138,25 @@ class SpecController:
         return kept, keys
 
     def lookahead(self, seq: Sequence) -> int:
-        k = self._plan.get(seq.seq_id, 0)
+        k = 0 if seq.seq_id in self._no_drafts else self._plan.get(seq.seq_id, 0)
         # never draft past max_tokens (K+1 tokens may commit) or the context length
         return max(0, min(k, seq.remaining_budget - 1, self.max_model_len - len(seq.token_ids) - 1))
 
     # -- drafting ---------------------------------------------------------------------------------
-    def propose(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def propose(self, scheduled: list[ScheduledSeq]) -> Drafts:
         asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
         if not asks:
             return {}
-        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params,
-                               s.seq.generator) for s in asks]
+        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params)
+                  for s in asks]
         t0 = time.perf_counter()
         try:
             with kvsync_context(s.seq.trace for s in asks):  # KVSync spans under these requests
-                proposal = self.proposer.propose(inputs)
+                proposals = per_row(len(asks), lambda rows: self._propose_rows(inputs, rows),
+                                    FaultStage.PROPOSE, [i.seq_id for i in inputs],
+                                    not_theirs=(DraftUnavailableError,))
         except DraftUnavailableError as exc:
-            for s in asks:
-                s.seq.trace.fallback(str(exc))
-            self.draft_fallbacks += 1
-            self._retry_at = time.monotonic() + DRAFT_RETRY_S
-            log.warning("drafter unavailable, continuing without speculation: %s", exc)
+            self._drafter_unavailable(asks, exc)
             return {}
         elapsed = time.perf_counter() - t0
         self.timing.propose_s += elapsed
@@ -160,36 +169,96 @@ class SpecController:
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(max(s.num_lookahead for s in asks), elapsed)
         drafts = {}
-        for s, ids, probs in zip(asks, proposal.draft_token_ids, proposal.draft_probs):
-            ids = ids[: s.num_lookahead]
-            if ids:
-                drafts[s.seq.seq_id] = (ids, probs[: len(ids)] if probs is not None else None)
+        for s, got in zip(asks, proposals):
+            if isinstance(got, SeqFault):  # its drafting raises: no more drafts for it
+                self._no_drafts.add(s.seq.seq_id)
+                self._draft_fallback(s, got.message)
+                continue
+            ids, probs = got
+            problem = self._check_draft(ids, probs)
+            if problem is not None:
+                self._draft_fallback(s, problem)
+            elif ids:
+                drafts[s.seq.seq_id] = (ids, probs)
         return drafts
 
+    def _propose_rows(self, inputs: list[ProposeInput], rows: list[int]) -> list[tuple[list, object]]:
+        """The proposer on inputs[rows] -> per row (draft ids, q [K_i, V] | None), trimmed to K_i.
+        A DraftUnavailableError propagates (the drafter, not a sequence, is at fault)."""
+        asked = [inputs[r] for r in rows]
+        proposal: DraftProposal = self.proposer.propose(asked)
+        if len(proposal.draft_token_ids) != len(asked) or len(proposal.draft_probs) != len(asked):
+            raise ValueError(f"drafter answered {len(proposal.draft_token_ids)} sequences "
+                             f"({len(proposal.draft_probs)} q) for {len(asked)}")
+        out = []
+        for inp, ids, probs in zip(asked, proposal.draft_token_ids, proposal.draft_probs):
+            ids = [operator.index(t) for t in list(ids)[: inp.num_draft_tokens]]
+            out.append((ids, probs[: len(ids)] if probs is not None and ids else None))
+        return out
+
+    def _check_draft(self, ids: list[int], probs) -> str | None:
+        """Why these drafts cannot be verified against the target, or None when they can."""
+        vocab = self.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            return f"draft token ids outside the target vocabulary [0, {vocab})"
+        if probs is None:
+            return None
+        if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] != len(ids):
+            return f"draft q has shape {tuple(getattr(probs, 'shape', ()))}, expected [{len(ids)}, V]"
+        if vocab is not None and probs.shape[1] != vocab:
+            return f"draft q is {probs.shape[1]} wide but the target vocabulary has {vocab} tokens"
+        if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
+            return "draft q has negative or non-finite probabilities"
+        return None
+
+    def _draft_fallback(self, s: ScheduledSeq, reason: str) -> None:
+        """This sequence's drafts are dropped for the step: it decodes plainly (lossless)."""
+        self.draft_fallbacks += 1
+        s.seq.trace.fallback(reason)
+        log.warning("request %s: dropping its drafts this step: %s", s.seq.seq_id, reason)
+
+    def _drafter_unavailable(self, asks: list[ScheduledSeq], exc: Exception) -> None:
+        for s in asks:
+            s.seq.trace.fallback(str(exc))
+        self.draft_fallbacks += 1
+        self._retry_at = time.monotonic() + DRAFT_RETRY_S
+        log.warning("drafter unavailable, continuing without speculation: %s", exc)
+
     # -- verification -----------------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
-               drafts: dict[str, tuple[list[int], torch.Tensor | None]],
-               forward_s: float, num_tokens: int) -> tuple[list[list[int]], list[int]]:
-        """logits: [sum(K_i + 1), V] rows of the sampling sequences in order."""
+    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq], drafts: Drafts,
+               forward_s: float, num_tokens: int) -> list[Verdict | SeqFault]:
+        """logits: [sum(K_i + 1), V] rows of the sampling sequences in order -> per sequence its
+        committed tokens and accepted count, or the fault that ended it."""
         counts = [len(drafts[s.seq.seq_id][0]) if s.seq.seq_id in drafts else 0 for s in sampling]
-        meta = SpecBatchMetadata.from_counts(counts)
-        flat = [t for s in sampling for t in (drafts[s.seq.seq_id][0] if s.seq.seq_id in drafts else [])]
-        probs = [drafts[s.seq.seq_id][1] if s.seq.seq_id in drafts else None for s in sampling]
-        result = rejection_sample(
-            logits, torch.tensor(flat, dtype=torch.int64), probs, meta,
-            [s.seq.request.params for s in sampling], [s.seq.generator for s in sampling])
-        committed = [result.committed(i) for i in range(len(sampling))]
-        accepted = [int(a) for a in result.num_accepted]
-        self._moe_observe(sampling, counts, accepted)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c + 1)
+
+        def run(rows: list[int]) -> list[Verdict]:
+            seqs = [sampling[r] for r in rows]
+            none: tuple[list[int], None] = ([], None)
+            meta = SpecBatchMetadata.from_counts([counts[r] for r in rows])
+            target_rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+            result = rejection_sample(
+                logits[target_rows],  # [sum(K_i + 1), V] of these rows
+                torch.tensor([t for s in seqs for t in drafts.get(s.seq.seq_id, none)[0]], dtype=torch.int64),
+                [drafts.get(s.seq.seq_id, none)[1] for s in seqs], meta,
+                [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
+            return [(result.committed(i), int(result.num_accepted[i])) for i in range(len(rows))]
+
+        verdicts = per_row(len(sampling), run, FaultStage.VERIFY, [s.seq.seq_id for s in sampling])
+        ok = [not isinstance(v, SeqFault) for v in verdicts]  # a faulted row says nothing about α
+        self._moe_observe(sampling, [k if o else 0 for k, o in zip(counts, ok)],
+                          [v[1] if o else 0 for v, o in zip(verdicts, ok)])
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
-            for s, k, a in zip(sampling, counts, accepted):
-                if k:
+            for s, k, v in zip(sampling, counts, verdicts):
+                if k and not isinstance(v, SeqFault):
                     sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, s.seq.request.segment))
-                    self.adaptive.observe(sub_id, key, k, a)
-        return committed, accepted
+                    self.adaptive.observe(sub_id, key, k, v[1])
+        return verdicts
 
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
         self.timing.plain_forward_s += forward_s
@@ -198,6 +267,7 @@ class SpecController:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
 
     def release(self, seq_id: str) -> None:
+        self._no_drafts.discard(seq_id)
         if self.adaptive is not None:
             self.adaptive.release(seq_id)
             for sub_id in self._derived.pop(seq_id, ()):
@@ -259,7 +329,7 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)
     step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
-                          draft_cost_ratio(proposer, model.runner), step_costs)
+                          draft_cost_ratio(proposer, model.runner), step_costs, model.runner.vocab_size)
 
 
 def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:

@@ -2,9 +2,18 @@
 rounds batched over all speculating sequences, drawing each draft token from q.
 
 Owns: the round loop (round 0 feeds each sequence's not-yet-drafted tokens, round i feeds draft
-token i), per-sequence drop-out when its K is reached, and q: one-hot argmax for greedy requests
-(draft_probs None), ``logits_to_probs`` under the request's sampling params otherwise (so p and q
-are processed the same way). Ignores: where K/V live (the caller's ``forward`` closure).
+token i), per-sequence drop-out when its K is reached, and how each draft token is chosen:
+- greedy requests: the draft argmax (draft_probs None);
+- seeded requests: Gumbel-max over the draft's filtered scores with the request's own
+  (seed, position) noise (draft_probs None). Verification of a seeded request accepts a draft
+  token iff it equals the target's Gumbel-max token at that position, so drafting with the same
+  noise makes draft and target agree whenever their argmax under the noise does (far more often
+  than an independent draw, which agrees with probability sum_x p(x) q(x)). The noise is a pure
+  function of (seed, position): drafting consumes nothing the verification draws from, and the
+  output does not depend on the drafts at all (``cluster.engine.sampler``);
+- other sampling requests: a draw from q = ``logits_to_probs`` under the request's sampling
+  params (so p and q are processed the same way) with the input's generator (None: global RNG).
+Ignores: where K/V live (the caller's ``forward`` closure).
 """
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ from typing import Callable
 import torch
 
 from cluster.engine.runner import SeqChunk
-from cluster.engine.sampler import logits_to_probs, sample_from_probs
+from cluster.engine.sampler import coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
 from cluster.spec.types import DraftProposal, ProposeInput
 
 # forward(chunks) -> logits [len(chunks), V] for the last position of each chunk
@@ -37,6 +46,9 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
             p = inputs[i].params
             if p.greedy:
                 t = int(logits[row].argmax())
+            elif p.coupled:  # draft token for absolute position len(token_ids) + drafted so far
+                position = len(inputs[i].token_ids) + len(tokens[i])
+                t = int(coupled_tokens(filtered_logits(logits[row : row + 1], p), p.seed, position)[0])
             else:
                 q = logits_to_probs(logits[row : row + 1], p)  # [1, V]
                 t = int(sample_from_probs(q, inputs[i].generator)[0])

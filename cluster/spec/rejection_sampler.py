@@ -15,9 +15,13 @@ distributed exactly as if sampled from the target alone. Greedy requests are the
 accept while x_j == argmax p_j, then commit the target argmax at the first mismatch (recovered)
 or at position K_i + 1 (bonus) — the output equals plain greedy decoding token for token.
 
-Randomness: every draw of a row comes from that row's generator (K_i uniforms, then one
-multinomial draw, in that order), so a seeded request reproduces whatever its batch neighbours
-are. Rows without a generator share the global RNG and are drawn batched.
+Seeded requests (``SamplingParams.coupled``) are verified by coupling instead: the target token
+at each verified position is the Gumbel-max token of ``cluster.engine.sampler`` (noise from
+(seed, absolute position)), draft token x_j is accepted iff it equals the target token at its
+position given the accepted prefix, and the target token at the first mismatch (recovered) or
+at K_i + 1 (bonus) is committed. The committed tokens are then exactly the tokens plain seeded
+sampling produces, whatever K and drafter — and exactly distributed as the target (Gumbel-max);
+q plays no part. Unseeded rows draw their uniforms and final tokens from the global RNG, batched.
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ from collections import defaultdict
 import torch
 
 from cluster.engine.request import SamplingParams
-from cluster.engine.sampler import logits_to_probs
+from cluster.engine.sampler import (
+    NonFiniteScoresError, check_finite, coupled_tokens, filtered_logits, logits_to_probs,
+)
 from cluster.spec.types import PLACEHOLDER_TOKEN_ID, RejectionResult, SpecBatchMetadata
 
 # Residual mass below this counts as "p <= q everywhere" (only possible through rounding when the
@@ -40,11 +46,13 @@ def rejection_sample(
     draft_probs: list[torch.Tensor | None],  # B x ([K_i, V] float | None = one-hot draft)
     metadata: SpecBatchMetadata,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    positions: list[int],  # [B] absolute position of each sequence's first verified token
 ) -> RejectionResult:
     """Verify a ragged batch of drafts. Returns output ids [B, max_K + 1] padded with
-    PLACEHOLDER_TOKEN_ID and num_accepted [B]; row i commits output[i, :num_accepted[i] + 1]."""
-    _validate(target_logits, draft_token_ids, draft_probs, metadata, params, generators)
+    PLACEHOLDER_TOKEN_ID and num_accepted [B]; row i commits output[i, :num_accepted[i] + 1].
+    Raises ValueError (NonFiniteScoresError for NaN/inf target scores) on bad input: the caller
+    isolates the sequence at fault."""
+    _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions)
     batch = metadata.batch_size
     width = metadata.max_spec_len + 1
     device = target_logits.device
@@ -59,29 +67,31 @@ def rejection_sample(
     target_start = cu[:-1] + torch.arange(batch, device=device)  # [B] first target row of each seq
     draft_start = cu[:-1]  # [B]
 
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy_rows:
-        rows = torch.tensor(greedy_rows, dtype=torch.int64, device=device)
-        out, acc = _greedy(target_logits, draft_token_ids, target_start[rows], draft_start[rows],
-                           k[rows], metadata.max_spec_len)
+    # Greedy and seeded rows: a deterministic target token per position, drafts matched against it.
+    choice_rows = [i for i, p in enumerate(params) if p.greedy or p.coupled]
+    sampling_rows = [i for i, p in enumerate(params) if not (p.greedy or p.coupled)]
+    if choice_rows:
+        rows = torch.tensor(choice_rows, dtype=torch.int64, device=device)
+        choice = _target_choice(target_logits, metadata, params, positions, choice_rows)
+        out, acc = _match_target(choice, draft_token_ids, target_start[rows], draft_start[rows],
+                                 k[rows], metadata.max_spec_len)
         output[rows] = out
         num_accepted[rows] = acc
     if sampling_rows:
         rows = torch.tensor(sampling_rows, dtype=torch.int64, device=device)
         out, acc = _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start,
-                             k, sampling_rows, metadata, params, generators)
+                             k, sampling_rows, metadata, params)
         output[rows] = out
         num_accepted[rows] = acc
     return RejectionResult(output, num_accepted)
 
 
-def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, generators) -> None:
+def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions) -> None:
     batch = metadata.batch_size
     counts = metadata.num_draft_tokens
-    if len(params) != batch or len(generators) != batch or len(draft_probs) != batch:
+    if len(params) != batch or len(positions) != batch or len(draft_probs) != batch:
         raise ValueError(f"batch of {batch} sequences but {len(params)} params, "
-                         f"{len(generators)} generators, {len(draft_probs)} draft_probs")
+                         f"{len(positions)} positions, {len(draft_probs)} draft_probs")
     if metadata.cu_num_draft_tokens.tolist() != [0] + _cumsum(counts):
         raise ValueError(f"cu_num_draft_tokens {metadata.cu_num_draft_tokens.tolist()} "
                          f"does not match num_draft_tokens {counts}")
@@ -104,6 +114,10 @@ def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, gen
     for i, q in enumerate(draft_probs):
         if q is not None and tuple(q.shape) != (counts[i], vocab):
             raise ValueError(f"draft_probs[{i}] must be [K_i = {counts[i]}, V = {vocab}], got {tuple(q.shape)}")
+        if q is not None and not (params[i].greedy or params[i].coupled) and not bool(
+                (torch.isfinite(q) & (q >= 0)).all()):
+            raise ValueError(f"draft_probs[{i}] has negative or non-finite entries")
+    check_finite(target_logits)
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -137,24 +151,37 @@ def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _greedy(target_logits, draft_token_ids, target_start, draft_start, k, max_k):
-    """Greedy rows, vectorized: [n] starts/K -> (output [n, max_k + 1], num_accepted [n])."""
-    argmax = target_logits.argmax(dim=-1)  # [sum(K_i + 1)]
+def _target_choice(target_logits, metadata, params, positions, row_list) -> torch.Tensor:
+    """[sum(K_i + 1)] the target's token at every verification row of the greedy rows (argmax)
+    and the seeded rows (Gumbel-max with (seed, position) noise); other rows hold the argmax
+    too but are never read."""
+    choice = target_logits.argmax(dim=-1)  # [sum(K_i + 1)]
+    for i in row_list:
+        sp = params[i]
+        if sp.coupled:
+            rows = metadata.target_slice(i)
+            choice[rows] = coupled_tokens(filtered_logits(target_logits[rows], sp), sp.seed, positions[i])
+    return choice
+
+
+def _match_target(choice, draft_token_ids, target_start, draft_start, k, max_k):
+    """Rows with a deterministic target token per position (greedy, seeded), vectorized:
+    [n] starts/K -> (output [n, max_k + 1], num_accepted [n])."""
     t_idx, t_valid = _pad_index(target_start, k + 1, max_k + 1)  # [n, max_k + 1]
-    target_ids = argmax[t_idx]  # [n, max_k + 1]
+    target_ids = choice[t_idx]  # [n, max_k + 1]
     d_idx, d_valid = _pad_index(draft_start, k, max_k)  # [n, max_k]
     drafts = draft_token_ids[d_idx] if draft_token_ids.numel() else torch.zeros_like(d_idx)
     accept = (drafts == target_ids[:, :max_k]) & d_valid
     num_accepted = _accepted_prefix(accept)  # [n]
-    # Accepted positions equal the target argmax, and so does the recovered / bonus token at
-    # position num_accepted: the committed row is just the target argmax up to there.
+    # Accepted positions equal the target token, and so does the recovered / bonus token at
+    # position num_accepted: the committed row is just the target tokens up to there.
     keep = torch.arange(max_k + 1, device=k.device)[None, :] <= num_accepted[:, None]
     out = torch.where(keep & t_valid, target_ids, torch.full_like(target_ids, PLACEHOLDER_TOKEN_ID))
     return out, num_accepted
 
 
 def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start, k, row_list,
-              metadata, params, generators):
+              metadata, params):
     """Sampling rows: (output [n, max_k + 1], num_accepted [n]) for the batch rows ``row_list``."""
     n = len(row_list)
     max_k = metadata.max_spec_len
@@ -175,6 +202,8 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
         sel = torch.tensor(members, dtype=torch.int64, device=device)
         logits = target_logits[t_idx[sel].reshape(-1)]  # [m * (K+1), V]
         p[sel] = logits_to_probs(logits, params[row_list[members[0]]]).reshape(len(members), max_k + 1, vocab)
+    if not bool(torch.isfinite(p).all()):
+        raise NonFiniteScoresError("target probabilities are not finite")
 
     # q: draft probabilities; a deterministic draft is one-hot on its token.
     d_idx, d_valid = _pad_index(draft_start[rows], k_rows, max_k)  # [n, max_k]
@@ -190,13 +219,7 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
         q[sel.repeat_interleave(k_rows[sel]), _ragged_positions(k_rows[sel])] = torch.cat(
             [draft_probs[row_list[j]] for j in given]).to(device=device, dtype=torch.float32)
 
-    # Uniform draws: one per draft position, from the row's own generator when it has one.
-    uniforms = torch.rand(n, max_k, device=device)  # [n, K] global RNG for unseeded rows
-    for j, i in enumerate(row_list):
-        g = generators[i]
-        kj = k_host[j]
-        if g is not None and kj:
-            uniforms[j, :kj] = torch.rand(kj, generator=g, device=g.device).to(device)
+    uniforms = torch.rand(n, max_k, device=device)  # [n, K] one per draft position
 
     p_x = p[:, :max_k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
     q_x = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
@@ -217,15 +240,7 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
     else:
         final_probs = p_last
 
-    final = torch.empty(n, dtype=torch.int64, device=device)
-    shared = [j for j, i in enumerate(row_list) if generators[i] is None]
-    if shared:
-        sel = torch.tensor(shared, dtype=torch.int64, device=device)
-        final[sel] = torch.multinomial(final_probs[sel], 1).squeeze(-1)
-    for j, i in enumerate(row_list):
-        g = generators[i]
-        if g is not None:
-            final[j] = torch.multinomial(final_probs[j : j + 1].to(g.device), 1, generator=g)[0, 0]
+    final = torch.multinomial(final_probs, 1).squeeze(-1)  # [n]
 
     pos = torch.arange(max_k + 1, device=device)[None, :]
     out = torch.full((n, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)

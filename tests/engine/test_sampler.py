@@ -1,16 +1,22 @@
-"""Sampler: greedy, temperature, top-k, top-p masks, seeded reproducibility."""
+"""Sampler: greedy, temperature, top-k, top-p masks, tiny temperatures, seeded (Gumbel-max)
+sampling that is reproducible per (seed, position) and keeps the target distribution, and
+request validation."""
+import math
+
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 
-from cluster.engine.request import InvalidRequestError, SamplingParams
-from cluster.engine.sampler import logits_to_probs, make_generator, sample
+from cluster.engine.request import GREEDY_TEMPERATURE_EPS, InvalidRequestError, SamplingParams
+from cluster.engine.sampler import NonFiniteScoresError, gumbel_noise, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
     probs = logits_to_probs(logits, SamplingParams())
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
-    assert sample(logits, [SamplingParams()], [None]).tolist() == [1]
+    assert sample(logits, [SamplingParams()], [0]).tolist() == [1]
 
 
 def test_top_k_and_top_p_masks():
@@ -31,22 +37,68 @@ def test_temperature_sharpens():
     assert cold > hot > 0.5
 
 
-def test_seed_reproducible_and_distinct():
+def test_seed_reproducible_per_position_and_distinct():
     logits = torch.zeros(1, 1000)
     p = SamplingParams(temperature=1.0, seed=7)
-    a = [int(sample(logits, [p], [g])[0]) for g in [make_generator(p)] for _ in range(20)]
-    g2 = make_generator(p)
-    b = [int(sample(logits, [p], [g2])[0]) for _ in range(20)]
+    a = [int(sample(logits, [p], [n])[0]) for n in range(20)]
+    torch.manual_seed(123)  # the global RNG plays no part
+    b = [int(sample(logits, [p], [n])[0]) for n in range(20)]
     assert a == b and len(set(a)) > 10
+    # The token at a position does not depend on what was sampled before it (no stream).
+    assert [int(sample(logits, [p], [n])[0]) for n in reversed(range(20))] == a[::-1]
     q = SamplingParams(temperature=1.0, seed=8)
-    g3 = make_generator(q)
-    assert [int(sample(logits, [q], [g3])[0]) for _ in range(20)] != a
+    assert [int(sample(logits, [q], [n])[0]) for n in range(20)] != a
+    assert torch.equal(gumbel_noise(7, 3, 50), gumbel_noise(7, 3, 50))
+    assert not torch.equal(gumbel_noise(7, 3, 50), gumbel_noise(7, 4, 50))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5, top_p=0.85)])
+def test_seeded_sampling_over_many_seeds_keeps_the_distribution(params):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 8, generator=g) * 0.8
+    p = logits_to_probs(logits, params)[0].double().numpy()
+    p = p / p.sum()
+    n = 6000
+    tokens = np.array([int(sample(logits, [SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                                          top_p=params.top_p, seed=s)], [5])[0])
+                       for s in range(n)])
+    counts = np.bincount(tokens, minlength=8).astype(float)
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support], p[support] * n).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1e-44, 1e-30, 1e-6, GREEDY_TEMPERATURE_EPS / 2])
+def test_tiny_temperatures_act_as_greedy_in_a_mixed_batch(temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g) * 30  # large logits: logits / 1e-44 overflows float32
+    params = [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=3),
+              SamplingParams(temperature=1.0, seed=4), SamplingParams()]
+    assert all(p.greedy for p in params[:2])
+    out = sample(logits, params, [0] * 4)
+    assert out[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()
+    assert int(out[2]) == int(sample(logits[2:3], params[2:3], [0])[0])  # the neighbour is unaffected
+    assert logits_to_probs(logits[:1], params[0]).isfinite().all()
+
+
+def test_non_finite_logits_raise_a_clear_error():
+    logits = torch.zeros(3, 10)
+    logits[1, 4] = float("nan")
+    with pytest.raises(NonFiniteScoresError, match="non-finite"):
+        sample(logits, [SamplingParams()] * 3, [0] * 3)
+    logits[1] = float("-inf")  # a fully masked row has nothing to sample either
+    with pytest.raises(NonFiniteScoresError):
+        sample(logits, [SamplingParams(temperature=1.0)] * 3, [0] * 3)
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"), ({"stop": ("",)}, "stop"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"), ({"temperature": -math.inf}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": math.nan}, "top_p"), ({"top_p": math.inf}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": ("",)}, "stop"),
+    ({"seed": 1.5}, "seed"), ({"stop_token_ids": ("x",)}, "stop_token_ids"),
 ])
 def test_bad_params_raise_clear_errors(kw, msg):
     with pytest.raises(InvalidRequestError, match=msg):

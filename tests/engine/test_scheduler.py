@@ -15,7 +15,7 @@ class _NoDetok:
 
 def seq(rid: str, prompt_len: int) -> Sequence:
     req = GenerationRequest(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8))
-    return Sequence(req, _NoDetok(), frozenset(), None, speculate=False)
+    return Sequence(req, _NoDetok(), frozenset(), speculate=False)
 
 
 def run_step(sched: Scheduler, sampled: int = 7) -> list[tuple[str, int, bool, int]]:
