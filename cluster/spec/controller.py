@@ -159,6 +159,7 @@ class SpecController:
         accepted = [int(a) for a in result.num_accepted]
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
+        self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
             for s, k, a in zip(sampling, counts, accepted):
@@ -170,8 +171,14 @@ class SpecController:
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
         self.timing.plain_forward_s += forward_s
         self.timing.plain_steps += 1
+        self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
+
+    def _observe_target_step(self, forward_s: float) -> None:
+        observe = getattr(self.proposer, "observe_target_step", None)
+        if observe is not None:  # a remote drafter's deadline follows the measured step time
+            observe(forward_s)
 
     def release(self, seq_id: str) -> None:
         if self.adaptive is not None:
@@ -227,6 +234,8 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     name = spec_cfg.drafter
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
+    elif getattr(proposer, "expected_vocab_size", 0) is None:  # a remote draft: q must be this wide
+        proposer.expected_vocab_size = model.runner.vocab_size
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated)
     step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,

@@ -44,8 +44,13 @@ def test_propose_sends_only_new_tokens_and_matches_local_ngram():
             assert core.held("a") == history and remote.tracked()["a"] == len(history)
             history = history + [7 + step % 2]
         assert remote.num_resyncs == 0
-        remote.release("a")
-        assert core.held("a") is None and "a" not in remote.tracked()
+        remote.release("a")  # queued, not an RPC of its own: the server still holds it
+        assert core.held("a") == history[:-1] and "a" not in remote.tracked()
+        assert remote.pending_releases() == ["a"]
+        remote.propose([inp("b", [1, 2, 1, 2])])  # piggybacked on the next Propose
+        assert core.held("a") is None and remote.pending_releases() == []
+        remote.release("b")
+        assert remote.flush_releases() == 1 and core.num_sequences == 0
     finally:
         server.stop(0)
 
