@@ -21,8 +21,10 @@ import hashlib
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from concurrent import futures
+from contextlib import contextmanager
 from typing import Callable
 
 import grpc
@@ -83,6 +85,7 @@ class DraftServerCore:
         self._lock = threading.Lock()  # the wrapped proposer is not assumed thread-safe
         self.num_resyncs_requested = 0
         self.num_expired = 0  # requests dropped because their deadline passed while waiting
+        self._busy_since: float | None = None  # when the running drafter call started
 
     @property
     def max_sequences(self) -> int:
@@ -172,17 +175,37 @@ class DraftServerCore:
         self._callers.move_to_end(caller)
         return seqs
 
-    def propose(self, request, caller: str = "", expired: Callable[[], bool] | None = None):
-        """``expired``: whether the caller's deadline has passed (checked once the lock is held)."""
+    @contextmanager
+    def _locked(self, time_left: Callable[[], float | None] | None):
+        """Hold the lock, waiting no longer than the caller's deadline: a request nobody waits
+        for any more is dropped unprocessed instead of queueing behind a slow drafter."""
+        left = time_left() if time_left is not None else None
+        if not self._lock.acquire(timeout=-1 if left is None else max(0.0, left)):
+            self.num_expired += 1
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed waiting for the drafter")
+        try:
+            left = time_left() if time_left is not None else None
+            if left is not None and left <= 0:
+                self.num_expired += 1
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed waiting for the drafter")
+            yield
+        finally:
+            self._lock.release()
+
+    def busy_for(self) -> float:
+        """Seconds the current drafter call has been running (0 when idle): the health check's
+        sign of a wedged drafter."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def propose(self, request, caller: str = "", time_left: Callable[[], float | None] | None = None):
+        """time_left: seconds until the caller's deadline (None: no deadline)."""
         pb2 = stubs.kvsync_pb2()
         if request.epoch != self.epoch:
             return pb2.ProposeResponse(epoch=self.epoch, status=pb2.BATCH_STATUS_EPOCH_MISMATCH)
         self._check(request)
         params = [self._params(s) for s in request.seqs]
-        with self._lock:
-            if expired is not None and expired():
-                self.num_expired += 1
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the draft was asked")
+        with self._locked(time_left):
             for seq_id in request.release_seq_ids:
                 self._forget(caller, seq_id)
             seqs = self._seqs_of(caller)
@@ -215,11 +238,14 @@ class DraftServerCore:
                                                generator=self._generator(key, p)))
                     rows.append(i)
             if inputs:
+                self._busy_since = time.monotonic()
                 try:
                     proposal = self.proposer.propose(inputs)
                 except Exception as exc:  # the engine falls back to plain steps; the log keeps the rest
                     log.exception("drafter failed on %d sequences", len(inputs))
                     raise ServiceError(grpc.StatusCode.INTERNAL, f"drafter failed: {type(exc).__name__}") from None
+                finally:
+                    self._busy_since = None
                 for row, inp, toks, probs in zip(rows, inputs, proposal.draft_token_ids,
                                                  proposal.draft_probs):
                     toks = list(toks)[: inp.num_draft_tokens]
@@ -255,11 +281,7 @@ def _servicer(core: DraftServerCore):
 
     class KVSyncServicer(base):
         def Propose(self, request, context):  # noqa: N802 (gRPC naming)
-            def expired() -> bool:
-                left = context.time_remaining()
-                return left is not None and left <= 0
-
-            return answer(context, lambda caller: core.propose(request, caller, expired))
+            return answer(context, lambda caller: core.propose(request, caller, context.time_remaining))
 
         def Release(self, request, context):  # noqa: N802
             return answer(context, lambda caller: core.release(request, caller))

@@ -49,5 +49,9 @@ class KVSyncTLS:
         root = self.ca_file or self.cert_file
         return grpc.ssl_channel_credentials(root_certificates=_read(root, "ca_file" if self.ca_file else "cert_file"))
 
-    def channel_options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def open_channel(self, address: str, options: list | tuple = ()) -> grpc.Channel:
+        """A client channel to ``address``: TLS (verifying the server) when enabled."""
+        if not self.enabled:
+            return grpc.insecure_channel(address, options=list(options))
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, self.channel_credentials(), options=list(options) + name)

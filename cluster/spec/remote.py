@@ -151,10 +151,7 @@ class RemoteProposer:
         options = [("grpc.max_send_message_length", self.limits.request_bytes),
                    ("grpc.max_receive_message_length",
                     dataclasses.replace(self.limits, vocab_size=vocab).response_bytes)]
-        if self._tls.enabled:
-            return grpc.secure_channel(self._address, self._tls.channel_credentials(),
-                                       options=options + self._tls.channel_options())
-        return grpc.insecure_channel(self._address, options=options)
+        return self._tls.open_channel(self._address, options)
 
     def _connect(self, deadline: float) -> None:
         if self._stub is not None:
