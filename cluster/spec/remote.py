@@ -74,6 +74,8 @@ class RemoteProposer:
         self._sent: dict[str, list[int]] = {}  # seq id -> committed tokens the server holds
         self._lost: set[str] = set()  # tracked when the server's epoch changed: resent in full next
         self._releases: deque[str] = deque(maxlen=_MAX_PENDING_RELEASES)  # retired, not yet told
+        # sent in a call that failed (late): the server may hold them, so their release is sent too
+        self._unsure: set[str] = set()
         self._down_until = 0.0
         self._lock = threading.RLock()
         self.num_resyncs = 0  # sequences whose full prefix was resent
@@ -86,7 +88,8 @@ class RemoteProposer:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
         connection, the lock and what the server holds are not carried."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock")}
-        state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES))
+        state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
+                     _unsure=set())
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -192,6 +195,7 @@ class RemoteProposer:
             self._lost |= self._sent.keys()  # their next propose resends the whole prefix: a resync
             self._sent.clear()  # a new server holds nothing we sent to the old one
             self._releases.clear()  # nor anything to release
+            self._unsure.clear()
 
     # -- Proposer --------------------------------------------------------------------------
     def _seq_pb(self, inp: ProposeInput, full: bool):
@@ -216,11 +220,12 @@ class RemoteProposer:
                                  release_seq_ids=list(releases))
         try:
             return self._stub.Propose(req, timeout=self._left(deadline), metadata=self._metadata())
-        except grpc.RpcError as exc:
-            self._releases.extendleft(reversed(releases))  # not known to be done: sent again next call
-            raise self._fail("failed", exc) from None
-        except DraftUnavailableError:
+        except (grpc.RpcError, DraftUnavailableError) as exc:
+            # not known to be done or not: releases are sent again, and the sequences may be held
             self._releases.extendleft(reversed(releases))
+            self._unsure.update(i.seq_id for i in inputs)
+            if isinstance(exc, grpc.RpcError):
+                raise self._fail("failed", exc) from None
             raise
 
     def _take_releases(self) -> list[str]:
@@ -265,6 +270,7 @@ class RemoteProposer:
                     probs.append(None)
                     continue
                 self._sent[inp.seq_id] = list(inp.token_ids)
+                self._unsure.discard(inp.seq_id)
                 draft = list(s.draft_tokens)[: inp.num_draft_tokens]
                 tokens.append(draft)
                 probs.append(self._decode_probs(s.draft_probs, len(draft)))
@@ -287,7 +293,9 @@ class RemoteProposer:
         """Queue ``seq_id`` for release: sent with the next propose (or ``flush_releases``)."""
         with self._lock:
             self._lost.discard(seq_id)
-            if self._sent.pop(seq_id, None) is not None:
+            held = self._sent.pop(seq_id, None) is not None
+            if held or seq_id in self._unsure:
+                self._unsure.discard(seq_id)
                 self._releases.append(seq_id)
 
     def flush_releases(self) -> int:
