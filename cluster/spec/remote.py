@@ -70,6 +70,7 @@ class RemoteProposer:
         self._address = address
         self._channel: grpc.Channel | None = None
         self._stub = None
+        self._confirmed = False  # Info answered on this channel (epoch and vocabulary known)
         self._epoch = 0
         self._sent: dict[str, list[int]] = {}  # seq id -> committed tokens the server holds
         self._lost: set[str] = set()  # tracked when the server's epoch changed: resent in full next
@@ -87,7 +88,7 @@ class RemoteProposer:
     def __getstate__(self) -> dict:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
         connection, the lock and what the server holds are not carried."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock", "_confirmed")}
         state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
                      _unsure=set())
         return state
@@ -95,6 +96,7 @@ class RemoteProposer:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._channel = self._stub = None
+        self._confirmed = False
         self._lock = threading.RLock()
 
     @property
@@ -121,6 +123,7 @@ class RemoteProposer:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+        self._confirmed = False
 
     def _fail(self, what: str, exc: BaseException | None = None) -> DraftUnavailableError:
         self.num_failures += 1
@@ -157,26 +160,29 @@ class RemoteProposer:
         return self._tls.open_channel(self._address, options)
 
     def _connect(self, deadline: float) -> None:
-        if self._stub is not None:
+        if self._confirmed:
             return
         if not self._address:
             raise DraftUnavailableError("no draft server address")
-        if time.monotonic() < self._down_until:
-            raise DraftUnavailableError(f"draft server {self._address} down; retrying later")
-        self._channel = self._open_channel()
-        if tracing_enabled():  # CLIENT spans + traceparent in metadata; no wrapper when tracing is off
-            self._channel = grpc.intercept_channel(self._channel, *client_interceptors())
-        self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
+        if self._channel is None:
+            if time.monotonic() < self._down_until:
+                raise DraftUnavailableError(f"draft server {self._address} down; retrying later")
+            self._channel = self._open_channel()
+            if tracing_enabled():  # CLIENT spans + traceparent in metadata; no wrapper when tracing is off
+                self._channel = grpc.intercept_channel(self._channel, *client_interceptors())
+            self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
         try:
             info = self._stub.Info(stubs.kvsync_pb2().InfoRequest(), timeout=self._left(deadline),
                                    metadata=self._metadata())
         except grpc.RpcError as exc:
-            self._disconnect()  # a half-made connection is not kept, late or not
+            # late: the channel keeps connecting (TCP, TLS) in the background and the next step
+            # asks again; anything else: dropped, and retried after retry_after_s
             raise self._fail("unreachable", exc) from None
         if (self.expected_vocab_size is not None and info.vocab_size  # 0: a vocabulary-agnostic drafter
                 and info.vocab_size != self.expected_vocab_size):
             raise self._vocab_mismatch(f"draft server vocabulary has {info.vocab_size} tokens")
         self._set_epoch(info.epoch)
+        self._confirmed = True
 
     def _vocab_mismatch(self, what: str) -> RemoteVocabularyMismatchError:
         self.num_failures += 1
@@ -304,7 +310,7 @@ class RemoteProposer:
         pb2 = stubs.kvsync_pb2()
         freed = 0
         with self._lock:
-            while self._releases and self._stub is not None:
+            while self._releases and self._confirmed:
                 batch = self._take_releases()
                 try:
                     freed += self._stub.Release(pb2.ReleaseRequest(epoch=self._epoch, seq_ids=batch),

@@ -131,7 +131,9 @@ def _timed_run(engine, remote, requests):
 
 def test_engine_with_a_hung_draft_server_stays_lossless_and_prompt(tiny_llama_dir, hangable):
     drafter, core, addr = hangable
-    remote = RemoteProposer(addr, budget=DraftBudget(factor=4.0, floor_s=0.02, cap_s=2.0))
+    # the tiny model's ~3 ms steps put the budget on its floor; 100 ms keeps a healthy propose on
+    # this loaded 2-core machine inside it (the default floor is 20 ms)
+    remote = RemoteProposer(addr, budget=DraftBudget(factor=4.0, floor_s=0.1, cap_s=2.0))
     engine = _engine(tiny_llama_dir, remote)
     plain, plain_steps, _ = _timed_run(engine, remote, _requests("plain", SpecMode.PLAIN))
     want = {rid.split("-", 1)[1]: ids for rid, ids in plain.items()}
