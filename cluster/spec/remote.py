@@ -8,8 +8,9 @@ refused, deadline, refusal) into ``DraftUnavailableError`` so the engine runs th
 speculation. One propose (all its RPCs: connect, call, resync) never takes longer than the
 ``DraftBudget`` derived from the measured target step time: a hung DraftServer costs a step at most
 the budget, and the controller's back-off keeps the following steps plain. Releases are queued and
-piggybacked on the next Propose (``flush_releases`` sends them now), never a synchronous RPC of
-their own inside a step. Every call carries the bearer token (when auth is on) and this engine's
+piggybacked on the next Propose; those no Propose picked up within ``release_idle_s`` (an idle
+or non-speculating engine) are sent by a background thread (``flush_releases`` sends them now):
+never a synchronous RPC inside a step. Every call carries the bearer token (when auth is on) and this engine's
 caller name; the channel uses TLS when certificates are configured. After a connection failure it
 stays quiet for ``retry_after_s`` and then reconnects (possibly to a new address set by
 ``set_address``: the DraftServer replica moved).
@@ -54,13 +55,15 @@ class RemoteProposer:
     def __init__(self, address: str | None = None, *, timeout_s: float = 2.0,
                  retry_after_s: float = 1.0, expected_vocab_size: int | None = None,
                  token: str | None = None, tls: KVSyncTLS | None = None,
-                 budget: DraftBudget | None = None, limits: KVSyncLimits | None = None) -> None:
+                 budget: DraftBudget | None = None, limits: KVSyncLimits | None = None,
+                 release_idle_s: float = 0.5) -> None:
         """timeout_s: the longest a propose may take (the budget's cap); budget: how long it may
         take given the measured step time (default: ``DraftBudget(cap_s=timeout_s)``)."""
         if timeout_s <= 0 or retry_after_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_after_s >= 0")
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
+        self.release_idle_s = release_idle_s
         self.expected_vocab_size = expected_vocab_size
         self.budget = budget or DraftBudget(cap_s=timeout_s, floor_s=min(0.02, timeout_s))
         self.limits = limits or KVSyncLimits()
@@ -77,6 +80,9 @@ class RemoteProposer:
         self._releases: deque[str] = deque(maxlen=_MAX_PENDING_RELEASES)  # retired, not yet told
         # sent in a call that failed (late): the server may hold them, so their release is sent too
         self._unsure: set[str] = set()
+        self._last_propose = 0.0
+        self._flusher: threading.Thread | None = None  # started by the first release
+        self._stop = threading.Event()
         self._down_until = 0.0
         self._lock = threading.RLock()
         self.num_resyncs = 0  # sequences whose full prefix was resent
@@ -88,7 +94,7 @@ class RemoteProposer:
     def __getstate__(self) -> dict:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
         connection, the lock and what the server holds are not carried."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock", "_confirmed")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop")}
         state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
                      _unsure=set())
         return state
@@ -98,6 +104,7 @@ class RemoteProposer:
         self._channel = self._stub = None
         self._confirmed = False
         self._lock = threading.RLock()
+        self._flusher, self._stop = None, threading.Event()
 
     @property
     def resyncs(self) -> int:  # the name the engine's stats read
@@ -241,7 +248,8 @@ class RemoteProposer:
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
         pb2 = stubs.kvsync_pb2()
         with self._lock:
-            deadline = time.monotonic() + self.budget.seconds
+            self._last_propose = time.monotonic()
+            deadline = self._last_propose + self.budget.seconds
             self.last_resynced = set()
             self._connect(deadline)
             resp = self._call(inputs, full=False, deadline=deadline, releases=self._take_releases())
@@ -303,6 +311,27 @@ class RemoteProposer:
             if held or seq_id in self._unsure:
                 self._unsure.discard(seq_id)
                 self._releases.append(seq_id)
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_idle, name="kvsync-release", daemon=True)
+                    self._flusher.start()
+
+    def _flush_idle(self) -> None:
+        """Background: send releases that no Propose carried within ``release_idle_s``. The RPC
+        runs outside the lock, so a step's propose never waits for it."""
+        pb2 = stubs.kvsync_pb2()
+        while not self._stop.wait(self.release_idle_s):
+            with self._lock:
+                if (not self._releases or not self._confirmed
+                        or time.monotonic() - self._last_propose < self.release_idle_s):
+                    continue
+                batch, stub, epoch, metadata = self._take_releases(), self._stub, self._epoch, self._metadata()
+            try:
+                stub.Release(pb2.ReleaseRequest(epoch=epoch, seq_ids=batch), timeout=self.budget.cap_s,
+                             metadata=metadata)
+            except grpc.RpcError:
+                with self._lock:
+                    if self._epoch == epoch:  # still owed to this server: try again later
+                        self._releases.extendleft(reversed(batch))
 
     def flush_releases(self) -> int:
         """Send the queued releases now (on close, in tests); returns how many the server freed.
@@ -321,6 +350,7 @@ class RemoteProposer:
         return freed
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self.flush_releases()
             self._disconnect()

@@ -1,6 +1,7 @@
 """RemoteProposer against a real KVSync server on 127.0.0.1: incremental sync, resync after state
 loss and after a restart (new epoch), DraftUnavailableError on failure, reconnect."""
 import socket
+import time
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def inp(seq_id, tokens, k=3, params=GREEDY):
 def test_propose_sends_only_new_tokens_and_matches_local_ngram():
     core, server, port = serve()
     try:
-        remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100)
+        remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100, release_idle_s=60)
         local = NgramProposer()
         history = [5, 6, 7, 8, 5, 6]
         for step in range(4):
@@ -51,6 +52,22 @@ def test_propose_sends_only_new_tokens_and_matches_local_ngram():
         assert core.held("a") is None and remote.pending_releases() == []
         remote.release("b")
         assert remote.flush_releases() == 1 and core.num_sequences == 0
+    finally:
+        server.stop(0)
+
+
+def test_releases_no_propose_carries_are_sent_in_the_background():
+    core, server, port = serve()
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}", release_idle_s=0.1)
+        remote.propose([inp("a", [1, 2, 1]), inp("b", [3, 4, 3])])
+        remote.release("a")
+        remote.release("b")  # the engine goes idle: no propose follows
+        deadline = time.monotonic() + 10
+        while core.num_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.num_sequences == 0 and remote.pending_releases() == []
+        remote.close()
     finally:
         server.stop(0)
 

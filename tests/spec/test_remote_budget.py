@@ -79,7 +79,7 @@ def test_budget_follows_the_median_step_within_floor_and_cap():
 
 def test_hung_server_costs_one_budget_then_speculation_resumes(hangable):
     drafter, core, addr = hangable
-    remote = RemoteProposer(addr, budget=DraftBudget(factor=4.0, floor_s=0.02, cap_s=2.0))
+    remote = RemoteProposer(addr, budget=DraftBudget(factor=4.0, floor_s=0.02, cap_s=2.0), release_idle_s=60)
     for _ in range(8):
         remote.observe_target_step(0.025)  # a 25 ms target step: budget 100 ms
     budget = remote.budget.seconds
