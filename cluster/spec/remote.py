@@ -320,18 +320,25 @@ class RemoteProposer:
         runs outside the lock, so a step's propose never waits for it."""
         pb2 = stubs.kvsync_pb2()
         while not self._stop.wait(self.release_idle_s):
+            while self._send_idle_batch(pb2):
+                pass
+
+    def _send_idle_batch(self, pb2) -> bool:
+        """One batch of releases no propose carried; True when it was sent (more may wait)."""
+        with self._lock:
+            if (not self._releases or not self._confirmed
+                    or time.monotonic() - self._last_propose < self.release_idle_s):
+                return False
+            batch, stub, epoch, metadata = self._take_releases(), self._stub, self._epoch, self._metadata()
+        try:
+            stub.Release(pb2.ReleaseRequest(epoch=epoch, seq_ids=batch), timeout=self.budget.cap_s,
+                         metadata=metadata)
+            return True
+        except grpc.RpcError:
             with self._lock:
-                if (not self._releases or not self._confirmed
-                        or time.monotonic() - self._last_propose < self.release_idle_s):
-                    continue
-                batch, stub, epoch, metadata = self._take_releases(), self._stub, self._epoch, self._metadata()
-            try:
-                stub.Release(pb2.ReleaseRequest(epoch=epoch, seq_ids=batch), timeout=self.budget.cap_s,
-                             metadata=metadata)
-            except grpc.RpcError:
-                with self._lock:
-                    if self._epoch == epoch:  # still owed to this server: try again later
-                        self._releases.extendleft(reversed(batch))
+                if self._epoch == epoch:  # still owed to this server: try again later
+                    self._releases.extendleft(reversed(batch))
+            return False
 
     def flush_releases(self) -> int:
         """Send the queued releases now (on close, in tests); returns how many the server freed.

@@ -9,6 +9,7 @@ import torch
 from cluster.engine.request import SamplingParams
 from cluster.errors import VocabularyMismatchError
 from cluster.spec.draft_server import DraftServerCore, start_server
+from cluster.spec.kvsync_limits import KVSyncLimits
 from cluster.spec.ngram import NgramProposer
 from cluster.spec.remote import DraftUnavailableError, RemoteProposer
 from cluster.spec.types import ProposeInput
@@ -59,10 +60,13 @@ def test_propose_sends_only_new_tokens_and_matches_local_ngram():
 def test_releases_no_propose_carries_are_sent_in_the_background():
     core, server, port = serve()
     try:
-        remote = RemoteProposer(f"127.0.0.1:{port}", release_idle_s=0.1)
-        remote.propose([inp("a", [1, 2, 1]), inp("b", [3, 4, 3])])
-        remote.release("a")
-        remote.release("b")  # the engine goes idle: no propose follows
+        remote = RemoteProposer(f"127.0.0.1:{port}", release_idle_s=0.1, limits=KVSyncLimits(max_batch=2))
+        names = [f"s{i}" for i in range(7)]
+        for i in range(0, 7, 2):
+            remote.propose([inp(n, [1, 2, 1]) for n in names[i:i + 2]])
+        assert core.num_sequences == 7
+        for n in names:  # the engine goes idle: no propose follows; 7 ids, 2 per Release
+            remote.release(n)
         deadline = time.monotonic() + 10
         while core.num_sequences and time.monotonic() < deadline:
             time.sleep(0.05)
