@@ -2,7 +2,6 @@
 UNAUTHENTICATED otherwise), TLS with a self-signed certificate made here, the limits (K, batch,
 tokens per sequence, vocabulary, message size) refused whole with INVALID_ARGUMENT before any
 state changes, per-caller namespaces and LRU, and the draft seed derived from the request's."""
-import datetime
 import re
 
 import grpc
@@ -17,6 +16,7 @@ from cluster.spec.kvsync_tls import KVSyncTLS
 from cluster.spec.ngram import NgramProposer
 from cluster.spec.remote import DraftUnavailableError, RemoteProposer
 from cluster.spec.types import DraftProposal, ProposeInput
+from tests.spec.kvsync_certs import self_signed
 
 pb2 = stubs.kvsync_pb2()
 TOKEN = "kvsync-secret-42"
@@ -70,30 +70,8 @@ def test_calls_without_the_token_are_refused(server):
     assert core.held("a", caller=remote.caller) == [1, 2, 1]
 
 
-def _self_signed(tmp_path, name="draft.specserve.test"):
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp_path / "kvsync.crt", tmp_path / "kvsync.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_file), str(key_file)
-
-
 def test_tls_with_a_self_signed_certificate(server, tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     core, port = server(token=TOKEN, tls=KVSyncTLS(cert_file=cert, key_file=key))
     tls = KVSyncTLS(cert_file=cert, key_file=key, server_name="draft.specserve.test")
     remote = RemoteProposer(f"127.0.0.1:{port}", token=TOKEN, tls=tls, timeout_s=5)
