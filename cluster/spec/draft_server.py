@@ -17,6 +17,7 @@ n-gram) and how it is built.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -76,8 +77,10 @@ class DraftServerCore:
         self.vocab_size = vocab_size
         self.drafter = drafter
         self.vocab_hash = vocab_hash
-        base = limits or KVSyncLimits(max_sequences=max_sequences)
-        self.limits = KVSyncLimits(**{**base.__dict__, "vocab_size": vocab_size})
+        # limits: what callers may ask (``max_sequences`` only applies without them); the q width is
+        # this drafter's vocabulary whatever the caller's limits said
+        self.limits = dataclasses.replace(limits or KVSyncLimits(max_sequences=max_sequences),
+                                          vocab_size=vocab_size)
         self.epoch = secrets.randbits(63) or 1  # new on every start: restarts are detectable
         # caller -> (seq id -> committed tokens), both least recently used first
         self._callers: OrderedDict[str, OrderedDict[str, list[int]]] = OrderedDict()

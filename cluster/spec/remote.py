@@ -59,8 +59,8 @@ class RemoteProposer:
                  release_idle_s: float = 0.5) -> None:
         """timeout_s: the longest a propose may take (the budget's cap); budget: how long it may
         take given the measured step time (default: ``DraftBudget(cap_s=timeout_s)``)."""
-        if timeout_s <= 0 or retry_after_s < 0:
-            raise ValueError("timeout_s must be > 0 and retry_after_s >= 0")
+        if timeout_s <= 0 or retry_after_s < 0 or release_idle_s <= 0:
+            raise ValueError("timeout_s and release_idle_s must be > 0 and retry_after_s >= 0")
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.release_idle_s = release_idle_s
@@ -94,7 +94,8 @@ class RemoteProposer:
     def __getstate__(self) -> dict:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
         connection, the lock and what the server holds are not carried."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop")}
+        local = ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop")
+        state = {k: v for k, v in self.__dict__.items() if k not in local}
         state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
                      _unsure=set())
         return state
