@@ -102,10 +102,43 @@ class EngineKnobs(DeploymentKnobs):
 
 class DraftServerKnobs(DeploymentKnobs):
     port: int = Field(0, ge=0, le=65535)  # 0: an ephemeral port, published to the SpecEngine
-    host: str | None = None  # bind/advertise address; None: this Ray node's IP (multi-node)
-    max_sequences: int = Field(4096, ge=1)
-    timeout_s: float = Field(2.0, gt=0)  # KVSync deadline per call; past it the engine falls back
+    host: str | None = None  # bind/advertise address; None: this Ray node's IP (multi-node; under
+    #                          Helm the pod IP), reachable by the SpecEngine and so protected by
+    #                          auth (+ TLS, + the chart's NetworkPolicy); "127.0.0.1": one node only
+    max_sequences: int = Field(4096, ge=1)  # per caller (SpecEngine replica); LRU past it
+    timeout_s: float = Field(2.0, gt=0)  # longest a KVSync propose may take (the budget's cap)
     kv_cache_memory_mb: int = Field(512, ge=1)  # the draft model's own KV pool (model drafters)
+
+
+class KVSyncKnobs(_Strict):
+    """KVSync between the SpecEngine and the DraftServer (placement ``separate``). Auth: every call
+    carries the ``auth`` section's bearer token when it is configured. TLS: on when a certificate
+    and key are given (the SpecEngine trusts ``tls_ca_file``, default the certificate itself)."""
+
+    tls_cert_file: str | None = None  # DraftServer certificate chain (PEM)
+    tls_key_file: str | None = None  # its private key (PEM)
+    tls_ca_file: str | None = None  # CA bundle the SpecEngine verifies it with; None: the cert itself
+    tls_server_name: str | None = None  # name expected in the certificate (the server is dialled by IP)
+    budget_factor: float = Field(4.0, gt=0)  # a propose may take this × the median target step...
+    budget_floor_ms: float = Field(20.0, gt=0)  # ...but never less; draft_server.timeout_s caps it
+    max_callers: int = Field(16, ge=1)  # SpecEngine replicas whose sequences a DraftServer holds
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVSyncKnobs":
+        self.tls()  # both-or-neither etc. (raises ValueError -> ValidationError)
+        return self
+
+    def tls(self):
+        from cluster.spec.kvsync_tls import KVSyncTLS
+
+        return KVSyncTLS(cert_file=self.tls_cert_file, key_file=self.tls_key_file,
+                         ca_file=self.tls_ca_file, server_name=self.tls_server_name)
+
+    def budget(self, cap_s: float):
+        from cluster.spec.draft_budget import DraftBudget
+
+        floor = min(self.budget_floor_ms / 1000, cap_s)
+        return DraftBudget(factor=self.budget_factor, floor_s=floor, cap_s=cap_s)
 
 
 class EngineImpl(_Strict):
@@ -136,6 +169,7 @@ class AppConfig(_Strict):
     spec_engine: EngineKnobs = EngineKnobs(max_num_seqs=8)
     batch_engine: EngineKnobs = EngineKnobs(max_num_seqs=64)
     draft_server: DraftServerKnobs = DraftServerKnobs()
+    kvsync: KVSyncKnobs = KVSyncKnobs()
     engine_impl: EngineImpl = EngineImpl()
 
     @model_validator(mode="after")
@@ -175,6 +209,18 @@ class AppConfig(_Strict):
                           force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
                           moe_min_draft_tokens=self.moe.min_draft_tokens,
                           moe_alpha_threshold=self.moe.alpha_threshold)
+
+    def kvsync_limits(self, vocab_size: int = 0):
+        """What a DraftServer accepts from one SpecEngine: K up to the engine's k_max, its batch,
+        its context (prompt + output limits), ``draft_server.max_sequences`` per caller."""
+        from cluster.spec.kvsync_limits import KVSyncLimits
+
+        spec = self.spec_config()
+        return KVSyncLimits(max_draft_tokens=spec.k_max if spec is not None else 1,
+                            max_batch=self.spec_engine.max_num_seqs,
+                            max_seq_tokens=self.limits.max_prompt_tokens + self.limits.max_tokens,
+                            max_sequences=self.draft_server.max_sequences,
+                            max_callers=self.kvsync.max_callers, vocab_size=vocab_size)
 
     def engine_config(self, speculative: bool) -> EngineConfig:
         knobs = self.spec_engine if speculative else self.batch_engine

@@ -1,7 +1,12 @@
 """DraftServer deployment: the draft model in its own replicas (placement ``separate``).
 
 Owns: building the drafter for this replica and serving it over KVSync with a real gRPC server
-(``cluster.spec.draft_server``) on this node's IP and ``draft_server.port`` (0 = ephemeral).
+(``cluster.spec.draft_server``) on ``draft_server.host`` (default: this node's IP; under Helm the
+pod IP) and ``draft_server.port`` (0 = ephemeral), closed to strangers: the ``auth`` section's
+bearer token on every call, TLS when ``kvsync`` names a certificate, and limits derived from the
+SpecEngine's K, batch and context (``AppConfig.kvsync_limits``). ``check_health`` asks the server
+itself over loopback (Info with a short deadline, same token and TLS) and fails on a drafter call
+stuck for ``STUCK_DRAFTER_S``, so a dead or wedged server fails the replica and Serve replaces it.
 Ray Serve's gRPC proxy only fronts ingress traffic and cannot hold a stateful per-sequence
 conversation with one replica, so the SpecEngine talks to this server directly; it learns the
 address from ``address()`` through a Serve handle and re-asks periodically, which also follows a
@@ -14,6 +19,7 @@ import logging
 
 from ray import serve
 
+from cluster.api.auth import bearer_metadata, token_from_env
 from cluster.spec.draft_server import DraftServerCore, start_server
 from cluster.spec.proposer import DrafterKind, parse_drafter_spec
 from cluster.telemetry.tracing import configure_from_section
@@ -21,6 +27,9 @@ from deployments.app_config import AppConfig
 from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.draft_server")
+HEALTH_DEADLINE_S = 2.0  # a server that cannot answer Info this fast is wedged
+STUCK_DRAFTER_S = 30.0  # one drafter call running this long is a wedged drafter, not a slow one
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def build_proposer(app: AppConfig):
@@ -41,12 +50,40 @@ def build_proposer(app: AppConfig):
                                  kv_cache_memory_mb=app.draft_server.kv_cache_memory_mb)
 
 
+class KVSyncHealth:
+    """A loopback client of this replica's own KVSync server (same token, same TLS)."""
+
+    def __init__(self, address: str, app: AppConfig, token: str | None) -> None:
+        from cluster.api import stubs
+
+        self._channel = app.kvsync.tls().open_channel(address)
+        self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
+        self._request = stubs.kvsync_pb2().InfoRequest()
+        self._metadata = bearer_metadata(token)
+
+    def check(self, core: DraftServerCore) -> None:
+        import grpc
+
+        if core.busy_for() > STUCK_DRAFTER_S:
+            raise RuntimeError(f"the drafter has been running one call for {core.busy_for():.0f} s")
+        try:
+            info = self._stub.Info(self._request, timeout=HEALTH_DEADLINE_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise RuntimeError(f"KVSync server does not answer: {exc.code().name} {exc.details()}") from None
+        if info.epoch != core.epoch:
+            raise RuntimeError("another KVSync server answers on this replica's address")
+
+    def close(self) -> None:
+        self._channel.close()
+
+
 @serve.deployment(name="DraftServer", max_ongoing_requests=64, health_check_period_s=2)
 class DraftServer:
     def __init__(self, config: dict) -> None:
         import ray
 
         app = AppConfig(**config)
+        token = token_from_env(app.auth.token_env, "DraftServer")
         quiet_polls("address")  # the SpecEngine asks for it on a timer
         configure_from_section(app.telemetry)  # before start_server: its interceptor reads it per call
         import torch  # before loading a draft model: loading and drafting use these threads
@@ -54,11 +91,18 @@ class DraftServer:
         torch.set_num_threads(app.torch_threads)
         proposer, vocab_size = build_proposer(app)
         self.core = DraftServerCore(proposer, vocab_size=vocab_size, drafter=app.drafter,
-                                    max_sequences=app.draft_server.max_sequences)
+                                    limits=app.kvsync_limits(vocab_size))
         host = app.draft_server.host or ray.util.get_node_ip_address()
-        self.server, port = start_server(self.core, host=host, port=app.draft_server.port)
+        if token is None and host not in _LOOPBACK_HOSTS:
+            log.warning("KVSync listens on %s without auth: anyone who reaches it can read drafts and "
+                        "release sequences; set auth.token_env (and a NetworkPolicy)", host)
+        tls = app.kvsync.tls()
+        self.server, port = start_server(self.core, host=host, port=app.draft_server.port, max_workers=8,
+                                         token=token, tls=tls)
         self._address = f"{host}:{port}"
-        log.info("KVSync server on %s (epoch %d)", self._address, self.core.epoch)
+        self._health = KVSyncHealth(self._address, app, token)
+        log.info("KVSync server on %s (epoch %d, auth %s, TLS %s)", self._address, self.core.epoch,
+                 "on" if token else "off", "on" if tls.enabled else "off")
 
     def address(self) -> str:
         return self._address
@@ -68,9 +112,12 @@ class DraftServer:
                 "num_sequences": self.core.num_sequences}
 
     def check_health(self) -> None:
-        pass  # the gRPC server lives in this process: if the replica is up, so is the server
+        self._health.check(self.core)
 
     def __del__(self) -> None:
+        health = getattr(self, "_health", None)
+        if health is not None:
+            health.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop(0)

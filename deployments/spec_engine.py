@@ -3,7 +3,8 @@
 Owns: choosing where the drafter lives. ``shared``: the engine builds its drafter from
 ``config.spec.drafter`` in this replica (on one GPU; fractional GPU resources allowed).
 ``separate``: the drafter runs in DraftServer replicas; this replica injects a KVSync
-``RemoteProposer`` and keeps its address current by asking the DraftServer deployment every
+``RemoteProposer`` (with the ``auth`` token, the ``kvsync`` TLS settings, limits and step budget)
+and keeps its address current by asking the DraftServer deployment every
 ``_REFRESH_S`` seconds (a restarted replica may come back on another port or node).
 Ignores: the engine internals (``engine_server``), routing.
 """
@@ -32,10 +33,14 @@ class SpecEngine(EngineServer):
         if app.placement is Placement.SEPARATE:
             if draft_server is None:
                 raise ValueError("placement 'separate' needs a DraftServer deployment handle")
+            from cluster.api.auth import token_from_env
             from cluster.spec.remote import RemoteProposer
 
-            self._proposer = RemoteProposer(None, timeout_s=app.draft_server.timeout_s,
-                                            retry_after_s=_REFRESH_S)
+            timeout = app.draft_server.timeout_s
+            self._proposer = RemoteProposer(None, timeout_s=timeout, retry_after_s=_REFRESH_S,
+                                            token=token_from_env(app.auth.token_env, "SpecEngine"),
+                                            tls=app.kvsync.tls(), budget=app.kvsync.budget(timeout),
+                                            limits=app.kvsync_limits())
         await self._init_engine(config, proposer=self._proposer)
         if self._proposer is not None:
             # the engine's own handle on it (ProcessEngine: a stand-in for the one in its core)

@@ -252,6 +252,7 @@ class SpecController:
                           [v[1] if o else 0 for v, o in zip(verdicts, ok)])
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
+        self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
             for s, k, v in zip(sampling, counts, verdicts):
@@ -263,8 +264,14 @@ class SpecController:
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
         self.timing.plain_forward_s += forward_s
         self.timing.plain_steps += 1
+        self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
+
+    def _observe_target_step(self, forward_s: float) -> None:
+        observe = getattr(self.proposer, "observe_target_step", None)
+        if observe is not None:  # a remote drafter's deadline follows the measured step time
+            observe(forward_s)
 
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
@@ -325,6 +332,8 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     name = spec_cfg.drafter
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
+    elif getattr(proposer, "expected_vocab_size", 0) is None:  # a remote draft: q must be this wide
+        proposer.expected_vocab_size = model.runner.vocab_size
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)
     step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None

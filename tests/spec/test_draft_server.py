@@ -41,6 +41,11 @@ def served():
     server.stop(0)
 
 
+# the drafter sees ids in the caller's namespace; a stub without kvsync-caller metadata is named by
+# its peer host
+NS = "ipv4:127.0.0.1/"
+
+
 def seq(seq_id, base, new, k=3, temperature=0.0):
     return pb2.ProposeSeq(seq_id=seq_id, base_len=base, new_tokens=new, num_draft_tokens=k,
                           params=pb2.DraftSamplingParams(temperature=temperature, top_p=1.0))
@@ -55,7 +60,7 @@ def test_incremental_sync_rollback_and_resync(served):
     assert r.seqs[0].committed_len == 3 and r.seqs[0].draft_probs == b""
     # engine accepted 1 draft token + bonus: committed [1,2,3,4,9]; it sends only [4, 9]
     r = stub.Propose(pb2.ProposeRequest(epoch=epoch, seqs=[seq("a", 3, [4, 9])]), timeout=5)
-    assert r.seqs[0].committed_len == 5 and rec.seen[-1] == [("a", [1, 2, 3, 4, 9], 3)]
+    assert r.seqs[0].committed_len == 5 and rec.seen[-1] == [(NS + "a", [1, 2, 3, 4, 9], 3)]
     # the engine believes in a shorter prefix (rollback): the server truncates, then appends
     r = stub.Propose(pb2.ProposeRequest(epoch=epoch, seqs=[seq("a", 4, [7])]), timeout=5)
     assert core.held("a") == [1, 2, 3, 4, 7]
@@ -77,9 +82,9 @@ def test_release_and_lru_eviction(served):
     e = core.epoch
     for name in ("a", "b", "c"):  # max_sequences=2: "a" is evicted when "c" arrives
         stub.Propose(pb2.ProposeRequest(epoch=e, seqs=[seq(name, 0, [1, 2])]), timeout=5)
-    assert core.held("a") is None and rec.released == ["a"] and core.num_sequences == 2
+    assert core.held("a") is None and rec.released == [NS + "a"] and core.num_sequences == 2
     assert stub.Release(pb2.ReleaseRequest(epoch=e, seq_ids=["b", "nope"]), timeout=5).released == 1
-    assert core.held("b") is None and "b" in rec.released
+    assert core.held("b") is None and NS + "b" in rec.released
 
 
 def test_sampling_returns_probabilities(served):

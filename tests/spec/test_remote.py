@@ -1,6 +1,7 @@
 """RemoteProposer against a real KVSync server on 127.0.0.1: incremental sync, resync after state
 loss and after a restart (new epoch), DraftUnavailableError on failure, reconnect."""
 import socket
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from cluster.engine.request import SamplingParams
 from cluster.errors import VocabularyMismatchError
 from cluster.spec.draft_server import DraftServerCore, start_server
+from cluster.spec.kvsync_limits import KVSyncLimits
 from cluster.spec.ngram import NgramProposer
 from cluster.spec.remote import DraftUnavailableError, RemoteProposer
 from cluster.spec.types import ProposeInput
@@ -34,7 +36,7 @@ def inp(seq_id, tokens, k=3, params=GREEDY):
 def test_propose_sends_only_new_tokens_and_matches_local_ngram():
     core, server, port = serve()
     try:
-        remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100)
+        remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100, release_idle_s=60)
         local = NgramProposer()
         history = [5, 6, 7, 8, 5, 6]
         for step in range(4):
@@ -44,8 +46,32 @@ def test_propose_sends_only_new_tokens_and_matches_local_ngram():
             assert core.held("a") == history and remote.tracked()["a"] == len(history)
             history = history + [7 + step % 2]
         assert remote.num_resyncs == 0
-        remote.release("a")
-        assert core.held("a") is None and "a" not in remote.tracked()
+        remote.release("a")  # queued, not an RPC of its own: the server still holds it
+        assert core.held("a") == history[:-1] and "a" not in remote.tracked()
+        assert remote.pending_releases() == ["a"]
+        remote.propose([inp("b", [1, 2, 1, 2])])  # piggybacked on the next Propose
+        assert core.held("a") is None and remote.pending_releases() == []
+        remote.release("b")
+        assert remote.flush_releases() == 1 and core.num_sequences == 0
+    finally:
+        server.stop(0)
+
+
+def test_releases_no_propose_carries_are_sent_in_the_background():
+    core, server, port = serve()
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}", release_idle_s=0.1, limits=KVSyncLimits(max_batch=2))
+        names = [f"s{i}" for i in range(7)]
+        for i in range(0, 7, 2):
+            remote.propose([inp(n, [1, 2, 1]) for n in names[i:i + 2]])
+        assert core.num_sequences == 7
+        for n in names:  # the engine goes idle: no propose follows; 7 ids, 2 per Release
+            remote.release(n)
+        deadline = time.monotonic() + 10
+        while core.num_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.num_sequences == 0 and remote.pending_releases() == []
+        remote.close()
     finally:
         server.stop(0)
 

@@ -4,6 +4,8 @@ driven by the engine through ``RemoteProposer`` on the real default model. Greed
 plain decoding of the same engine, acceptance is measured, and the draft side frees its KV."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.engine.config import EngineConfig, SpecConfig
@@ -11,6 +13,7 @@ from cluster.engine.llm_engine import LLMEngine, LoadedModel
 from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
 from cluster.engine.runner import ModelRunner
 from cluster.spec.controller import build_spec_controller
+from cluster.spec.draft_budget import DraftBudget
 from cluster.spec.draft_server import DraftServerCore, start_server
 from cluster.spec.proposer import DrafterKind, parse_drafter_spec
 from cluster.spec.remote import RemoteProposer
@@ -44,7 +47,10 @@ def test_remote_model_drafter_is_lossless_and_frees_draft_kv(default_model, rows
     assert vocab == default_model.runner.vocab_size
     core = DraftServerCore(draft, vocab_size=vocab, drafter=drafter)
     server, port = start_server(core, host="127.0.0.1")
-    remote = RemoteProposer(f"127.0.0.1:{port}", timeout_s=30.0, expected_vocab_size=vocab)
+    # the draft is as big as the target here (K draft rounds cost K target steps): a budget that
+    # waits for it, so this test measures drafting, not the deadline (tests/spec/test_remote_budget.py)
+    remote = RemoteProposer(f"127.0.0.1:{port}", timeout_s=30.0, expected_vocab_size=vocab,
+                            budget=DraftBudget(factor=100.0, cap_s=30.0))
     try:
         eng = _engine(default_model, drafter, remote)
         tok = default_model.tokenizer
@@ -63,7 +69,11 @@ def test_remote_model_drafter_is_lossless_and_frees_draft_kv(default_model, rows
         assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
         # finished sequences were released on both sides: target pool, KVSync state, draft pool
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
-        assert remote.tracked() == {} and core.num_sequences == 0
+        assert remote.tracked() == {}
+        deadline = time.monotonic() + 10  # the last retirements: no propose follows, the
+        while core.num_sequences and time.monotonic() < deadline:  # background flush sends them
+            time.sleep(0.05)
+        assert core.num_sequences == 0
         assert draft.runner.kv.num_free_blocks == draft.runner.kv.num_blocks
     finally:
         remote.close()

@@ -1,0 +1,57 @@
+"""TLS for KVSync: the DraftServer's certificate and what the SpecEngine trusts.
+
+Owns: ``KVSyncTLS`` — the server's PEM certificate chain and key, the CA bundle the client
+verifies the server with (default: the server certificate itself, i.e. a self-signed one), and the
+name the client expects in the certificate (the server is dialled by pod/node IP, which changes;
+the certificate names a stable host name instead) — and turning them into gRPC credentials.
+Files are read when credentials are built (at server start / client connect), so a rotated
+certificate is picked up by the next (re)connect.
+Ignores: bearer tokens (``cluster.api.auth``), limits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"KVSync TLS {what} {path!r} cannot be read: {exc.strerror or exc}") from None
+
+
+@dataclass(frozen=True)
+class KVSyncTLS:
+    cert_file: str | None = None  # the DraftServer's certificate chain (PEM); None: no TLS
+    key_file: str | None = None  # its private key (PEM)
+    ca_file: str | None = None  # CA bundle the SpecEngine trusts; None: the server certificate
+    server_name: str | None = None  # name checked in the certificate; None: the dialled host
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("KVSync TLS needs both cert_file and key_file (or neither)")
+        if self.ca_file is not None and self.cert_file is None:
+            raise ValueError("KVSync TLS ca_file is set but cert_file/key_file are not: the server "
+                             "would listen without TLS and the client would refuse it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(_read(self.key_file, "key_file"),
+                                             _read(self.cert_file, "cert_file"))])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        root = self.ca_file or self.cert_file
+        return grpc.ssl_channel_credentials(root_certificates=_read(root, "ca_file" if self.ca_file else "cert_file"))
+
+    def open_channel(self, address: str, options: list | tuple = ()) -> grpc.Channel:
+        """A client channel to ``address``: TLS (verifying the server) when enabled."""
+        if not self.enabled:
+            return grpc.insecure_channel(address, options=list(options))
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, self.channel_credentials(), options=list(options) + name)
