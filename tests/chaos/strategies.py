@@ -44,10 +44,9 @@ roles = st.one_of(st.sampled_from(["system", "user", "assistant", "", "tool", "U
 
 
 def _nested_schema(depth: int) -> str:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return json.dumps(schema)
+    """A valid schema nested ``depth`` objects deep (built as text: json.dumps would recurse)."""
+    head = '{"type": "object", "required": ["a"], "properties": {"a": '
+    return head * depth + '{"type": "string"}' + "}}" * depth
 
 
 schemas = st.one_of(
@@ -74,13 +73,45 @@ token_ids = st.lists(st.one_of(st.integers(0, 49_151), st.integers(-2**31, 2**31
                      max_size=40)
 
 
+WILD = {
+    "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([0, 1, 64, 65, 10_000, UINT32_MAX])),
+    "temperature": floats32,
+    "top_p": floats32,
+    "top_k": st.one_of(st.integers(0, 50), st.sampled_from([1, 49_152, 49_153, UINT32_MAX])),
+    "seed": st.one_of(st.integers(0, 1000), st.sampled_from([0, 2**63, UINT64_MAX])),
+    "stop": st.one_of(st.lists(text, max_size=8),
+                      st.sampled_from([100, 1_000, 10_000]).map(lambda n: [f"s{i}" for i in range(n)]),
+                      st.lists(huge_text(), max_size=2)),
+    "mode": st.one_of(st.sampled_from([0, 1, 2]), st.integers(-5, 9)),
+    "segment": st.one_of(text, huge_text()),
+    "json_schema": schemas,
+    "regex": regexes,
+    "ignore_eos": st.booleans(),
+}
+
+# values a well-meaning client sends (odd unicode included): the service must answer these OK
+SANE = {
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.one_of(st.just(0.0), st.floats(0.0625, 2.0, width=32)),
+    "top_p": st.floats(0.0625, 1.0, width=32),
+    "top_k": st.integers(0, 50),
+    "seed": st.integers(0, UINT64_MAX),
+    "stop": st.lists(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6),
+                     max_size=4),
+    "mode": st.sampled_from([0, 1, 2]),
+    "segment": st.sampled_from(["", "code", "chat", "ünïcödé", "x" * 40]),
+    "json_schema": st.just(""),
+    "regex": st.just(""),
+    "ignore_eos": st.booleans(),
+}
+sane_prompt = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=60)
+
+
 @st.composite
-def generate_requests(draw) -> dict:
-    """Keyword fields for ``GenerateRequest``; any mix of the three prompt forms (conflicts too)."""
+def wild_request(draw) -> dict:
+    """Any mix of the three prompt forms (none and conflicts too), any field at its edges."""
     fields: dict = {}
     forms = draw(st.sets(st.sampled_from(["prompt", "messages", "prompt_token_ids"]), max_size=3))
-    if not forms and draw(st.booleans()):
-        forms = {"prompt"}
     if "prompt" in forms:
         fields["prompt"] = draw(any_text)
     if "messages" in forms:
@@ -89,25 +120,36 @@ def generate_requests(draw) -> dict:
     if "prompt_token_ids" in forms:
         ids = draw(st.one_of(token_ids, st.sampled_from([5_000, 100_000]).map(lambda n: [1] * n)))
         fields["prompt_token_ids"] = {"ids": ids}
-    optional = {
-        "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([0, 1, 64, 65, 10_000, UINT32_MAX])),
-        "temperature": floats32,
-        "top_p": floats32,
-        "top_k": st.one_of(st.integers(0, 50), st.sampled_from([1, 49_152, 49_153, UINT32_MAX])),
-        "seed": st.one_of(st.integers(0, 1000), st.sampled_from([0, 2**63, UINT64_MAX])),
-        "stop": st.one_of(st.lists(text, max_size=8),
-                          st.sampled_from([100, 1_000, 10_000]).map(lambda n: [f"s{i}" for i in range(n)]),
-                          st.lists(huge_text(), max_size=2)),
-        "mode": st.one_of(st.sampled_from([0, 1, 2]), st.integers(-5, 9)),
-        "segment": st.one_of(text, huge_text()),
-        "json_schema": schemas,
-        "regex": regexes,
-        "ignore_eos": st.booleans(),
-    }
-    for name, strategy in optional.items():
+    for name, strategy in WILD.items():
         if draw(st.booleans()):
             fields[name] = draw(strategy)
     return fields
+
+
+@st.composite
+def nearly_sane_request(draw) -> dict:
+    """One prompt form with sane options, then up to two fields replaced by edge values."""
+    form = draw(st.sampled_from(["prompt", "messages", "prompt_token_ids"]))
+    if form == "prompt":
+        fields: dict = {"prompt": draw(sane_prompt)}
+    elif form == "messages":
+        fields = {"messages": draw(st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant"]), "content": sane_prompt}),
+            min_size=1, max_size=3))}
+    else:
+        fields = {"prompt_token_ids": {"ids": draw(st.lists(st.integers(0, 255), min_size=1, max_size=30))}}
+    for name, strategy in SANE.items():
+        if draw(st.booleans()):
+            fields[name] = draw(strategy)
+    for name in draw(st.lists(st.sampled_from(sorted(WILD)), max_size=2, unique=True)):
+        fields[name] = draw(WILD[name])
+    return fields
+
+
+def generate_requests() -> st.SearchStrategy[dict]:
+    """Keyword fields for ``GenerateRequest``: half wild, half nearly sane (so OK answers, and the
+    engines behind them, are exercised as much as the validation)."""
+    return st.one_of(wild_request(), nearly_sane_request())
 
 
 # which credentials the call carries: (label, authorization value or None)
