@@ -79,8 +79,9 @@ def _wait_nodes(address: str, n: int, nodes: list[RayNode], timeout_s: float) ->
 
 @contextlib.contextmanager
 def two_node_cluster(head_cpus: float, worker_cpus: float, worker_resources: dict[str, float],
-                     timeout_s: float = 180):
-    """Yields (gcs address, head node, worker node). The worker node carries ``worker_resources``."""
+                     worker_gpus: int = 0, timeout_s: float = 180):
+    """Yields (gcs address, head node, worker node). The worker node carries ``worker_resources``
+    and advertises ``worker_gpus`` GPUs (a resource count; nothing needs a real GPU)."""
     import json
 
     # short paths: Ray's unix sockets live under the temp dir (108-byte limit)
@@ -94,7 +95,7 @@ def two_node_cluster(head_cpus: float, worker_cpus: float, worker_resources: dic
                              "--temp-dir", f"{root}/h", *_ports_args(head=True)], root, "head"))
         _wait_nodes(address, 1, nodes, timeout_s)
         nodes.append(_start(["--address", address, "--node-ip-address", "127.0.0.1",
-                             "--num-cpus", str(worker_cpus), "--num-gpus", "0",
+                             "--num-cpus", str(worker_cpus), "--num-gpus", str(worker_gpus),
                              "--resources", json.dumps(worker_resources),
                              "--temp-dir", f"{root}/w", *_ports_args(head=False)], root, "worker"))
         _wait_nodes(address, 2, nodes, timeout_s)
