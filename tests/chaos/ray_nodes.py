@@ -24,6 +24,31 @@ import psutil
 from tests.deployments.harness import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+# Ray's token auth: ``ray start`` turns it on when ~/.ray/auth_token exists, but a driver joining
+# with ``ray.init(address=...)`` does not, so both sides are told explicitly
+AUTH = {"RAY_AUTH_MODE": "token"}
+
+
+@contextlib.contextmanager
+def driver_token_auth():
+    """This process joins the cluster with token auth on (restored afterwards)."""
+    from ray._private.authentication.authentication_token_setup import (_get_default_token_path,
+                                                                          generate_and_save_token)
+    from ray._raylet import Config
+
+    if not _get_default_token_path().exists():
+        generate_and_save_token()
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ.update(AUTH)
+    Config.initialize("")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old
+        Config.initialize("")
 
 
 @dataclass
@@ -55,7 +80,7 @@ def _ports_args(head: bool) -> list[str]:
 
 def _start(args: list[str], temp_dir: str, name: str) -> RayNode:
     log = Path(temp_dir) / f"{name}.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **AUTH}
     with open(log, "w") as f:
         proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -70,7 +95,8 @@ def _wait_nodes(address: str, n: int, nodes: list[RayNode], timeout_s: float) ->
         for node in nodes:
             if node.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited {node.proc.returncode}: {node.log.read_text()[-2000:]}")
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **AUTH})
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
             return
         time.sleep(1.0)
@@ -87,6 +113,8 @@ def two_node_cluster(head_cpus: float, worker_cpus: float, worker_resources: dic
     # short paths: Ray's unix sockets live under the temp dir (108-byte limit)
     root = tempfile.mkdtemp(prefix="rc", dir="/tmp")
     nodes: list[RayNode] = []
+    with driver_token_auth():  # writes ~/.ray/auth_token if missing, before the nodes read it
+        pass
     try:
         gcs_port = free_port()
         address = f"127.0.0.1:{gcs_port}"
@@ -115,7 +143,7 @@ def _stop(nodes: list[RayNode]) -> None:
             node.proc.send_signal(signal.SIGTERM)
     for node in reversed(nodes):
         with contextlib.suppress(subprocess.TimeoutExpired):
-            node.proc.wait(timeout=20)
+            node.proc.wait(timeout=10)
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
             proc.kill()

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from deployments.app_config import DraftServerKnobs
-from tests.chaos.ray_nodes import two_node_cluster
+from tests.chaos.ray_nodes import driver_token_auth, two_node_cluster
 from tests.chaos.service import (PLAIN, PROMPTS, SPECULATIVE, TINY, draft_info, engine_pid, join_all,
                                  listening_pid, real_app, start_stream)
 from tests.deployments.harness import Client, serve_apps
@@ -42,7 +42,7 @@ def test_draft_server_on_second_node(chaos_report):
     chaos_report.record("two_nodes", "setup", section)
     with two_node_cluster(head_cpus=2, worker_cpus=0, worker_resources={"draft_node": 1},
                           worker_gpus=0 if HAS_RESOURCES_KNOB else 1) as (address, head, worker):
-        with serve_apps({"two": app_args()}, ray_address=address, timeout_s=600) as addr:
+        with driver_token_auth(), serve_apps({"two": app_args()}, ray_address=address, timeout_s=600) as addr:
             c = Client(addr, "two")
             c.wait_ready(timeout_s=300)
             draft_pid = listening_pid(draft_info("two")["address"])
