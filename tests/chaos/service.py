@@ -23,6 +23,7 @@ TOKEN_ENV = "SPECSERVE_CHAOS_TOKEN"
 TINY = {"num_replicas": 1, "num_cpus": 0.05, "num_gpus": 0}
 ENGINE = {**TINY, "max_num_seqs": 8, "kv_cache_memory_mb": 128}
 SPECULATIVE, PLAIN, AUTO = 1, 2, 0  # Mode values
+LEAKS = ("Traceback", "actor_id", "ray::", "pid=")  # internals a client must never see
 
 
 def real_app(**over) -> dict:
