@@ -45,7 +45,7 @@ APPS = {
                               "max_queue": 32},
                       engine_impl={**FAKE, "options": {"token_delay_s": 0.002}}),
     # small limits keep every accepted fuzz request short on the real model
-    "fuzz": real_app(router_deployment=TINY, batch_engine=ENGINE,
+    "fuzz": real_app(auth={"token_env": TOKEN_ENV}, router_deployment=TINY, batch_engine=ENGINE,
                      limits={"max_tokens": 8, "max_prompt_tokens": 256, "max_message_bytes": 16384,
                              "max_queue": 16}),
     "shared": real_app(),
@@ -83,12 +83,12 @@ class ChaosService:
         if todo:
             deploy_apps({n: APPS[n] for n in todo}, timeout_s=600)
             for n in todo:
-                Client(self.addr, n, TOKEN).wait_ready(timeout_s=300)
+                self.client(n).wait_ready(timeout_s=300)
                 self.deployed.add(n)
         return self.addr
 
     def client(self, app: str) -> Client:
-        return Client(self.addr, app, TOKEN)
+        return Client(self.addr, app, TOKEN if "auth" in APPS[app] else None)
 
     def solo(self, app: str, prompt: str, n: int) -> list[int]:
         """Greedy output of ``prompt`` alone (plain path, ignore_eos); cached per app."""
