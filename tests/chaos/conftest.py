@@ -4,11 +4,13 @@ Options (give ``tests/chaos`` on the command line so pytest reads them here):
 ``--fuzz-examples N`` sets the FakeEngine fuzz count (CI default 200; the real-model fuzz runs
 N // 7, at least 30); ``--chaos-report PATH`` writes the measured figures as JSON.
 
-Apps are deployed lazily into one Serve instance per session (``serve_app(name)``), so a module
+Apps are deployed lazily into one Serve instance for this package (``serve_app(name)``), so a module
 that needs only the FakeEngine app does not load the real model. The two-node module starts its own
-cluster, so it is ordered first and its module fixture is gone before the shared session starts.
+cluster, so it is ordered first and its cluster is gone before the shared session starts.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -28,8 +30,15 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the two-node test starts its own Ray cluster: run it before the session's Ray starts
-    items.sort(key=lambda item: 0 if "test_two_nodes" in item.nodeid else 1)
+    """The two-node test starts its own Ray cluster and driver: run it first among the chaos
+    tests, before the package's shared Ray session starts (other packages keep their order)."""
+    here = Path(__file__).parent
+    two = [it for it in items if it.path.parent == here and it.path.name == "test_two_nodes.py"]
+    if not two:
+        return
+    rest = [it for it in items if it not in two]
+    first = next((i for i, it in enumerate(rest) if it.path.parent == here), len(rest))
+    items[:] = rest[:first] + two + rest[first:]
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +57,7 @@ def chaos_report(pytestconfig):
         report.write(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before other packages' tests start their own Ray
 def chaos_service():
     service = ChaosService()
     try:

@@ -85,8 +85,12 @@ def new_requests_succeed(service, app: str, count: int = 4) -> list[str]:
     return errors
 
 
+NO_DRAFT_SERVER = "n/a: placement shared has no DraftServer"
+
+
 def test_draft_server_killed_mid_stream(service, chaos_report):
     app = "sep"
+    chaos_report.record("faults", "draft_server_killed/shared", NO_DRAFT_SERVER)
     threads, results, want = launch(service, app, [SPECULATIVE] * STREAMS)
     os.kill(listening_pid(draft_info(app)["address"]), signal.SIGKILL)
     join_all(threads, 300)
@@ -104,6 +108,7 @@ def _step_gaps(results, lo: float, hi: float) -> list[float]:
 
 def test_draft_server_stopped_then_resumed(service, chaos_report):
     app = "sep"
+    chaos_report.record("faults", "draft_server_stopped/shared", NO_DRAFT_SERVER)
     wait_healthy(app)
     pid = listening_pid(draft_info(app)["address"])
     threads, results, want = launch(service, app, [SPECULATIVE] * STREAMS, n=128)
