@@ -84,6 +84,7 @@ class ChaosService:
             deploy_apps({n: APPS[n] for n in todo}, timeout_s=600)
             for n in todo:
                 self.client(n).wait_ready(timeout_s=300)
+                wait_engines_ready(self.client(n))
                 self.deployed.add(n)
         return self.addr
 
@@ -99,6 +100,12 @@ class ChaosService:
             assert len(r.token_ids) == n
             self._solo[key] = list(r.token_ids)
         return self._solo[key]
+
+    def wait_healthy(self, app: str, timeout: float = 240) -> None:
+        """Every deployment of ``app`` HEALTHY with its replicas running, and both engines ready as
+        the Routers see them (after a replica was killed and replaced)."""
+        wait_deployments_healthy(app, timeout)
+        wait_engines_ready(self.client(app), timeout)
 
     def close(self) -> None:
         if self._session is not None:
@@ -183,7 +190,22 @@ def kill_replica(app: str, deployment: str, name: str | None = None) -> str:
     return name
 
 
-def wait_healthy(app: str, timeout: float = 240) -> None:
+def wait_engines_ready(client: Client, timeout: float = 300, times: int = 4) -> None:
+    """``times`` ModelInfo answers in a row (the proxy spreads them over the Router replicas) say
+    both engines are ready: the Routers' polled view has caught up with a new or replaced engine."""
+    streak = [0]
+
+    def ready():
+        try:
+            info = client.stub.ModelInfo(client.pb2.ModelInfoRequest(), metadata=client.md, timeout=10)
+            streak[0] = streak[0] + 1 if info.spec_ready and info.batch_ready else 0
+        except grpc.RpcError:
+            streak[0] = 0
+        return streak[0] >= times
+    wait_for(ready, timeout=timeout, what="both engines ready in the Routers' view")
+
+
+def wait_deployments_healthy(app: str, timeout: float = 240) -> None:
     """Every deployment of ``app`` HEALTHY with its target replica count running."""
     from ray import serve
 

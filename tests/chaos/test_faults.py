@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from tests.chaos.service import (LEAKS, PLAIN, PROMPTS, SPECULATIVE, draft_info, engine_pid, join_all,
-                                 kill_replica, listening_pid, replica_actors, start_stream, wait_healthy)
+                                 kill_replica, listening_pid, replica_actors, start_stream)
 from tests.deployments.test_service_fake import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.ray, pytest.mark.model]
@@ -97,7 +97,7 @@ def test_draft_server_killed_mid_stream(service, chaos_report):
     got = judge(results, want, may_fail=set())
     chaos_report.record("faults", f"draft_server_killed/{app}", got)
     assert got["lost"] == got["corrupted"] == got["leaks"] == 0 and got["ok"] == STREAMS, got["details"]
-    wait_healthy(app)
+    service.wait_healthy(app)
     assert not new_requests_succeed(service, app)
 
 
@@ -109,7 +109,7 @@ def _step_gaps(results, lo: float, hi: float) -> list[float]:
 def test_draft_server_stopped_then_resumed(service, chaos_report):
     app = "sep"
     chaos_report.record("faults", "draft_server_stopped/shared", NO_DRAFT_SERVER)
-    wait_healthy(app)
+    service.wait_healthy(app)
     pid = listening_pid(draft_info(app)["address"])
     threads, results, want = launch(service, app, [SPECULATIVE] * STREAMS, n=128)
     time.sleep(1.5)  # baseline steps with drafts
@@ -149,7 +149,7 @@ def test_draft_server_stopped_then_resumed(service, chaos_report):
 
 @pytest.mark.parametrize("app", ["shared", "sep"])
 def test_engine_core_killed_mid_stream(service, chaos_report, app):
-    wait_healthy(app)
+    service.wait_healthy(app)
     core = engine_pid(app, "SpecEngine")
     assert core not in (None, os.getpid())
     modes = [SPECULATIVE, SPECULATIVE, SPECULATIVE, PLAIN, PLAIN]
@@ -168,7 +168,7 @@ def test_engine_core_killed_mid_stream(service, chaos_report, app):
         except Exception:  # noqa: BLE001 — the replica is being replaced
             return False
     wait_for(replaced, timeout=300, what="a new SpecEngine replica")
-    wait_healthy(app)
+    service.wait_healthy(app)
     errors = new_requests_succeed(service, app)
     chaos_report.record("faults", f"engine_core_killed/{app}/after", errors)
     assert not errors
@@ -176,7 +176,7 @@ def test_engine_core_killed_mid_stream(service, chaos_report, app):
 
 @pytest.mark.parametrize("app", ["shared", "sep"])
 def test_router_replica_killed_mid_stream(service, chaos_report, app):
-    wait_healthy(app)
+    service.wait_healthy(app)
     routers = replica_actors(app, "Router")
     assert len(routers) == 2, routers
     modes = [SPECULATIVE, PLAIN] * 4
@@ -190,4 +190,4 @@ def test_router_replica_killed_mid_stream(service, chaos_report, app):
     errors = new_requests_succeed(service, app)
     chaos_report.record("faults", f"router_replica_killed/{app}/after", errors)
     assert not errors
-    wait_healthy(app)
+    service.wait_healthy(app)

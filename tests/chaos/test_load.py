@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from tests.chaos.service import (AUTO, PLAIN, PROMPTS, SPECULATIVE, idle_state, join_all,
-                                 start_stream, wait_healthy)
+                                 start_stream)
 from tests.deployments.test_service_fake import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.ray, pytest.mark.model]
@@ -40,7 +40,7 @@ def settled(app: str, baseline: dict) -> dict:
 @pytest.mark.parametrize("app", ["shared", "sep"])
 def test_32_concurrent_streams_five_rounds(chaos_service, chaos_report, app):
     chaos_service.apps(app)
-    wait_healthy(app)
+    chaos_service.wait_healthy(app)
     c = chaos_service.client(app)
     want = {p: chaos_service.solo(app, p, N) for p in PROMPTS}
     for p in PROMPTS:  # lossless: the speculative path alone gives the plain path's tokens
