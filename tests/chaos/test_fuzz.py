@@ -122,3 +122,33 @@ def test_reused_request_id_does_not_cancel_another_client(chaos_service, chaos_r
     for r in results:
         assert r.code is grpc.StatusCode.OK and r.finished, outcome
         assert r.tokens == want, outcome
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("temperature", [1e-44, 1e-38])
+def test_tiny_temperature_harms_no_other_stream(chaos_service, chaos_report, temperature):
+    """A temperature just above 0 (``logits / T`` overflows) is answered for that request alone —
+    greedy, or INVALID_ARGUMENT — while greedy streams on both engines finish with their solo
+    output."""
+    from tests.chaos.service import PLAIN, PROMPTS, SPECULATIVE, join_all, start_stream
+
+    app, n = "shared", 48
+    chaos_service.apps(app)
+    c = chaos_service.client(app)
+    runs = [start_stream(c, prompt=PROMPTS[i], max_tokens=n, mode=mode, ignore_eos=True, timeout=240)
+            for i, mode in enumerate((SPECULATIVE, PLAIN))]
+    for _, r in runs:
+        assert r.first.wait(120)
+    answers = []
+    for mode in (SPECULATIVE, PLAIN):
+        code, details, finish = call(c, dict(prompt=PROMPTS[2], max_tokens=8, temperature=temperature,
+                                             mode=mode), c.md[1][1] if len(c.md) > 1 else None,
+                                     stream=False, timeout=90)
+        answers.append((code.name, finish, details[:200]))
+    join_all([t for t, _ in runs], 240)
+    streams = [(r.code.name if r.code else "HANG", len(r.tokens),
+                r.tokens == chaos_service.solo(app, PROMPTS[i], n)) for i, (_, r) in enumerate(runs)]
+    chaos_report.record("tiny_temperature", repr(temperature), {"answers": answers, "streams": streams})
+    for code, finish, _ in answers:
+        assert code == "INVALID_ARGUMENT" or (code == "OK" and finish != FINISH_REASON_ERROR), answers
+    assert all(s == ("OK", n, True) for s in streams), streams
