@@ -31,41 +31,61 @@ def fake_args(**over) -> dict:
 
 @contextlib.contextmanager
 def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
-               ray_kwargs: dict | None = None):
+               ray_kwargs: dict | None = None, ray_address: str | None = None):
     """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC proxy on a free
     port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address. ``ray_kwargs`` adds
-    ``ray.init`` keywords (e.g. ``_metrics_export_port``)."""
+    ``ray.init`` keywords (e.g. ``_metrics_export_port``); ``ray_address`` joins a cluster started
+    elsewhere (``ray start``) instead of starting one."""
+    with serve_session(env=env, ray_kwargs=ray_kwargs, ray_address=ray_address) as addr:
+        deploy_apps(apps, timeout_s=timeout_s)
+        yield addr
+
+
+@contextlib.contextmanager
+def serve_session(env: dict[str, str] | None = None, ray_kwargs: dict | None = None,
+                  ray_address: str | None = None):
+    """Ray + Serve with the gRPC proxy on a free port of 127.0.0.1 and no apps yet (add them with
+    ``deploy_apps``); yields the gRPC address. Shuts Serve and this driver's Ray down on exit."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from deployments.app import build
-
     os.environ.update(env or {})
     grpc_port, http_port = free_port(), free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
+    if ray_address is None:
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
+    else:
+        ray.init(address=ray_address, configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port,
                                              grpc_servicer_functions=stubs.GRPC_SERVICER_FUNCTIONS))
-        deadline = time.monotonic() + timeout_s
-        for name, args in apps.items():
-            serve.run(build(args), name=name, route_prefix=f"/{name}", blocking=False)
-        while True:
-            status = serve.status().applications
-            if all(name in status and status[name].status == "RUNNING" for name in apps):
-                break
-            if any(name in status and status[name].status == "DEPLOY_FAILED" for name in apps):
-                raise RuntimeError(f"deploy failed: {status}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
-            time.sleep(0.5)
         yield f"127.0.0.1:{grpc_port}"
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+
+
+def deploy_apps(apps: dict[str, dict], timeout_s: float = 240) -> None:
+    """Deploy ``apps`` (name -> AppConfig args) into the running Serve and wait until all run."""
+    from ray import serve
+
+    from deployments.app import build
+
+    deadline = time.monotonic() + timeout_s
+    for name, args in apps.items():
+        serve.run(build(args), name=name, route_prefix=f"/{name}", blocking=False)
+    while True:
+        status = serve.status().applications
+        if all(name in status and status[name].status == "RUNNING" for name in apps):
+            return
+        if any(name in status and status[name].status == "DEPLOY_FAILED" for name in apps):
+            raise RuntimeError(f"deploy failed: {status}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
+        time.sleep(0.5)
 
 
 class Client:
