@@ -5,8 +5,10 @@ record an engine deployment yields instead of raising, so the Router maps it to 
 depending on how Ray wraps remote exceptions), and what a client may be told of a failure: the
 messages of the engine's own user-facing errors (bad input, queue full, engine gone) pass, while
 any other exception becomes ``internal error (id ...)`` — its text (tracebacks, Ray actor ids, pids,
-node IPs) is for the log, which the caller writes. Ignores: setting the code on a context (the
-Router), logging.
+node IPs) is for the log, which the caller writes; and ``http_status``, the one table from a gRPC
+code to the HTTP status the OpenAI-compatible front end answers with (one set of rules raises
+``ServiceError``; each front end only translates its code). Ignores: setting the code on a context
+(the Router), the OpenAI error body (``openai_errors``), logging.
 """
 from __future__ import annotations
 
@@ -65,6 +67,30 @@ class EngineFailure:
 
 
 ENGINE_GONE = "the engine serving this request stopped; retry (a replacement replica is started)"
+
+
+# gRPC code -> HTTP status (the conventional mapping, as grpc-gateway uses); 500 for the rest.
+_HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status of a ``ServiceError``'s gRPC code (INTERNAL, UNKNOWN, DATA_LOSS: 500)."""
+    return _HTTP_STATUS.get(code, 500)
 
 
 def internal_message(request_id: str) -> str:
