@@ -156,12 +156,17 @@ class RequestFields:
     ignore_eos: bool = False
 
 
+def check_size(size: int, limits: Limits) -> None:
+    """A request's size on the wire; a front end checks it before parsing the request at all."""
+    if size > limits.max_message_bytes:
+        raise invalid(f"request is {size} bytes, over the {limits.max_message_bytes}-byte limit")
+
+
 def fields_from_proto(pb, limits: Limits) -> RequestFields:
     """``GenerateRequest`` -> ``RequestFields``; the size cap first (before copying what may be a
     huge message), and the wire's own shape check (the mode enum)."""
     size = pb.ByteSize()
-    if size > limits.max_message_bytes:
-        raise invalid(f"request is {size} bytes, over the {limits.max_message_bytes}-byte limit")
+    check_size(size, limits)
     if pb.mode not in _MODE_FROM_PROTO:
         raise invalid(f"unknown mode {pb.mode}")
     return RequestFields(
@@ -211,8 +216,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     with a message naming the field. ``request_id`` is the server's own id for the request;
     ``label`` the client's. ``constraints=False`` leaves the constraint's syntax (not its size) to
     the caller's ``check_constraint``."""
-    if f.size > limits.max_message_bytes:
-        raise invalid(f"request is {f.size} bytes, over the {limits.max_message_bytes}-byte limit")
+    check_size(f.size, limits)
     prompt = _prompt(f)
     max_tokens = f.max_tokens if f.max_tokens is not None else limits.default_max_tokens
     if not 1 <= max_tokens <= limits.max_tokens:

@@ -37,13 +37,16 @@ class FailureKind(enum.Enum):
 
 
 class ServiceError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """``param``: the request field at fault, when one is (the OpenAI error body names it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
-    def __reduce__(self):  # picklable across Ray processes despite the two-argument constructor
-        return (ServiceError, (self.code, self.message))
+    def __reduce__(self):  # picklable across Ray processes despite the multi-argument constructor
+        return (ServiceError, (self.code, self.message, self.param))
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,5 +105,5 @@ def internal_error(request_id: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INTERNAL, internal_message(request_id))
 
 
-def invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, param: str | None = None) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, param)

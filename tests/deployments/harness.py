@@ -5,6 +5,7 @@ import contextlib
 import os
 import socket
 import time
+from typing import NamedTuple
 
 import grpc
 
@@ -29,12 +30,25 @@ def fake_args(**over) -> dict:
     return args
 
 
+class Addresses(NamedTuple):
+    grpc: str  # host:port of the gRPC proxy
+    http: str  # http://host:port of the HTTP proxy; app ``name`` lives under ``{http}/{name}``
+
+
 @contextlib.contextmanager
 def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
                ray_kwargs: dict | None = None):
-    """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC proxy on a free
-    port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address. ``ray_kwargs`` adds
-    ``ray.init`` keywords (e.g. ``_metrics_export_port``)."""
+    """``serve_apps_at`` yielding only the gRPC address."""
+    with serve_apps_at(apps, env, timeout_s, ray_kwargs) as addrs:
+        yield addrs.grpc
+
+
+@contextlib.contextmanager
+def serve_apps_at(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
+                  ray_kwargs: dict | None = None):
+    """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC and HTTP proxies
+    on free ports, deploy ``apps`` (name -> AppConfig args, route prefix ``/{name}``); yields their
+    ``Addresses``. ``ray_kwargs`` adds ``ray.init`` keywords (e.g. ``_metrics_export_port``)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -61,7 +75,7 @@ def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout
             if time.monotonic() > deadline:
                 raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
             time.sleep(0.5)
-        yield f"127.0.0.1:{grpc_port}"
+        yield Addresses(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}")
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
