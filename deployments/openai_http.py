@@ -10,8 +10,8 @@ header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the r
 so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
 error event; a failure after that is one error event and ``data: [DONE]``. A client that
 disconnects cancels the response task: ``_forward`` is closed, which aborts the engine request and
-frees its KV. ``X-Request-Id`` is the client's label (echoed in the response header and
-``specserve.label``), never the id. Ignores: the rules themselves, routing policy.
+frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
+one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
 
     last: ServiceError | dict | str | None = None  # sent after the telemetry closed: the consumer
     #                                              closes this generator once it has it
-    with RequestTelemetry(router.metrics, model=router.app.model, metadata=metadata, operation=operation,
+    with RequestTelemetry(router.metrics, model=router.cfg.model, metadata=metadata, operation=operation,
                           api=API_OPENAI) as tel:
         try:
             vreq, decision = await router._admit(metadata, request_id, read)
@@ -117,18 +117,14 @@ async def _complete(router: "Router", request: Request, kind: Kind) -> Response:
     raw = await request.body()
     events = _lifecycle(router, kind, raw, metadata, request_id)
     first = await events.__anext__()
-    label = dict(metadata).get("request_id")
-    headers = {"X-Request-Id": label} if label else {}
     if isinstance(first, ServiceError):
         await events.aclose()
-        response = _error(first)
-        response.headers.update(headers)
-        return response
+        return _error(first)
     if isinstance(first, dict):
         await events.aclose()
-        return JSONResponse(first, headers=headers)
+        return JSONResponse(first)
     return StreamingResponse(_relay(first, events), media_type="text/event-stream",
-                             headers={**headers, "Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache"})
 
 
 def build_openai_app(router: "Router") -> FastAPI:

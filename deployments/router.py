@@ -85,28 +85,28 @@ def unexpected_error(exc: Exception, request_id: str, label: str) -> ServiceErro
 @serve.ingress()  # HTTP: the app __serve_build_asgi_app__ builds; gRPC: the methods below
 class Router:
     async def __init__(self, spec_engine, batch_engine, config: dict) -> None:
-        self.app = AppConfig(**config)
-        self.policy = RouterPolicy(self.app.router_config())
-        self.limits = self.app.limits_config()
-        self.segments = SegmentLabels(self.app.limits.max_segments)
+        self.cfg = AppConfig(**config)  # not ``self.app``: the ASGI wrapper's property (the HTTP app)
+        self.policy = RouterPolicy(self.cfg.router_config())
+        self.limits = self.cfg.limits_config()
+        self.segments = SegmentLabels(self.cfg.limits.max_segments)
         self.token = None
-        if self.app.auth.token_env:
-            self.token = os.environ.get(self.app.auth.token_env) or None
+        if self.cfg.auth.token_env:
+            self.token = os.environ.get(self.cfg.auth.token_env) or None
             if self.token is None:
-                raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
+                raise ValueError(f"auth.token_env={self.cfg.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
         # sequences each engine side runs at once, for overflow balancing (policy rule 8); in-flight
         # counts are per Router replica, so each replica plans with its share of the slots
-        share = self.app.router_deployment.num_replicas
-        spec, batch = self.app.spec_engine, self.app.batch_engine
+        share = self.cfg.router_deployment.num_replicas
+        spec, batch = self.cfg.spec_engine, self.cfg.batch_engine
         # requests forwarded, not yet done, per path (and how many ran beside each)
         self.load = InFlightMeter({
             Path.SPECULATIVE: max(1, round(spec.max_num_seqs * spec.num_replicas / share)),
             Path.PLAIN: max(1, round(batch.max_num_seqs * batch.num_replicas / share))})
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
-        configure_from_section(self.app.telemetry)
+        configure_from_section(self.cfg.telemetry)
         self.metrics = SpecserveMetrics()  # specserve_* via Ray Serve metrics
         self._routes = metrics.Counter("specserve_route_decisions",
                                        description="Router decisions by path and reason",
@@ -115,7 +115,7 @@ class Router:
         if not os.environ.get(PROXY_MAX_MESSAGE_ENV):  # `serve deploy` on a cluster started without it
             log.warning("%s is unset on this node: Ray Serve's gRPC proxy reads messages up to 2 GiB before "
                         "this Router refuses them over %d bytes; set it to %d where Ray starts",
-                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.app.proxy_max_message_bytes())
+                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.cfg.proxy_max_message_bytes())
         self._poll_task = asyncio.create_task(self._poll_loop())
 
     def __serve_build_asgi_app__(self):  # noqa: PLW3201 (Ray Serve's late-bound ASGI hook)
@@ -126,7 +126,7 @@ class Router:
     @property
     def served_model(self) -> str:
         """The model name HTTP clients pass (``model``) and ``/v1/models`` lists."""
-        return self.app.http.served_model_name or self.app.model
+        return self.cfg.http.served_model_name or self.cfg.model
 
     # -- engine view -----------------------------------------------------------------------
     async def _stats(self, handle) -> dict:
@@ -252,7 +252,7 @@ class Router:
     async def Generate(self, request, grpc_context):  # noqa: N802 (gRPC naming)
         request_id = uuid.uuid4().hex
         metadata = grpc_context.invocation_metadata()
-        with RequestTelemetry(self.metrics, model=self.app.model, metadata=metadata, api=API_GRPC) as tel:
+        with RequestTelemetry(self.metrics, model=self.cfg.model, metadata=metadata, api=API_GRPC) as tel:
             try:
                 vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
@@ -268,7 +268,7 @@ class Router:
     async def GenerateStream(self, request, grpc_context):  # noqa: N802
         request_id = uuid.uuid4().hex
         metadata = grpc_context.invocation_metadata()
-        with RequestTelemetry(self.metrics, model=self.app.model, stream=True, metadata=metadata,
+        with RequestTelemetry(self.metrics, model=self.cfg.model, stream=True, metadata=metadata,
                               api=API_GRPC) as tel:
             try:
                 vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
@@ -304,7 +304,7 @@ class Router:
                     info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
                 except Exception:
                     info = {}
-        a, r = self.app, self.app.router
+        a, r = self.cfg, self.cfg.router
         return pb2.ModelInfoResponse(
             model=str(info.get("name") or a.model), architecture=str(info.get("architecture") or ""),
             vocab_size=int(info.get("vocab_size") or 0), max_model_len=int(info.get("max_model_len") or 0),
