@@ -43,7 +43,7 @@ LABEL_HEADER = "x-request-id"
 def _metadata(request: Request) -> list[tuple[str, str]]:
     """HTTP headers as the (key, value) pairs ``_admit`` reads (gRPC's ``request_id`` metadata
     is HTTP's ``X-Request-Id``); ``traceparent`` continues the client's trace."""
-    md = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != LABEL_HEADER]
+    md = [(k.lower(), v) for k, v in request.headers.items() if k.lower() not in (LABEL_HEADER, "request_id")]
     label = request.headers.get(LABEL_HEADER)
     return md + ([("request_id", label)] if label else [])
 
