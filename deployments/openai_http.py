@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from cluster.api.auth import check_bearer
-from cluster.api.openai_errors import error_body, error_event
+from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
                                         completion_fields, parse_body)
@@ -130,6 +131,10 @@ async def _complete(router: "Router", request: Request, kind: Kind) -> Response:
 def build_openai_app(router: "Router") -> FastAPI:
     app = FastAPI(title="specserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown path, method
+        return JSONResponse(http_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

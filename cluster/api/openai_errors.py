@@ -23,8 +23,17 @@ def error_body(err: ServiceError) -> tuple[int, dict]:
     status = http_status(err.code)
     code = "model_not_found" if err.code is grpc.StatusCode.NOT_FOUND and err.param == "model" \
         else err.code.name.lower()
-    return status, {"error": {"message": err.message, "type": _TYPE.get(status, "server_error"),
-                              "param": err.param, "code": code}}
+    return status, _body(status, err.message, err.param, code)
+
+
+def _body(status: int, message: str, param: str | None, code: str | None) -> dict:
+    etype = _TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def http_error_body(status: int, message: str) -> dict:
+    """An error the HTTP layer itself answers (unknown path 404, wrong method 405), same shape."""
+    return _body(status, message, None, None)
 
 
 def error_event(err: ServiceError) -> str:

@@ -4,7 +4,7 @@ import json
 import grpc
 import pytest
 
-from cluster.api.openai_errors import error_body, error_event
+from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.status import ServiceError, http_status
 from cluster.engine.request import FinishReason, RequestOutput, SpecStats
@@ -91,5 +91,7 @@ def test_error_bodies_from_the_one_status_table(code, status, etype):
 def test_wrong_model_code_and_error_event():
     _, body = error_body(ServiceError(grpc.StatusCode.NOT_FOUND, "no such model", "model"))
     assert body["error"]["code"] == "model_not_found"
+    assert http_error_body(405, "Method Not Allowed")["error"] == {
+        "message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": None}
     ev = _event(error_event(ServiceError(grpc.StatusCode.INTERNAL, "internal error (id x)")))
     assert ev["error"]["message"] == "internal error (id x)" and ev["error"]["param"] is None

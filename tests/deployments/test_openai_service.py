@@ -71,6 +71,10 @@ def real(addrs):
 def test_health_models_and_auth(addrs, oa):
     r = requests.get(f"{addrs.http}/oa/health", timeout=30)  # no token: probes send none
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = requests.get(f"{addrs.http}/oa/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"  # OpenAI's error shape
+    r = requests.get(f"{addrs.http}/oa/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     assert [m.id for m in oa.models.list().data] == [MODEL]
     anon = openai.OpenAI(base_url=f"{addrs.http}/oa/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
