@@ -1,8 +1,8 @@
 """The service's user-facing configuration (the ``args`` of the Serve app), validated by pydantic.
 
 Owns: every knob of the app — models, drafter, placement, replicas and resources per deployment,
-router thresholds, limits, auth, telemetry, and ``engine_impl`` (the engine class to inject; tests
-use ``cluster.engine.fake_engine:FakeEngine``) — and their conversion into the internal dataclass
+router thresholds, limits, auth, the HTTP API's served model name, telemetry, and ``engine_impl``
+(the engine class to inject; tests use ``cluster.engine.fake_engine:FakeEngine``) — and their conversion into the internal dataclass
 configs (``EngineConfig``, ``RouterConfig``, ``Limits``). Unknown keys are errors (extra="forbid").
 ``proxy_env`` gives the environment Ray Serve's gRPC proxy reads its message cap from.
 Ignores: building deployments (``deployments.app``).
@@ -72,6 +72,14 @@ class LimitsKnobs(_Strict):
 
 class AuthKnobs(_Strict):
     token_env: str | None = None  # name of the env var holding the bearer token; None = auth off
+
+
+class HttpKnobs(_Strict):
+    """The OpenAI-compatible HTTP API (served by Ray Serve's HTTP proxy; its host and port are
+    the Serve config's ``http_options``, not app args)."""
+
+    served_model_name: str | None = Field(None, min_length=1, max_length=256)  # the ``model`` clients
+    #                                   pass and /v1/models lists; None: the ``model`` arg
 
 
 class TelemetryKnobs(_Strict):
@@ -164,6 +172,7 @@ class AppConfig(_Strict):
     moe: MoeKnobs = MoeKnobs()
     limits: LimitsKnobs = LimitsKnobs()
     auth: AuthKnobs = AuthKnobs()
+    http: HttpKnobs = HttpKnobs()
     telemetry: TelemetryKnobs = TelemetryKnobs()
     router_deployment: DeploymentKnobs = DeploymentKnobs(num_cpus=0.25)
     spec_engine: EngineKnobs = EngineKnobs(max_num_seqs=8)

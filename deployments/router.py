@@ -1,8 +1,11 @@
-"""Router: the ingress deployment behind Ray Serve's gRPC proxy.
+"""Router: the ingress deployment behind Ray Serve's gRPC proxy and its HTTP proxy.
 
 Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelInfo) and
 ``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
-RPC), bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
+RPC); the OpenAI-compatible HTTP API on the same replica (``@serve.ingress``: Serve routes HTTP to
+the ASGI app ``__serve_build_asgi_app__`` builds, ``deployments.openai_http``), which goes through
+the same ``_admit`` (auth, the shared validation, the route decision) and ``_forward``;
+bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
 own in-flight counts, the latency of the requests it saw complete (per path and segment, for
 overflow balancing; shown in ModelInfo) and the engines' polled stats (readiness, α per segment, MoE gate),
 forwarding to SpecEngine/BatchEngine through streaming handles (unary ``Generate`` asks the engine
@@ -29,6 +32,7 @@ import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 from ray import serve
@@ -38,7 +42,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
-from cluster.api.requests import ValidatedRequest, check_constraint, request_label, validate_request
+from cluster.api.requests import (RequestFields, ValidatedRequest, check_constraint, fields_from_proto,
+                                  request_label, validate_fields)
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
 from cluster.engine.request import FinishReason, SpecMode
@@ -47,7 +52,7 @@ from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecis
 from cluster.routing.segments import SegmentLabels
 from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
-from cluster.telemetry.router_telemetry import RequestTelemetry
+from cluster.telemetry.router_telemetry import API_GRPC, RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section
 
 log = logging.getLogger("specserve.router")
@@ -77,30 +82,31 @@ def unexpected_error(exc: Exception, request_id: str, label: str) -> ServiceErro
 
 
 @serve.deployment(name="Router", max_ongoing_requests=2048)
+@serve.ingress()  # HTTP: the app __serve_build_asgi_app__ builds; gRPC: the methods below
 class Router:
     async def __init__(self, spec_engine, batch_engine, config: dict) -> None:
-        self.app = AppConfig(**config)
-        self.policy = RouterPolicy(self.app.router_config())
-        self.limits = self.app.limits_config()
-        self.segments = SegmentLabels(self.app.limits.max_segments)
+        self.cfg = AppConfig(**config)  # not ``self.app``: the ASGI wrapper's property (the HTTP app)
+        self.policy = RouterPolicy(self.cfg.router_config())
+        self.limits = self.cfg.limits_config()
+        self.segments = SegmentLabels(self.cfg.limits.max_segments)
         self.token = None
-        if self.app.auth.token_env:
-            self.token = os.environ.get(self.app.auth.token_env) or None
+        if self.cfg.auth.token_env:
+            self.token = os.environ.get(self.cfg.auth.token_env) or None
             if self.token is None:
-                raise ValueError(f"auth.token_env={self.app.auth.token_env!r} is configured but that "
+                raise ValueError(f"auth.token_env={self.cfg.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
         # sequences each engine side runs at once, for overflow balancing (policy rule 8); in-flight
         # counts are per Router replica, so each replica plans with its share of the slots
-        share = self.app.router_deployment.num_replicas
-        spec, batch = self.app.spec_engine, self.app.batch_engine
+        share = self.cfg.router_deployment.num_replicas
+        spec, batch = self.cfg.spec_engine, self.cfg.batch_engine
         # requests forwarded, not yet done, per path (and how many ran beside each)
         self.load = InFlightMeter({
             Path.SPECULATIVE: max(1, round(spec.max_num_seqs * spec.num_replicas / share)),
             Path.PLAIN: max(1, round(batch.max_num_seqs * batch.num_replicas / share))})
         self._spec_stats: dict = {}
         self._batch_stats: dict = {}
-        configure_from_section(self.app.telemetry)
+        configure_from_section(self.cfg.telemetry)
         self.metrics = SpecserveMetrics()  # specserve_* via Ray Serve metrics
         self._routes = metrics.Counter("specserve_route_decisions",
                                        description="Router decisions by path and reason",
@@ -109,8 +115,18 @@ class Router:
         if not os.environ.get(PROXY_MAX_MESSAGE_ENV):  # `serve deploy` on a cluster started without it
             log.warning("%s is unset on this node: Ray Serve's gRPC proxy reads messages up to 2 GiB before "
                         "this Router refuses them over %d bytes; set it to %d where Ray starts",
-                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.app.proxy_max_message_bytes())
+                        PROXY_MAX_MESSAGE_ENV, self.limits.max_message_bytes, self.cfg.proxy_max_message_bytes())
         self._poll_task = asyncio.create_task(self._poll_loop())
+
+    def __serve_build_asgi_app__(self):  # noqa: PLW3201 (Ray Serve's late-bound ASGI hook)
+        from deployments.openai_http import build_openai_app
+
+        return build_openai_app(self)
+
+    @property
+    def served_model(self) -> str:
+        """The model name HTTP clients pass (``model``) and ``/v1/models`` lists."""
+        return self.cfg.http.served_model_name or self.cfg.model
 
     # -- engine view -----------------------------------------------------------------------
     async def _stats(self, handle) -> dict:
@@ -150,14 +166,17 @@ class Router:
             moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
 
     # -- request path ----------------------------------------------------------------------
-    async def _admit(self, request, grpc_context, request_id: str) -> tuple[ValidatedRequest, RouteDecision]:
-        metadata = grpc_context.invocation_metadata()
+    async def _admit(self, metadata, request_id: str,
+                     read: Callable[[], RequestFields]) -> tuple[ValidatedRequest, RouteDecision]:
+        """Auth, then ``read()`` (the front end's wire -> ``RequestFields``), the shared validation
+        and the route decision; ``metadata``: (key, value) pairs (gRPC metadata, HTTP headers)."""
         check_bearer(metadata, self.token)
-        vreq = validate_request(request, request_id, self.limits, label=request_label(metadata, self.limits),
-                                constraints=False)
+        fields = read()
+        vreq = validate_fields(fields, request_id, self.limits, label=request_label(metadata, self.limits),
+                               constraints=False)
         if vreq.constrained:
             await asyncio.get_running_loop().run_in_executor(self._checker, check_constraint,
-                                                             request.json_schema, request.regex)
+                                                             fields.json_schema, fields.regex)
         segment = self.segments.label(vreq.segment)
         if segment != vreq.segment:  # past limits.max_segments distinct labels
             vreq = dataclasses.replace(vreq, segment=segment)
@@ -209,25 +228,33 @@ class Router:
         grpc_context.set_code(exc.code)
         grpc_context.set_details(exc.message)
 
-    def _label(self, grpc_context) -> str:
+    def _label(self, metadata) -> str:
         """The client's label for logs, before (or whether or not) the request validates."""
         cap = self.limits.max_label_chars
-        return next((str(v)[:cap] for k, v in grpc_context.invocation_metadata() if k == "request_id"), "")
+        return next((str(v)[:cap] for k, v in metadata if k == "request_id"), "")
+
+    def _failure(self, exc: Exception, request_id: str, metadata, tel: RequestTelemetry) -> ServiceError:
+        """Any failure of a request as the ``ServiceError`` the client gets, traced."""
+        err = exc if isinstance(exc, ServiceError) else unexpected_error(exc, request_id, self._label(metadata))
+        tel.error(err.message, err.code.name)
+        return err
 
     def _failed(self, exc: Exception, request_id: str, grpc_context, tel: RequestTelemetry) -> ServiceError:
-        """Any failure of a request as the status the client gets (set on the context)."""
-        err = exc if isinstance(exc, ServiceError) else unexpected_error(exc, request_id, self._label(grpc_context))
-        tel.error(err.message, err.code.name)
+        """``_failure`` set on the gRPC context."""
+        err = self._failure(exc, request_id, grpc_context.invocation_metadata(), tel)
         self._fail(grpc_context, err)
         return err
+
+    def _grpc_fields(self, request) -> Callable[[], RequestFields]:
+        return lambda: fields_from_proto(request, self.limits)
 
     # -- gRPC methods ----------------------------------------------------------------------
     async def Generate(self, request, grpc_context):  # noqa: N802 (gRPC naming)
         request_id = uuid.uuid4().hex
-        with RequestTelemetry(self.metrics, model=self.app.model,
-                              metadata=grpc_context.invocation_metadata()) as tel:
+        metadata = grpc_context.invocation_metadata()
+        with RequestTelemetry(self.metrics, model=self.cfg.model, metadata=metadata, api=API_GRPC) as tel:
             try:
-                vreq, decision = await self._admit(request, grpc_context, request_id)
+                vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 acc = Accumulator(vreq.echo_id, decision)
                 async for out in self._forward(vreq, decision, tel.carrier(), whole=True):
@@ -240,10 +267,11 @@ class Router:
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802
         request_id = uuid.uuid4().hex
-        with RequestTelemetry(self.metrics, model=self.app.model, stream=True,
-                              metadata=grpc_context.invocation_metadata()) as tel:
+        metadata = grpc_context.invocation_metadata()
+        with RequestTelemetry(self.metrics, model=self.cfg.model, stream=True, metadata=metadata,
+                              api=API_GRPC) as tel:
             try:
-                vreq, decision = await self._admit(request, grpc_context, request_id)
+                vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 first, total = True, 0
                 async for out in self._forward(vreq, decision, tel.carrier()):
@@ -264,7 +292,8 @@ class Router:
         except ServiceError as exc:
             self._fail(grpc_context, exc)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, detail logged
-            self._fail(grpc_context, unexpected_error(exc, uuid.uuid4().hex, self._label(grpc_context)))
+            self._fail(grpc_context, unexpected_error(exc, uuid.uuid4().hex,
+                                                      self._label(grpc_context.invocation_metadata())))
         return pb2.ModelInfoResponse()
 
     async def _model_info(self, pb2):
@@ -275,7 +304,7 @@ class Router:
                     info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
                 except Exception:
                     info = {}
-        a, r = self.app, self.app.router
+        a, r = self.cfg, self.cfg.router
         return pb2.ModelInfoResponse(
             model=str(info.get("name") or a.model), architecture=str(info.get("architecture") or ""),
             vocab_size=int(info.get("vocab_size") or 0), max_model_len=int(info.get("max_model_len") or 0),
@@ -294,6 +323,11 @@ class Router:
                 for segment, by_path in self.policy.latency.snapshot().items()
                 for path, fit in by_path.items()]
 
+    async def serving(self) -> bool:
+        """Every engine ready, asked now (a probe wants the truth, not the last poll)."""
+        await self._refresh()
+        return self.batch_ready and (self.spec is None or self.spec_ready)
+
     async def Check(self, request, grpc_context):  # noqa: N802 (grpc.health.v1)
         from grpc_health.v1 import health_pb2
 
@@ -302,7 +336,6 @@ class Router:
             self._fail(grpc_context, ServiceError(grpc.StatusCode.NOT_FOUND,
                                                   f"unknown service {request.service!r}"))
             return health_pb2.HealthCheckResponse()
-        await self._refresh()  # a probe wants the truth now, not the last poll
-        ok = self.batch_ready and (self.spec is None or self.spec_ready)
+        ok = await self.serving()
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

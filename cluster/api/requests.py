@@ -1,11 +1,13 @@
-"""Client request validation and conversion (``GenerateRequest`` proto -> typed request).
+"""Client request validation and conversion (a front end's ``RequestFields`` -> typed request).
 
 Owns: every INVALID_ARGUMENT rule of the API that needs no model (prompt shape, limits, finite
 sampling values, ranges via ``SamplingParams``, stop-string caps, the client's ``request_id`` label)
-in ``validate_request``; the constraint check (JSON Schema / regex syntax) in ``check_constraint``,
-kept apart because it is CPU work on client-chosen input that the Router runs off its event loop
-(size-capped first, so it is bounded; recursion and any other checker failure is the client's
-INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
+in ``validate_fields``, which both front ends call: gRPC through ``validate_request`` (the proto ->
+``RequestFields``), the OpenAI HTTP API through ``cluster.api.openai_schemas`` (JSON ->
+``RequestFields``) — one copy of the rules; the constraint check (JSON Schema / regex syntax) in
+``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
+off its event loop (size-capped first, so it is bounded; recursion and any other checker failure is
+the client's INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
 ``to_generation_request``, which an engine deployment runs next to its tokenizer.
 Ignores: routing and transport.
 """
@@ -129,70 +131,123 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
-                     constraints: bool = True) -> ValidatedRequest:
-    """Raises ServiceError(INVALID_ARGUMENT) with a message naming the field. ``request_id`` is the
-    server's own id for the request; ``label`` the client's. ``constraints=False`` leaves the
-    constraint's syntax (not its size) to the caller's ``check_constraint``."""
-    size = pb.ByteSize()
+@dataclass(slots=True, frozen=True)
+class RequestFields:
+    """A request as a front end read it off its wire, before any rule: the one input of the rules.
+
+    gRPC fills it from ``GenerateRequest`` (``fields_from_proto``), the OpenAI HTTP front end from
+    its JSON body (``cluster.api.openai_schemas``); ``validate_fields`` applies every rule to both,
+    so the two front ends cannot disagree. ``size`` is the request's size on the wire (bytes)."""
+
+    size: int
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None  # None: the server default
+    temperature: float = 0.0
+    top_p: float | None = None  # None: 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    mode: SpecMode = SpecMode.AUTO
+    segment: str = ""
+    json_schema: str = ""
+    regex: str = ""
+    ignore_eos: bool = False
+
+
+def check_size(size: int, limits: Limits) -> None:
+    """A request's size on the wire; a front end checks it before parsing the request at all."""
     if size > limits.max_message_bytes:
         raise invalid(f"request is {size} bytes, over the {limits.max_message_bytes}-byte limit")
-    has_ids = pb.HasField("prompt_token_ids")
-    given = [name for name, present in (("prompt", bool(pb.prompt)), ("messages", len(pb.messages) > 0),
-                                        ("prompt_token_ids", has_ids)) if present]
-    if len(given) > 1:
-        raise invalid(f"set exactly one of prompt, messages, prompt_token_ids (got {' and '.join(given)})")
-    if not given or (pb.prompt and not pb.prompt.strip()):
-        raise invalid("prompt is empty: set prompt, messages or prompt_token_ids")
-    if pb.prompt:
-        prompt = PromptInput(text=pb.prompt)
-    elif pb.messages:
-        for i, m in enumerate(pb.messages):
-            if m.role not in CHAT_ROLES:
-                raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role!r}")
-        if not any(m.content.strip() for m in pb.messages):
-            raise invalid("prompt is empty: every message has empty content")
-        prompt = PromptInput(messages=tuple((m.role, m.content) for m in pb.messages))
-    else:
-        ids = tuple(pb.prompt_token_ids.ids)
-        if not ids:
-            raise invalid("prompt is empty: prompt_token_ids has no ids")
-        if any(t < 0 for t in ids):
-            raise invalid("prompt_token_ids must be non-negative")
-        prompt = PromptInput(token_ids=ids)
 
-    max_tokens = pb.max_tokens if pb.HasField("max_tokens") else limits.default_max_tokens
-    if not 1 <= max_tokens <= limits.max_tokens:
-        raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
-    if pb.json_schema and pb.regex:
-        raise invalid("set at most one of json_schema and regex")
-    for name in ("json_schema", "regex"):
-        if len(getattr(pb, name)) > limits.max_constraint_chars:
-            raise invalid(f"{name} is {len(getattr(pb, name))} characters, over the "
-                          f"{limits.max_constraint_chars}-character limit")
-    if constraints and (pb.json_schema or pb.regex):
-        check_constraint(pb.json_schema, pb.regex)
-    if len(pb.stop) > limits.max_stop_strings:
-        raise invalid(f"stop has {len(pb.stop)} strings, limit is {limits.max_stop_strings}")
-    for i, s in enumerate(pb.stop):
-        if len(s) > limits.max_stop_chars:
-            raise invalid(f"stop[{i}] is {len(s)} characters, limit is {limits.max_stop_chars}")
+
+def fields_from_proto(pb, limits: Limits) -> RequestFields:
+    """``GenerateRequest`` -> ``RequestFields``; the size cap first (before copying what may be a
+    huge message), and the wire's own shape check (the mode enum)."""
+    size = pb.ByteSize()
+    check_size(size, limits)
     if pb.mode not in _MODE_FROM_PROTO:
         raise invalid(f"unknown mode {pb.mode}")
+    return RequestFields(
+        size=size, prompt=pb.prompt or None,
+        messages=tuple((m.role, m.content) for m in pb.messages) or None,
+        token_ids=tuple(pb.prompt_token_ids.ids) if pb.HasField("prompt_token_ids") else None,
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else None,
+        temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.HasField("top_p") else None,
+        top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
+        mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
+        ignore_eos=bool(pb.ignore_eos))
+
+
+def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
+                     constraints: bool = True) -> ValidatedRequest:
+    """``validate_fields`` of a ``GenerateRequest`` proto (the gRPC front end)."""
+    return validate_fields(fields_from_proto(pb, limits), request_id, limits, label=label, constraints=constraints)
+
+
+def _prompt(f: RequestFields) -> PromptInput:
+    given = [name for name, present in (("prompt", f.prompt is not None), ("messages", bool(f.messages)),
+                                        ("prompt_token_ids", f.token_ids is not None)) if present]
+    if len(given) > 1:
+        raise invalid(f"set exactly one of prompt, messages, prompt_token_ids (got {' and '.join(given)})")
+    if not given or (f.prompt is not None and not f.prompt.strip()):
+        raise invalid("prompt is empty: set prompt, messages or prompt_token_ids")
+    if f.prompt is not None:
+        return PromptInput(text=f.prompt)
+    if f.messages:
+        for i, (role, _) in enumerate(f.messages):
+            if role not in CHAT_ROLES:
+                raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        if not any(content.strip() for _, content in f.messages):
+            raise invalid("prompt is empty: every message has empty content")
+        return PromptInput(messages=tuple(f.messages))
+    ids = tuple(f.token_ids or ())
+    if not ids:
+        raise invalid("prompt is empty: prompt_token_ids has no ids")
+    if any(t < 0 for t in ids):
+        raise invalid("prompt_token_ids must be non-negative")
+    return PromptInput(token_ids=ids)
+
+
+def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label: str = "",
+                    constraints: bool = True) -> ValidatedRequest:
+    """Every model-free rule of the API, for both front ends. Raises ServiceError(INVALID_ARGUMENT)
+    with a message naming the field. ``request_id`` is the server's own id for the request;
+    ``label`` the client's. ``constraints=False`` leaves the constraint's syntax (not its size) to
+    the caller's ``check_constraint``."""
+    check_size(f.size, limits)
+    prompt = _prompt(f)
+    max_tokens = f.max_tokens if f.max_tokens is not None else limits.default_max_tokens
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+    if f.json_schema and f.regex:
+        raise invalid("set at most one of json_schema and regex")
+    for name in ("json_schema", "regex"):
+        if len(getattr(f, name)) > limits.max_constraint_chars:
+            raise invalid(f"{name} is {len(getattr(f, name))} characters, over the "
+                          f"{limits.max_constraint_chars}-character limit")
+    if constraints and (f.json_schema or f.regex):
+        check_constraint(f.json_schema, f.regex)
+    if len(f.stop) > limits.max_stop_strings:
+        raise invalid(f"stop has {len(f.stop)} strings, limit is {limits.max_stop_strings}")
+    for i, s in enumerate(f.stop):
+        if len(s) > limits.max_stop_chars:
+            raise invalid(f"stop[{i}] is {len(s)} characters, limit is {limits.max_stop_chars}")
+    if f.seed is not None and not 0 <= f.seed < 1 << 64:
+        raise invalid(f"seed must be in [0, 2**64), got {f.seed}")
     try:
         params = SamplingParams(
-            max_tokens=int(max_tokens), temperature=_finite("temperature", float(pb.temperature)),
-            top_p=_finite("top_p", float(pb.top_p)) if pb.HasField("top_p") else 1.0, top_k=int(pb.top_k),
-            seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
-            ignore_eos=bool(pb.ignore_eos))
+            max_tokens=int(max_tokens), temperature=_finite("temperature", float(f.temperature)),
+            top_p=_finite("top_p", float(f.top_p)) if f.top_p is not None else 1.0, top_k=int(f.top_k),
+            seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos))
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
-    segment = pb.segment.strip() or "default"
+    segment = f.segment.strip() or "default"
     if len(segment) > 64:
         raise invalid("segment must be at most 64 characters")
-    return ValidatedRequest(request_id=request_id, prompt=prompt, params=params,
-                            mode=_MODE_FROM_PROTO[pb.mode], segment=segment,
-                            constrained=bool(pb.json_schema or pb.regex), label=label)
+    return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
+                            segment=segment, constrained=bool(f.json_schema or f.regex), label=label)
 
 
 def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_size: int,

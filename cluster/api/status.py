@@ -5,8 +5,10 @@ record an engine deployment yields instead of raising, so the Router maps it to 
 depending on how Ray wraps remote exceptions), and what a client may be told of a failure: the
 messages of the engine's own user-facing errors (bad input, queue full, engine gone) pass, while
 any other exception becomes ``internal error (id ...)`` — its text (tracebacks, Ray actor ids, pids,
-node IPs) is for the log, which the caller writes. Ignores: setting the code on a context (the
-Router), logging.
+node IPs) is for the log, which the caller writes; and ``http_status``, the one table from a gRPC
+code to the HTTP status the OpenAI-compatible front end answers with (one set of rules raises
+``ServiceError``; each front end only translates its code). Ignores: setting the code on a context
+(the Router), the OpenAI error body (``openai_errors``), logging.
 """
 from __future__ import annotations
 
@@ -35,13 +37,16 @@ class FailureKind(enum.Enum):
 
 
 class ServiceError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """``param``: the request field at fault, when one is (the OpenAI error body names it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
-    def __reduce__(self):  # picklable across Ray processes despite the two-argument constructor
-        return (ServiceError, (self.code, self.message))
+    def __reduce__(self):  # picklable across Ray processes despite the multi-argument constructor
+        return (ServiceError, (self.code, self.message, self.param))
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +72,30 @@ class EngineFailure:
 ENGINE_GONE = "the engine serving this request stopped; retry (a replacement replica is started)"
 
 
+# gRPC code -> HTTP status (the conventional mapping, as grpc-gateway uses); 500 for the rest.
+_HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status of a ``ServiceError``'s gRPC code (INTERNAL, UNKNOWN, DATA_LOSS: 500)."""
+    return _HTTP_STATUS.get(code, 500)
+
+
 def internal_message(request_id: str) -> str:
     """What a client is told of an unexpected failure: the id to quote, the detail in the log."""
     return f"internal error (id {request_id})"
@@ -76,5 +105,5 @@ def internal_error(request_id: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INTERNAL, internal_message(request_id))
 
 
-def invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, param: str | None = None) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, param)

@@ -1,10 +1,10 @@
-"""`specserve serve`: start a local Ray cluster and the specserve app behind the gRPC proxy.
+"""`specserve serve`: start a local Ray cluster and the specserve app behind the gRPC and HTTP proxies.
 
 Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``), applying
-``--port``/``--model``/``--drafter``/``--placement`` overrides, starting Ray with the machine's
+``--port``/``--http-port``/``--model``/``--drafter``/``--placement`` overrides, starting Ray with the machine's
 CPUs (dashboard off, node IP 127.0.0.1 so every internal hop stays on loopback) with the gRPC
 proxy's message cap set to the app's limit, deploying, waiting until the engines are SERVING,
-printing the gRPC address, and a clean shutdown (Serve, then Ray; exit 0) on SIGTERM or SIGINT,
+printing the gRPC address and the OpenAI-compatible API's base URL, and a clean shutdown (Serve, then Ray; exit 0) on SIGTERM or SIGINT,
 at any point after Ray started. ``ray.init`` installs its own SIGTERM handlers (Python's
 ``sys.exit`` and the core worker's fatal-signal handler, which aborts: exit 134), so ours are
 installed after it. Ignores: what the app does (``deployments``).
@@ -23,9 +23,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_co
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the service locally (Ray Serve, gRPC)")
+    p = sub.add_parser("serve", help="run the service locally (Ray Serve: gRPC and OpenAI-compatible HTTP)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default: the config's, 9000)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="HTTP port of the OpenAI-compatible API (default: the config's, 8000)")
     p.add_argument("--model", default=None, help="override the app's model")
     p.add_argument("--drafter", default=None, help="override the drafter (ngram, self[:L], model, none)")
     p.add_argument("--placement", choices=("shared", "separate"), default=None)
@@ -51,6 +53,8 @@ def load_config(args) -> dict:
             app_args[key] = getattr(args, key)
     if args.port is not None:
         cfg.setdefault("grpc_options", {})["port"] = args.port
+    if getattr(args, "http_port", None) is not None:
+        cfg["http_options"] = {**(cfg.get("http_options") or {}), "port": args.http_port}
     if app_args.get("placement") == "separate":
         app_args.setdefault("draft_server", {}).setdefault("host", "127.0.0.1")
     return cfg
@@ -119,8 +123,7 @@ def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float =
             serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))},
                         grpc_options=gRPCOptions(port=port, grpc_servicer_functions=list(servicers)))
             name = app_cfg.get("name", "specserve")
-            serve.run(build(app_args), name=name, route_prefix=app_cfg.get("route_prefix", f"/{name}"),
-                      blocking=False)
+            serve.run(build(app_args), name=name, route_prefix=_route_prefix(app_cfg), blocking=False)
             addr = f"127.0.0.1:{port}"
             print(f"specserve: deployed app {name!r}; loading models...", file=sys.stderr, flush=True)
             if not _wait_serving(addr, name, ready_timeout):
@@ -139,13 +142,36 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     try:
         with local_service(cfg, args.num_cpus, args.ready_timeout) as (addr, name):
+            base_url = http_base_url(cfg)
             print(f"specserve: gRPC on {addr} (app {name!r}); try in another terminal: "
                   f"{_this_cli()} client --addr {addr} \"Hello\"", flush=True)
+            print(f"specserve: OpenAI-compatible HTTP API at {base_url} (model "
+                  f"{_served_model(cfg)!r}); try: curl {base_url}/chat/completions -H 'Content-Type: "
+                  f"application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+                  flush=True)
             while True:
                 time.sleep(0.5)
     except (ShutdownRequested, KeyboardInterrupt):  # KeyboardInterrupt: before Ray started
         pass
     return 0
+
+
+def _route_prefix(app_cfg: dict) -> str:
+    return app_cfg.get("route_prefix", f"/{app_cfg.get('name', 'specserve')}")
+
+
+def http_base_url(cfg: dict) -> str:
+    """The OpenAI-compatible API's base URL (what ``openai.OpenAI(base_url=...)`` takes)."""
+    http = cfg.get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # bound everywhere: loopback reaches it
+    prefix = _route_prefix(cfg["applications"][0]).rstrip("/")
+    return f"http://{host}:{int(http.get('port', 8000))}{prefix}/v1"
+
+
+def _served_model(cfg: dict) -> str:
+    args = cfg["applications"][0].get("args") or {}
+    return (args.get("http") or {}).get("served_model_name") or args.get("model", "default")
 
 
 def _this_cli() -> str:

@@ -12,7 +12,7 @@ Segments are a client-supplied label: at most ``max_segments`` distinct values a
 report as ``other`` (bounded Prometheus cardinality; ``cluster.routing.segments``).
 
 Metric (Prometheus name; inside Ray prefixed ``ray_``)      labels
-specserve_requests_total                                   path, reason, segment, finish_reason
+specserve_requests_total                                   path, reason, segment, finish_reason, api
 specserve_ttft_seconds / _tpot_seconds / _e2e_seconds      path, segment        (histograms)
 specserve_prompt_tokens_total / _output_tokens_total       path
 specserve_request_acceptance_rate                          segment              (histogram, per request)
@@ -65,7 +65,8 @@ class SpecserveMetrics:
         self._last: dict[tuple, float] = {}
         # Router side.
         self.requests = b.counter("specserve_requests", "Finished requests by route path, route reason, "
-                                  "segment and finish reason", ("path", "reason", "segment", "finish_reason"))
+                                  "segment, finish reason and front end (api: grpc | openai)",
+                                  ("path", "reason", "segment", "finish_reason", "api"))
         self.ttft = b.histogram("specserve_ttft_seconds", "Time to first token seen by the router",
                                 ("path", "segment"), LATENCY_BUCKETS)
         self.tpot = b.histogram("specserve_tpot_seconds", "Time per output token after the first",
@@ -120,19 +121,20 @@ class SpecserveMetrics:
 
     # --- router ----------------------------------------------------------------------------
     def record_request(self, output: Any, *, path: Any, reason: Any, segment: str | None,
-                       ttft_s: float | None, e2e_s: float) -> None:
-        """A finished request: ``output`` is the final RequestOutput (usage, finish reason, spec)."""
-        self.record_request_values(
+                       ttft_s: float | None, e2e_s: float, api: str = "grpc") -> None:
+        """A finished request: ``output`` is the final RequestOutput (usage, finish reason, spec);
+        ``api``: the front end it came through."""
+        self.record_request_values(api=api, 
             path=path, reason=reason, segment=segment, finish_reason=output.finish_reason,
             num_prompt_tokens=output.num_prompt_tokens, num_output_tokens=output.num_output_tokens,
             ttft_s=ttft_s, e2e_s=e2e_s, spec=getattr(output, "spec", None))
 
     def record_request_values(self, *, path: Any, reason: Any, segment: str | None, finish_reason: Any,
                               num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
-                              e2e_s: float, spec: Any = None) -> None:
+                              e2e_s: float, spec: Any = None, api: str = "grpc") -> None:
         p, seg = label(path), self.segment(segment)
         self.requests.inc(1, {"path": p, "reason": label(reason), "segment": seg,
-                              "finish_reason": label(finish_reason) or "unknown"})
+                              "finish_reason": label(finish_reason) or "unknown", "api": api})
         ps = {"path": p, "segment": seg}
         if ttft_s is not None:
             self.ttft.observe(ttft_s, ps)
@@ -144,11 +146,12 @@ class SpecserveMetrics:
         if spec is not None and spec.draft_tokens:
             self.request_alpha.observe(spec.accepted_tokens / spec.draft_tokens, {"segment": seg})
 
-    def record_unfinished(self, *, path: Any, reason: Any, segment: str | None, finish_reason: str) -> None:
+    def record_unfinished(self, *, path: Any, reason: Any, segment: str | None, finish_reason: str,
+                          api: str = "grpc") -> None:
         """A request that ended without a final output (rejected before routing: path ``none`` and
         reason = the error type, e.g. ``INVALID_ARGUMENT``; or failed/cancelled mid-way)."""
         self.requests.inc(1, {"path": label(path) or "none", "reason": label(reason) or "unknown",
-                              "segment": self.segment(segment), "finish_reason": finish_reason})
+                              "segment": self.segment(segment), "finish_reason": finish_reason, "api": api})
 
     def set_inflight(self, path: Any, value: int) -> None:
         self.inflight.set(value, {"path": label(path)})

@@ -28,13 +28,15 @@ from cluster.telemetry.request_span import label, request_span
 
 # the client's request_id metadata: a label only (specserve.request_id is the server's own id)
 REQUEST_LABEL = "specserve.request_label"
+API_GRPC, API_OPENAI = "grpc", "openai"  # the front end a request came through (span + metric label)
 
 
 class RequestTelemetry:
-    __slots__ = ("_metrics", "_span", "_t0", "_ttft", "_final", "_path", "_reason", "_segment", "_error")
+    __slots__ = ("_metrics", "_span", "_t0", "_ttft", "_final", "_path", "_reason", "_segment", "_error",
+                 "_api")
 
     def __init__(self, metrics: SpecserveMetrics | None, *, model: str, metadata: MetadataLike = None,
-                 stream: bool = False, operation: str = sc.OP_TEXT_COMPLETION) -> None:
+                 stream: bool = False, operation: str = sc.OP_TEXT_COMPLETION, api: str = API_GRPC) -> None:
         self._metrics = metrics
         self._t0 = time.perf_counter()
         self._span = request_span(model=model, operation=operation, metadata=metadata, stream=stream)
@@ -44,6 +46,12 @@ class RequestTelemetry:
         self._reason: Any = None
         self._segment: str | None = None
         self._error: str | None = None
+        self._api = api
+        self._span.span.set_attribute(sc.API, api)  # a no-op span when tracing is off
+
+    def set_stream(self, stream: bool) -> None:
+        """The HTTP front end learns ``stream`` from the body, after the span opened."""
+        self._span.span.set_attribute(sc.STREAM, bool(stream))
 
     @property
     def span(self):
@@ -105,10 +113,10 @@ class RequestTelemetry:
             return
         if self._final is not None and self._path is not None:
             m.record_request(self._final, path=self._path, reason=self._reason, segment=self._segment,
-                             ttft_s=self._ttft, e2e_s=e2e)
+                             ttft_s=self._ttft, e2e_s=e2e, api=self._api)
             return
         # Rejected, failed or abandoned before the final output: counted, no latency samples.
         cancelled = exc_type is not None and exc_type.__name__ in ("GeneratorExit", "CancelledError")
         outcome = "cancelled" if cancelled else "error"
         m.record_unfinished(path=self._path, reason=self._reason if self._path is not None else self._error,
-                            segment=self._segment, finish_reason=outcome)
+                            segment=self._segment, finish_reason=outcome, api=self._api)

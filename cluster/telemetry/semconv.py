@@ -45,6 +45,7 @@ REQUEST_ID = "specserve.request_id"
 MODE = "specserve.mode"
 TTFT_MS = "specserve.ttft_ms"
 STREAM = "specserve.stream"
+API = "specserve.api"  # the front end: "grpc" | "openai" (the OpenAI-compatible HTTP API)
 
 ENGINE_KIND = "specserve.engine"  # "spec" | "batch"
 PROMPT_TOKENS = "specserve.prompt_tokens"

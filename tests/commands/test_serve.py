@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import requests
 import yaml
 
 from cluster.commands import serve
@@ -40,16 +41,17 @@ def _session_pids(sid: int) -> list[int]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_cleanly_on_signal(tmp_path, signum):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     args = fake_args(drafter="none")
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
-        "http_options": {"host": "127.0.0.1", "port": free_port()},
+        "http_options": {"host": "127.0.0.1", "port": free_port()},  # --http-port overrides it
         "grpc_options": {"port": port},
         "applications": [{"name": "specserve", "import_path": "deployments.app:build", "args": args}]}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
-                             "serve", "--config", str(config), "--num-cpus", "2", "--ready-timeout", "180"],
+                             "serve", "--config", str(config), "--num-cpus", "2", "--ready-timeout", "180",
+                             "--http-port", str(http_port)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -64,12 +66,16 @@ def test_serve_stops_cleanly_on_signal(tmp_path, signum):
                 assert time.monotonic() < deadline, "specserve serve never answered"
                 time.sleep(1.0)
         assert r.text == "up "
+        base_url = f"http://127.0.0.1:{http_port}/specserve/v1"  # the default route prefix: /<app name>
+        h = requests.post(f"{base_url}/completions", json={"prompt": "up ", "max_tokens": 3}, timeout=30)
+        assert h.status_code == 200 and h.json()["choices"][0]["text"] == "up "  # the same app over HTTP
         t0 = time.monotonic()
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - t0
         assert proc.returncode == 0, err[-3000:]
         assert "specserve: stopped" in err and took < 90
+        assert f"gRPC on 127.0.0.1:{port}" in out and f"OpenAI-compatible HTTP API at {base_url}" in out
         deadline = time.monotonic() + 20  # Ray's daemons exit on their own once the driver is gone
         while _session_pids(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.5)

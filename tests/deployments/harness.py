@@ -5,6 +5,7 @@ import contextlib
 import os
 import socket
 import time
+from typing import NamedTuple
 
 import grpc
 
@@ -29,23 +30,45 @@ def fake_args(**over) -> dict:
     return args
 
 
+class Addresses(NamedTuple):
+    grpc: str  # host:port of the gRPC proxy
+    http: str  # http://host:port of the HTTP proxy; app ``name`` lives under ``{http}/{name}``
+
+
 @contextlib.contextmanager
 def serve_apps(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
                ray_kwargs: dict | None = None, ray_address: str | None = None):
-    """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC proxy on a free
-    port, deploy ``apps`` (name -> AppConfig args); yields the gRPC address. ``ray_kwargs`` adds
-    ``ray.init`` keywords (e.g. ``_metrics_export_port``); ``ray_address`` joins a cluster started
-    elsewhere (``ray start``) instead of starting one."""
-    with serve_session(env=env, ray_kwargs=ray_kwargs, ray_address=ray_address) as addr:
+    """``serve_apps_at`` yielding only the gRPC address."""
+    with serve_apps_at(apps, env, timeout_s, ray_kwargs, ray_address) as addrs:
+        yield addrs.grpc
+
+
+@contextlib.contextmanager
+def serve_apps_at(apps: dict[str, dict], env: dict[str, str] | None = None, timeout_s: float = 240,
+                  ray_kwargs: dict | None = None, ray_address: str | None = None):
+    """Start Ray (2 CPUs, no dashboard, node IP 127.0.0.1) and Serve with the gRPC and HTTP proxies
+    on free ports, deploy ``apps`` (name -> AppConfig args, route prefix ``/{name}``); yields their
+    ``Addresses``. ``ray_kwargs`` adds ``ray.init`` keywords (e.g. ``_metrics_export_port``);
+    ``ray_address`` joins a cluster started elsewhere (``ray start``) instead of starting one."""
+    with serve_session_at(env=env, ray_kwargs=ray_kwargs, ray_address=ray_address) as addrs:
         deploy_apps(apps, timeout_s=timeout_s)
-        yield addr
+        yield addrs
 
 
 @contextlib.contextmanager
 def serve_session(env: dict[str, str] | None = None, ray_kwargs: dict | None = None,
                   ray_address: str | None = None):
-    """Ray + Serve with the gRPC proxy on a free port of 127.0.0.1 and no apps yet (add them with
-    ``deploy_apps``); yields the gRPC address. Shuts Serve and this driver's Ray down on exit."""
+    """``serve_session_at`` yielding only the gRPC address."""
+    with serve_session_at(env, ray_kwargs, ray_address) as addrs:
+        yield addrs.grpc
+
+
+@contextlib.contextmanager
+def serve_session_at(env: dict[str, str] | None = None, ray_kwargs: dict | None = None,
+                     ray_address: str | None = None):
+    """Ray + Serve with the gRPC and HTTP proxies on free ports of 127.0.0.1 and no apps yet (add
+    them with ``deploy_apps``); yields their ``Addresses``. Shuts Serve and this driver's Ray down
+    on exit."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -61,7 +84,7 @@ def serve_session(env: dict[str, str] | None = None, ray_kwargs: dict | None = N
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port,
                                              grpc_servicer_functions=stubs.GRPC_SERVICER_FUNCTIONS))
-        yield f"127.0.0.1:{grpc_port}"
+        yield Addresses(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}")
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()

@@ -254,6 +254,7 @@ def test_dashboard_opt_in(render):
 
 NETPOL_PEERS = {
     "grpc": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+    "http": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
     "metrics": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                  "podSelector": {"matchLabels": {"app": "prometheus"}}}],
     "dashboard": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}}],
@@ -278,6 +279,8 @@ def test_network_policy_defaults(render):
         assert selector <= template["metadata"]["labels"].items()
     (grpc_rule,) = _rule_for(policy, 9000)
     assert "from" not in grpc_rule  # gRPC from anywhere
+    (http_rule,) = _rule_for(policy, 8000)
+    assert "from" not in http_rule  # the OpenAI-compatible HTTP API from anywhere
     # Ray between the release's own pods, on every port
     (internal,) = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
     (peer,) = internal["from"]
@@ -287,14 +290,14 @@ def test_network_policy_defaults(render):
     (dashboard,) = _rule_for(policy, 8265)
     assert [p["podSelector"]["matchLabels"] for p in dashboard["from"]] == [
         {"app.kubernetes.io/name": "kuberay-operator"}]
-    assert len(policy["spec"]["ingress"]) == 3
+    assert len(policy["spec"]["ingress"]) == 4
 
 
 def test_network_policy_selectors(render):
     r = render({"networkPolicy": {"enabled": True, **{k: {"from": v} for k, v in NETPOL_PEERS.items()}},
-                "serve": {"grpcPort": 9100}, "metrics": {"port": 9091}})
+                "serve": {"grpcPort": 9100, "httpPort": 8100}, "metrics": {"port": 9091}})
     policy = r.one("NetworkPolicy", RELEASE)
-    for port, key in ((9100, "grpc"), (9091, "metrics"), (8265, "dashboard")):
+    for port, key in ((9100, "grpc"), (8100, "http"), (9091, "metrics"), (8265, "dashboard")):
         (rule,) = _rule_for(policy, port)
         assert rule["from"] == NETPOL_PEERS[key], key
     # metrics off: no metrics rule even with peers named
@@ -358,12 +361,17 @@ def test_probes_reflect_engine_health(rendered):
 
 def test_grpc_service_selects_worker_pods(rendered):
     svc = rendered.one("Service", RELEASE)
-    (port,) = svc["spec"]["ports"]
-    assert (port["port"], port["targetPort"], port["appProtocol"]) == (9000, "grpc", "grpc")
+    grpc_port, http_port = svc["spec"]["ports"]
+    assert (grpc_port["port"], grpc_port["targetPort"], grpc_port["appProtocol"]) == (9000, "grpc", "grpc")
+    # the OpenAI-compatible HTTP API: the Serve HTTP proxy of the same worker pods
+    assert (http_port["port"], http_port["targetPort"], http_port["appProtocol"]) == (8000, "http", "http")
     selector = svc["spec"]["selector"].items()
     rc = rendered.rayservice["spec"]["rayClusterConfig"]
+    assert rendered.serve_config["http_options"]["port"] == 8000
     for group in rc["workerGroupSpecs"]:
         assert selector <= group["template"]["metadata"]["labels"].items()
+        ports = {p["name"]: p["containerPort"] for p in _container(group["template"])["ports"]}
+        assert ports["http"] == 8000  # the Service's targetPort "http" names the Serve HTTP port
     assert not selector <= rc["headGroupSpec"]["template"]["metadata"]["labels"].items()
     head_ports = {p["name"]: p["containerPort"] for p in _container(rc["headGroupSpec"]["template"])["ports"]}
     assert head_ports["serve"] == 8000  # KubeRay's serve-svc and proxy health check need it

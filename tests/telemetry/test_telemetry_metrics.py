@@ -54,18 +54,18 @@ def test_requests_latency_and_acceptance_are_scraped(metrics):
     m.record_request(_output(10, 21, spec=_spec([(4, 1)])), path="SPECULATIVE", reason="low_concurrency",
                      segment="code", ttft_s=0.04, e2e_s=0.44)
     m.record_request(_output(7, 3, FinishReason.STOP), path="plain", reason="constrained", segment="json",
-                     ttft_s=0.2, e2e_s=0.3)
+                     ttft_s=0.2, e2e_s=0.3, api="openai")
     m.record_request(_output(7, 1, FinishReason.STOP), path="plain", reason="high_concurrency", segment="overflow",
                      ttft_s=0.2, e2e_s=0.2)
     m.set_inflight("speculative", 3)
     s = _scrape(port)
     assert _get(s, "specserve_requests_total", path="speculative", reason="low_concurrency", segment="code",
-                finish_reason="length") == 2
+                finish_reason="length", api="grpc") == 2
     assert _get(s, "specserve_requests_total", path="plain", reason="constrained", segment="json",
-                finish_reason="stop") == 1
+                finish_reason="stop", api="openai") == 1
     # Third distinct segment exceeds max_segments=2: bounded cardinality.
     assert _get(s, "specserve_requests_total", path="plain", reason="high_concurrency", segment="other",
-                finish_reason="stop") == 1
+                finish_reason="stop", api="grpc") == 1
     assert _get(s, "specserve_ttft_seconds_count", path="speculative", segment="code") == 2
     assert _get(s, "specserve_ttft_seconds_sum", path="speculative", segment="code") == pytest.approx(0.09)
     # TPOT = (e2e - ttft) / (n_out - 1): 0.2/10 = 0.02 and 0.4/20 = 0.02; a 1-token request has none.

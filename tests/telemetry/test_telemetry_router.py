@@ -16,7 +16,7 @@ from cluster.telemetry import semconv as sc
 from cluster.telemetry import tracing
 from cluster.telemetry.engine_spans import start_request_trace
 from cluster.telemetry.metrics import MetricsConfig, SpecserveMetrics, export_engine_stats_forever
-from cluster.telemetry.router_telemetry import RequestTelemetry
+from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
 
 
 class Path(enum.Enum):  # mirrors cluster.routing.policy (kept local: no coupling to its churn)
@@ -60,18 +60,18 @@ def test_finished_rejected_and_cancelled_requests(traced, metrics):
     with RequestTelemetry(metrics, model="smollm2") as tel:
         tel.error("max_tokens must be positive", "INVALID_ARGUMENT")
     with pytest.raises(asyncio.CancelledError):
-        with RequestTelemetry(metrics, model="smollm2") as tel:
+        with RequestTelemetry(metrics, model="smollm2", api=API_OPENAI) as tel:  # the HTTP front end
             tel.routed(_vreq("gone-1"), SimpleNamespace(path=Path.PLAIN, reason="above_exit_threshold"))
             tel.output(RequestOutput("gone-1", [1], "x"))
             raise asyncio.CancelledError()
 
     s = _scrape(metrics)
     assert s[("specserve_requests_total", frozenset({"path": "speculative", "reason": "below_enter_threshold",
-                                                     "segment": "chat", "finish_reason": "eos"}.items()))] == 1
+                                                     "segment": "chat", "finish_reason": "eos", "api": "grpc"}.items()))] == 1
     assert s[("specserve_requests_total", frozenset({"path": "none", "reason": "invalid_argument",
-                                                     "segment": "default", "finish_reason": "error"}.items()))] == 1
+                                                     "segment": "default", "finish_reason": "error", "api": "grpc"}.items()))] == 1
     assert s[("specserve_requests_total", frozenset({"path": "plain", "reason": "above_exit_threshold",
-                                                     "segment": "chat", "finish_reason": "cancelled"}.items()))] == 1
+                                                     "segment": "chat", "finish_reason": "cancelled", "api": "openai"}.items()))] == 1
     assert s[("specserve_ttft_seconds_count", frozenset({"path": "speculative", "segment": "chat"}.items()))] == 1
     assert ("specserve_ttft_seconds_count", frozenset({"path": "plain", "segment": "chat"}.items())) not in s
 
@@ -87,10 +87,12 @@ def test_finished_rejected_and_cancelled_requests(traced, metrics):
     assert a[sc.GEN_AI_RESPONSE_FINISH_REASONS] == ["eos"]
     assert (a[sc.GEN_AI_USAGE_INPUT_TOKENS], a[sc.GEN_AI_USAGE_OUTPUT_TOKENS]) == (4, 4)
     assert ok.parent_span_id == ""  # no client traceparent: a root span
+    assert a[sc.API] == "grpc"  # the front end
     rejected = next(x for x in spans if x.attributes.get(sc.ERROR_TYPE) == "INVALID_ARGUMENT")
     assert rejected.status_code == 2
     gone = next(x for x in spans if x.attributes.get(sc.REQUEST_ID) == "gone-1")
     assert gone.status_code == 2 and gone.attributes[sc.ERROR_TYPE] == "CancelledError"
+    assert gone.attributes[sc.API] == "openai"
 
 
 def test_whole_response_dates_the_first_token_by_engine_timings(traced, metrics):

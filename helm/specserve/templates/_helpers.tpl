@@ -102,6 +102,7 @@ endpoint (the app refuses enabled=true without one).
   "router" $a.router
   "moe" (default (dict) $a.moe)
   "limits" $a.limits
+  "http" (default (dict) $a.http)
   "auth" (dict "token_env" (ternary "SPECSERVE_AUTH_TOKEN" nil (ne (include "specserve.authSecretName" .) "")))
   "telemetry" (dict "otlp_endpoint" (ternary $endpoint nil (ne $endpoint "")) "sampling_ratio" .Values.tracing.samplingRatio "service_name" .Values.tracing.serviceName "enabled" (ternary nil .Values.tracing.enabled (and .Values.tracing.enabled (eq $endpoint ""))))
   "router_deployment" $a.router_deployment
@@ -255,6 +256,10 @@ spec:
         # KubeRay's <name>-serve-svc (HTTP) is built from the head port named "serve", and its
         # proxy health check uses it: keep it on the HTTP port.
         - name: serve
+          containerPort: {{ $root.Values.serve.httpPort }}
+        {{- else }}
+        # the OpenAI-compatible HTTP API through this worker's Serve proxy (the Service's http port)
+        - name: http
           containerPort: {{ $root.Values.serve.httpPort }}
         {{- end }}
         - name: grpc

@@ -1,0 +1,113 @@
+"""OpenAI response bodies and Server-Sent Event chunks from engine outputs + the route decision.
+
+Owns: ``chat.completion`` / ``text_completion`` bodies (unary), their ``*.chunk`` stream events
+(``data: {json}`` lines, the last ``data: [DONE]``; with ``stream_options.include_usage`` every
+chunk carries ``"usage": null`` and one more chunk with empty ``choices`` carries the usage), the
+finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``)
+and the ``specserve`` object every response carries: the route (path, reason), the ids (the
+server's and the client's label) and, once finished, the speculation counters (draft and accepted
+tokens, α, mean acceptance length). Ignores: transport, errors (``openai_errors``).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+
+from cluster.engine.request import FinishReason, RequestOutput, SpecStats
+from cluster.routing.policy import RouteDecision
+
+_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
+           FinishReason.CANCELLED: "abort"}  # ERROR never reaches a body: it is an error response
+DONE = "data: [DONE]\n\n"
+
+
+class Kind(enum.Enum):
+    CHAT = "chat.completion"
+    COMPLETION = "text_completion"
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl-" if self is Kind.CHAT else "cmpl-"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self is Kind.CHAT else "text_completion"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def spec_dict(spec: SpecStats | None) -> dict | None:
+    if spec is None:
+        return None
+    return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": spec.acceptance_rate, "mean_acceptance_length": spec.mean_acceptance_length}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(slots=True)
+class Responder:
+    """Everything one response repeats: kind, ids, model, creation time, route."""
+
+    kind: Kind
+    request_id: str  # the server's id
+    label: str  # the client's x-request-id, "" when none
+    model: str
+    decision: RouteDecision
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return self.kind.id_prefix + self.request_id
+
+    def specserve(self, final: RequestOutput | None) -> dict:
+        d = {"route": {"path": self.decision.path.value, "reason": self.decision.reason.value},
+             "request_id": self.request_id}
+        if self.label:
+            d["label"] = self.label
+        if final is not None:
+            d["spec"] = spec_dict(final.spec)
+        return d
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False) -> dict:
+        if self.kind is Kind.COMPLETION:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+
+    # -- unary -----------------------------------------------------------------------------
+    def body(self, text: str, final: RequestOutput, completion_tokens: int) -> dict:
+        return {**self._head(self.kind.value),
+                "choices": [self._choice(text, _FINISH.get(final.finish_reason), delta=False)],
+                "usage": usage_dict(final.num_prompt_tokens, completion_tokens),
+                "specserve": self.specserve(final)}
+
+    # -- stream ----------------------------------------------------------------------------
+    def chunk(self, out: RequestOutput, first: bool) -> str:
+        """One engine delta as one event; the route rides on the first, the counters on the last."""
+        finish = _FINISH.get(out.finish_reason) if out.finished else None
+        obj = {**self._head(self.kind.chunk_object),
+               "choices": [self._choice(out.text_delta, finish, delta=True, first=first)]}
+        if self.include_usage:
+            obj["usage"] = None
+        if first or out.finished:
+            obj["specserve"] = self.specserve(out if out.finished else None)
+        return sse(obj)
+
+    def usage_chunk(self, final: RequestOutput, completion_tokens: int) -> str:
+        return sse({**self._head(self.kind.chunk_object), "choices": [],
+                    "usage": usage_dict(final.num_prompt_tokens, completion_tokens)})

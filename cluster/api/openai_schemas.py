@@ -1,0 +1,208 @@
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) -> ``RequestFields``.
+
+Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict types: a string
+where a number belongs is a 400, an int where a float belongs is fine; unknown fields are ignored,
+as the OpenAI peers do), the model-name check (another name: NOT_FOUND -> 404), the refusal of
+what we do not do (``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias,
+tools, non-text content parts, batched prompts) and, until the engine enforces constraints,
+``response_format`` ``json_object``/``json_schema`` and the ``regex`` extension — and the
+conversion into the ``RequestFields`` that ``cluster.api.requests.validate_fields`` checks for gRPC
+too (every range, cap and finiteness rule lives there, not here).
+Ignores: transport, response shapes (``openai_responses``), error bodies (``openai_errors``).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.api.requests import RequestFields
+from cluster.api.status import ServiceError, invalid
+from cluster.engine.request import SpecMode
+
+# Constrained decoding is validated but not enforced by the engine yet: refused, never ignored.
+CONSTRAINTS_NOT_SUPPORTED = "is not supported yet (constrained decoding is not enforced by the engine)"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Common(_Body):
+    """Fields both endpoints share, OpenAI's and the specserve extensions (extra body fields)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None  # None: OpenAI's default, 1.0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # refused when they would change the output (we do not implement them)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # specserve extensions
+    top_k: int | None = None
+    mode: str | None = None  # auto | speculative | plain
+    segment: str | None = None
+    regex: str | None = None
+    ignore_eos: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+def parse_body(raw: bytes, cls: type[_Common]) -> _Common:
+    """The request body as ``cls``; a body that is not JSON, not an object, or has a field of the
+    wrong type is INVALID_ARGUMENT naming the field (``ServiceError.param`` carries it)."""
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid("request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+        where = ".".join(loc)
+        raise invalid(f"{where or 'body'}: {err['msg']}", loc[0] if loc else None) from None
+    except RecursionError:
+        raise invalid("request body is nested too deeply") from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names the union member in an error's location (``stop.list[str].0``): not a field."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part.startswith("function-"))
+
+
+def check_model(body: _Common, served: str) -> None:
+    if body.model is not None and body.model != served:
+        raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                           f"the model {body.model!r} does not exist; this server serves {served!r}", "model")
+
+
+def _refuse(body: _Common) -> None:
+    """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
+    checks = [
+        ("n", body.n not in (None, 1), "n must be 1 (one choice per request)"),
+        ("logprobs", bool(body.logprobs), "logprobs is not supported"),
+        ("top_logprobs", body.top_logprobs not in (None, 0), "top_logprobs is not supported"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+        ("presence_penalty", body.presence_penalty not in (None, 0), "presence_penalty is not supported"),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
+        ("regex", bool(body.regex), f"regex {CONSTRAINTS_NOT_SUPPORTED}"),
+    ]
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        checks.append(("response_format", True, f"response_format {rf.type!r} {CONSTRAINTS_NOT_SUPPORTED}"))
+    if isinstance(body, ChatCompletionRequest):
+        checks.append(("tools", bool(body.tools or body.functions), "tools and functions are not supported"))
+    if isinstance(body, CompletionRequest):
+        checks += [("best_of", body.best_of not in (None, 1), "best_of must be 1"),
+                   ("echo", bool(body.echo), "echo is not supported"),
+                   ("suffix", bool(body.suffix), "suffix is not supported")]
+    for param, refused, message in checks:
+        if refused:
+            raise invalid(message, param)
+
+
+def _mode(value: str | None) -> SpecMode:
+    if value is None:
+        return SpecMode.AUTO
+    try:
+        return SpecMode(value.lower())
+    except ValueError:
+        raise invalid(f"mode must be one of {[m.value for m in SpecMode]}, got {value!r}",
+                           "mode") from None
+
+
+def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
+    stop = body.stop
+    return dict(size=size, max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
+                top_k=body.top_k or 0, seed=body.seed,
+                stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                mode=_mode(body.mode), segment=body.segment or "", ignore_eos=bool(body.ignore_eos))
+
+
+def _content(i: int, content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise invalid(f"messages[{i}].content[{j}]: only text content parts are supported, "
+                               f"got type {part.type!r}", "messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestFields:
+    check_model(body, served)
+    _refuse(body)
+    messages = tuple((m.role, _content(i, m.content)) for i, m in enumerate(body.messages))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return RequestFields(messages=messages, **_common(body, size, max_tokens))
+
+
+def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:
+    check_model(body, served)
+    _refuse(body)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:  # a batch of prompts: one prompt per request here
+            raise invalid(f"prompt must be one prompt (a string or a list of token ids), got a "
+                               f"batch of {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    common = _common(body, size, body.max_tokens)
+    if isinstance(prompt, str):
+        return RequestFields(prompt=prompt, **common)
+    return RequestFields(token_ids=tuple(prompt), **common)

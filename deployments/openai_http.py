@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP API of the Router replica (the ASGI app Ray Serve's HTTP proxy calls).
+
+Owns: the routes — ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary JSON, or
+Server-Sent Events with ``stream: true``), ``GET /v1/models``, ``GET /health`` (200 when every
+engine is ready, else 503; exempt from auth like gRPC's health check) — and one request's life on
+HTTP: the body goes through the Router's own ``_admit`` (bearer auth from the ``Authorization``
+header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the route decision) and
+``_forward``; failures become OpenAI error bodies with the status ``http_status`` maps from the same
+``ServiceError`` gRPC sees. A stream answers its status only once the first engine output exists,
+so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
+error event; a failure after that is one error event and ``data: [DONE]``. A client that
+disconnects cancels the response task: ``_forward`` is closed, which aborts the engine request and
+frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
+one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from cluster.api.auth import check_bearer
+from cluster.api.openai_errors import error_body, error_event, http_error_body
+from cluster.api.openai_responses import DONE, Kind, Responder
+from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
+                                        completion_fields, parse_body)
+from cluster.api.requests import check_size
+from cluster.api.responses import Accumulator
+from cluster.api.status import ServiceError
+from cluster.telemetry import semconv as sc
+from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
+
+if TYPE_CHECKING:
+    from deployments.router import Router
+
+LABEL_HEADER = "x-request-id"
+
+
+def _metadata(request: Request) -> list[tuple[str, str]]:
+    """HTTP headers as the (key, value) pairs ``_admit`` reads (gRPC's ``request_id`` metadata
+    is HTTP's ``X-Request-Id``); ``traceparent`` continues the client's trace."""
+    md = [(k.lower(), v) for k, v in request.headers.items() if k.lower() not in (LABEL_HEADER, "request_id")]
+    label = request.headers.get(LABEL_HEADER)
+    return md + ([("request_id", label)] if label else [])
+
+
+def _error(err: ServiceError) -> JSONResponse:
+    status, body = error_body(err)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
+                     request_id: str) -> AsyncIterator[ServiceError | dict | str]:
+    """One request: yields a ``ServiceError`` (nothing was sent yet), or the unary body, or the
+    stream's events (the first only once the engine produced output)."""
+    cls, to_fields = ((ChatCompletionRequest, chat_fields) if kind is Kind.CHAT
+                      else (CompletionRequest, completion_fields))
+    operation = sc.OP_CHAT if kind is Kind.CHAT else sc.OP_TEXT_COMPLETION
+    body = None
+    started = False
+
+    def read():
+        nonlocal body
+        check_size(len(raw), router.limits)  # before parsing what may be a huge body
+        body = parse_body(raw, cls)
+        return to_fields(body, len(raw), router.served_model)
+
+    last: ServiceError | dict | str | None = None  # sent after the telemetry closed: the consumer
+    #                                              closes this generator once it has it
+    with RequestTelemetry(router.metrics, model=router.cfg.model, metadata=metadata, operation=operation,
+                          api=API_OPENAI) as tel:
+        try:
+            vreq, decision = await router._admit(metadata, request_id, read)
+            tel.set_stream(body.stream)
+            tel.routed(vreq, decision, inflight=router.spec_in_flight)
+            resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
+                             include_usage=body.stream and body.include_usage)
+            acc = Accumulator(request_id, decision)
+            async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(),
+                                                           whole=not body.stream)) as outputs:
+                async for out in outputs:
+                    tel.output(out)
+                    acc.add(out)
+                    if body.stream:
+                        yield resp.chunk(out, first=not started)
+                        started = True
+            if not body.stream:
+                last = resp.body("".join(acc.text), acc.final, len(acc.token_ids))
+            elif resp.include_usage:
+                yield resp.usage_chunk(acc.final, len(acc.token_ids))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event
+            err = router._failure(exc, request_id, metadata, tel)
+            last = error_event(err) if started else err
+    if last is not None:
+        yield last
+    if started:
+        yield DONE
+
+
+async def _relay(first: str, events: AsyncIterator) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for event in events:
+            yield event
+    finally:  # also on disconnect (the task is cancelled): close the request, free its KV
+        await events.aclose()
+
+
+async def _complete(router: "Router", request: Request, kind: Kind) -> Response:
+    request_id = uuid.uuid4().hex
+    metadata = _metadata(request)
+    raw = await request.body()
+    events = _lifecycle(router, kind, raw, metadata, request_id)
+    first = await events.__anext__()
+    if isinstance(first, ServiceError):
+        await events.aclose()
+        return _error(first)
+    if isinstance(first, dict):
+        await events.aclose()
+        return JSONResponse(first)
+    return StreamingResponse(_relay(first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def build_openai_app(router: "Router") -> FastAPI:
+    app = FastAPI(title="specserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown path, method
+        return JSONResponse(http_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(router, request, Kind.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(router, request, Kind.COMPLETION)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_bearer(_metadata(request), router.token)
+        except ServiceError as err:
+            return _error(err)
+        return JSONResponse({"object": "list", "data": [
+            {"id": router.served_model, "object": "model", "created": started, "owned_by": "specserve"}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = await router.serving()
+        return JSONResponse({"status": "ok" if ok else "loading", "spec_ready": router.spec_ready,
+                             "batch_ready": router.batch_ready}, status_code=200 if ok else 503)
+
+    return app

@@ -1,0 +1,120 @@
+"""OpenAI request bodies -> RequestFields -> the one validation gRPC uses too — no Ray."""
+import json
+
+import grpc
+import pytest
+
+from cluster.api import stubs
+from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
+                                        completion_fields, parse_body)
+from cluster.api.requests import Limits, validate_fields, validate_request
+from cluster.api.status import ServiceError
+from cluster.engine.request import SpecMode
+
+LIMITS = Limits(max_tokens=64, default_max_tokens=16, max_message_bytes=4096, max_stop_strings=3)
+pb2 = stubs.generation_pb2()
+
+
+def chat(**body):
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode()
+    return chat_fields(parse_body(raw, ChatCompletionRequest), len(raw), "m")
+
+
+def completion(**body):
+    raw = json.dumps({"prompt": "hi", **body}).encode()
+    return completion_fields(parse_body(raw, CompletionRequest), len(raw), "m")
+
+
+def refused(fn, match, param=None, code=grpc.StatusCode.INVALID_ARGUMENT, **body):
+    with pytest.raises(ServiceError, match=match) as e:
+        fn(**body)
+    assert e.value.code == code and e.value.param == param
+
+
+def test_chat_body_to_fields():
+    f = chat(model="m", max_completion_tokens=7, max_tokens=3, temperature=0, top_p=0.5, seed=3, stop="\n",
+             top_k=4, mode="PLAIN", segment="code", ignore_eos=True, user="u", future_field={"x": 1},
+             messages=[{"role": "system", "content": "be brief"},
+                       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert f.messages == (("system", "be brief"), ("user", "ab"))
+    assert (f.max_tokens, f.temperature, f.top_p, f.seed, f.stop, f.top_k) == (7, 0, 0.5, 3, ("\n",), 4)
+    assert f.mode is SpecMode.PLAIN and f.segment == "code" and f.ignore_eos and f.prompt is None
+    d = chat()
+    assert d.temperature == 1.0 and d.max_tokens is None and d.mode is SpecMode.AUTO  # OpenAI's defaults
+
+
+def test_completion_prompt_shapes():
+    assert completion(prompt="abc").prompt == "abc"
+    assert completion(prompt=[5, 6]).token_ids == (5, 6)
+    assert completion(prompt=["one"]).prompt == "one" and completion(prompt=[[7, 8]]).token_ids == (7, 8)
+    refused(completion, "got a batch of 2", "prompt", prompt=["a", "b"])
+    assert completion(prompt=[]).token_ids == ()  # the shared rule says "no ids" (below)
+    with pytest.raises(ServiceError, match="prompt_token_ids has no ids"):
+        validate_fields(completion(prompt=[]), "r", LIMITS)
+
+
+@pytest.mark.parametrize("body,match,param", [
+    (dict(temperature="0.5"), "temperature: Input should be a valid number", "temperature"),
+    (dict(max_tokens=True), "max_tokens: Input should be a valid integer", "max_tokens"),
+    (dict(stop=5), "stop: Input should be a valid", "stop"),
+    (dict(stream="yes"), "stream: Input should be a valid boolean", "stream"),
+    (dict(messages="hi"), "messages: Input should be a valid list", "messages"),
+    (dict(messages=[{"content": "x"}]), "messages.0.role: Field required", "messages"),
+    (dict(n=3), "n must be 1", "n"),
+    (dict(logprobs=True), "logprobs is not supported", "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty is not supported", "presence_penalty"),
+    (dict(tools=[{"type": "function"}]), "tools and functions are not supported", "tools"),
+    (dict(response_format={"type": "json_object"}), "'json_object' is not supported yet", "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), "'json_schema' is not supported",
+     "response_format"),
+    (dict(response_format={"type": "xml"}), "response_format.type: Input should be", "response_format"),
+    (dict(regex="a+"), "regex is not supported yet", "regex"),
+    (dict(mode="fast"), "mode must be one of", "mode"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text content parts",
+     "messages"),
+])
+def test_chat_refusals(body, match, param):
+    refused(chat, match, param, **body)
+
+
+def test_response_format_text_is_plain_output():
+    assert chat(response_format={"type": "text"}).json_schema == ""
+
+
+def test_completion_refusals_and_model():
+    refused(completion, "best_of must be 1", "best_of", best_of=2)
+    refused(completion, "echo is not supported", "echo", echo=True)
+    refused(completion, "suffix is not supported", "suffix", suffix="x")
+    refused(completion, "the model 'other' does not exist; this server serves 'm'", "model",
+            grpc.StatusCode.NOT_FOUND, model="other")
+    for raw, match in ((b"{nope", "not valid JSON"), (b"[1]", "must be a JSON object"), (b"", "JSON object")):
+        with pytest.raises(ServiceError, match=match):
+            parse_body(raw, CompletionRequest)
+
+
+@pytest.mark.parametrize("http,grpc_fields", [
+    (dict(max_tokens=65), dict(max_tokens=65)),
+    (dict(top_p=1.5), dict(top_p=1.5)),
+    (dict(temperature=-1), dict(temperature=-1)),
+    (dict(stop=["a", "b", "c", "d"]), dict(stop=["a", "b", "c", "d"])),
+    (dict(prompt="  "), dict(prompt="  ")),
+    (dict(segment="s" * 65), dict(segment="s" * 65)),
+])
+def test_one_validation_two_front_ends(http, grpc_fields):
+    """The same bad request is refused with the same message whichever front end it came through."""
+    with pytest.raises(ServiceError) as via_grpc:
+        validate_request(pb2.GenerateRequest(**{"prompt": "hi", **grpc_fields}), "r", LIMITS)
+    with pytest.raises(ServiceError) as via_http:
+        validate_fields(completion(**http), "r", LIMITS)
+    assert via_http.value.message == via_grpc.value.message
+    assert via_http.value.code == via_grpc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_http_body_size_and_seed_range_use_the_shared_rules():
+    with pytest.raises(ServiceError, match="over the 4096-byte limit"):
+        validate_fields(completion(prompt="x" * 5000), "r", LIMITS)
+    for seed in (-1, 1 << 64):
+        with pytest.raises(ServiceError, match=r"seed must be in \[0, 2\*\*64\)"):
+            validate_fields(completion(seed=seed), "r", LIMITS)
+    ok = validate_fields(completion(seed=(1 << 64) - 1, temperature=0.7), "r", LIMITS)
+    assert ok.params.seed == (1 << 64) - 1 and ok.params.max_tokens == 16 and not ok.constrained

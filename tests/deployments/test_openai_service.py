@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP API end to end: real Ray Serve (its HTTP proxy), real HTTP on
+127.0.0.1, the official ``openai`` client; gRPC on the same app, same Router.
+
+One Serve start for the module, two apps: ``oa`` (the fake engine, auth on, small limits, a served
+model name) and ``real`` (the default model SmolLM2-135M on the in-process engine, auth off), on
+which greedy output through the OpenAI API equals gRPC's and Hugging Face ``generate``'s on both
+paths, and stop strings and seeds act as they do over gRPC.
+"""
+import json
+import time
+
+import grpc
+import requests
+import openai
+import pytest
+
+from cluster.engine.fake_engine import FakeEngine
+from cluster.engine.config import EngineConfig
+from tests.deployments.harness import SMALL, Client, fake_args, serve_apps_at
+from tests.deployments.test_service_fake import engine_stats, wait_for
+
+pytestmark = pytest.mark.ray
+TOKEN = "oa-token-456"
+MODEL = "specserve-fake"
+FAKE = FakeEngine(EngineConfig())  # its tokenizer and chat template (pure functions)
+
+
+def fake_output(prompt_ids: list[int], n: int) -> str:
+    """The fake target repeats the prompt cyclically."""
+    return FAKE.detokenize([prompt_ids[i % len(prompt_ids)] for i in range(n)])
+
+
+def chat_ids(text: str) -> list[int]:
+    return FAKE.apply_chat_template([{"role": "user", "content": text}])
+
+
+REAL = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+        "router_deployment": SMALL,
+        "spec_engine": {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64},
+        "batch_engine": {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64},
+        "engine_impl": {"cls": "cluster.engine.async_engine:AsyncEngine"},
+        "limits": {"max_tokens": 64, "max_prompt_tokens": 512}}
+
+
+@pytest.fixture(scope="module")
+def addrs():
+    apps = {
+        "oa": fake_args(
+            auth={"token_env": "SPECSERVE_OA_TOKEN"}, http={"served_model_name": MODEL},
+            limits={"max_tokens": 1000, "max_prompt_tokens": 48, "max_message_bytes": 4096, "max_queue": 8,
+                    "max_stop_strings": 2},
+            engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine", "options": {"token_delay_s": 0.02}}),
+        "real": REAL,
+    }
+    with serve_apps_at(apps, env={"SPECSERVE_OA_TOKEN": TOKEN}, timeout_s=400) as a:
+        Client(a.grpc, "oa", TOKEN).wait_ready()
+        Client(a.grpc, "real").wait_ready(timeout_s=400)
+        yield a
+
+
+@pytest.fixture(scope="module")
+def oa(addrs):
+    return openai.OpenAI(base_url=f"{addrs.http}/oa/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def real(addrs):
+    return openai.OpenAI(base_url=f"{addrs.http}/real/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_health_models_and_auth(addrs, oa):
+    r = requests.get(f"{addrs.http}/oa/health", timeout=30)  # no token: probes send none
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = requests.get(f"{addrs.http}/oa/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"  # OpenAI's error shape
+    r = requests.get(f"{addrs.http}/oa/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert [m.id for m in oa.models.list().data] == [MODEL]
+    anon = openai.OpenAI(base_url=f"{addrs.http}/oa/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anon.models.list()
+    assert e.value.status_code == 401 and e.value.body["message"] == "invalid bearer token"
+    r = requests.post(f"{addrs.http}/oa/v1/completions", json={"prompt": "hi"}, timeout=30)  # no header
+    assert r.status_code == 401
+    assert r.json()["error"]["message"] == "missing 'authorization: Bearer <token>' metadata"
+    assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_chat_unary_equals_grpc(addrs, oa):
+    text = "hello openai"
+    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=20,
+                                   temperature=0, extra_headers={"X-Request-Id": "my-label"})
+    want = fake_output(chat_ids(text), 20)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(chat_ids(text)) and r.usage.completion_tokens == 20
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 20 and r.model == MODEL
+    assert r.id.startswith("chatcmpl-") and abs(r.created - time.time()) < 120
+    ss = r.model_extra["specserve"]
+    assert ss["route"]["path"] == "speculative" and ss["route"]["reason"] and ss["label"] == "my-label"
+    assert r.id == "chatcmpl-" + ss["request_id"] and ss["request_id"] != "my-label"  # the server names it
+    assert ss["spec"]["draft_tokens"] > 0 and 0 < ss["spec"]["acceptance_rate"] <= 1
+    pb = Client(addrs.grpc, "oa", TOKEN).pb2
+    g = Client(addrs.grpc, "oa", TOKEN).generate(messages=[pb.ChatMessage(role="user", content=text)],
+                                                 max_tokens=20)
+    assert g.text == r.choices[0].message.content  # one Router, two front ends
+
+
+def test_completions_string_and_token_ids_and_mode(oa):
+    ids = FAKE.tokenize("abcdef")
+    a = oa.completions.create(model=MODEL, prompt="abcdef", max_tokens=9, temperature=0)
+    b = oa.completions.create(model=MODEL, prompt=ids, max_tokens=9, temperature=0,
+                              extra_body={"mode": "plain", "segment": "code", "top_k": 5, "ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text == fake_output(ids, 9)
+    assert a.object == "text_completion" and a.id.startswith("cmpl-")
+    assert b.model_extra["specserve"]["route"] == {"path": "plain", "reason": "mode_plain"}
+    assert b.model_extra["specserve"]["spec"] is None  # the plain path drafts nothing
+    c = oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, n=1, user="u1",
+                              extra_body={"unknown_field": [1, 2]})
+    assert c.choices[0].text == fake_output(FAKE.tokenize("xyz"), 5)  # unknown fields are ignored
+
+
+def test_chat_stream_with_usage(oa):
+    text = "stream me"
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                             max_tokens=16, stream=True,
+                                             stream_options={"include_usage": True}))
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert content[0].model_extra["specserve"]["route"]["path"] == "speculative"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == fake_output(chat_ids(text), 16)
+    assert [c.choices[0].finish_reason for c in content][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert content[-1].model_extra["specserve"]["spec"]["draft_tokens"] > 0
+    assert all(c.usage is None for c in content)
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 16
+    assert usage.usage.prompt_tokens == len(chat_ids(text))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_completion_stream_raw_sse(addrs):
+    with requests.post(f"{addrs.http}/oa/v1/completions", timeout=60, stream=True,
+                       headers={"Authorization": f"Bearer {TOKEN}"},
+                       json={"model": MODEL, "prompt": "raw sse", "max_tokens": 6, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(e["object"] == "text_completion" and "usage" not in e for e in events)  # no include_usage
+    assert "".join(e["choices"][0]["text"] for e in events) == fake_output(FAKE.tokenize("raw sse"), 6)
+
+
+def _status(fn, **kwargs):
+    with pytest.raises(openai.APIStatusError) as e:
+        fn(**kwargs)
+    return e.value.status_code, e.value.body
+
+
+@pytest.mark.parametrize("kwargs,status,needle,param", [
+    (dict(model="gpt-4o"), 404, "the model 'gpt-4o' does not exist", "model"),
+    (dict(n=2), 400, "n must be 1", "n"),
+    (dict(temperature="hot"), 400, "temperature: Input should be a valid number", "temperature"),
+    (dict(max_tokens=1001), 400, "max_tokens must be in [1, 1000], got 1001", None),  # the shared rule
+    (dict(top_p=0), 400, "top_p must be in (0, 1]", None),
+    (dict(seed=-1), 400, "seed must be in [0, 2**64)", None),
+    (dict(stop=["a", "b", "c"]), 400, "stop has 3 strings, limit is 2", None),  # gRPC's cap, same text
+    (dict(response_format={"type": "json_object"}), 400, "'json_object' is not supported yet",
+     "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+     400, "'json_schema' is not supported yet", "response_format"),
+    (dict(extra_body={"regex": "[a-z]+"}), 400, "regex is not supported yet", "regex"),
+    (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
+    (dict(logprobs=True), 400, "logprobs is not supported", "logprobs"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role must be one of", None),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "only text content parts are supported", "messages"),
+    (dict(messages=[{"role": "user", "content": "y" * 60}]), 400, "prompt too long", None),  # engine side
+])
+def test_chat_errors(oa, kwargs, status, needle, param):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    args.update(kwargs)
+    for stream in (False, True):  # a stream refuses with the same status before its first event
+        got, body = _status(oa.chat.completions.create, stream=stream, **args)
+        assert got == status and needle in body["message"], (stream, body)
+        assert body["param"] == param and body["type"] == ("invalid_request_error")
+
+
+def test_grpc_and_http_refuse_alike(addrs, oa):
+    """One validation: the same bad request gives the same message on both front ends."""
+    c = Client(addrs.grpc, "oa", TOKEN)
+    with pytest.raises(grpc.RpcError) as e:
+        c.generate(prompt="hi", max_tokens=1001)
+    got, body = _status(oa.completions.create, model=MODEL, prompt="hi", max_tokens=1001)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and got == 400
+    assert body["message"] == e.value.details() and body["code"] == "invalid_argument"
+    big = "z" * 5000  # over limits.max_message_bytes (4096)
+    got, body = _status(oa.completions.create, model=MODEL, prompt=big, max_tokens=4)
+    assert got == 400 and "over the 4096-byte limit" in body["message"]
+    r = requests.post(f"{addrs.http}/oa/v1/completions", data=b"{not json", timeout=30,
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def kv_full(app: str, deployment: str) -> bool:
+    s = engine_stats(app, deployment)
+    return s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_disconnect_mid_stream_frees_kv(addrs):
+    # plain: one token per 20 ms step, so 1000 tokens would take 20 s to finish on their own
+    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 1000, "stream": True, "mode": "plain"}
+    t0 = time.monotonic()
+    with requests.post(f"{addrs.http}/oa/v1/completions", json=body, timeout=60, stream=True,
+                       headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        lines = r.iter_lines(decode_unicode=True)
+        assert next(lines).startswith("data: ")
+        s = engine_stats("oa", "BatchEngine")
+        assert s["num_running"] == 1 and s["kv_blocks_free"] < s["kv_blocks_total"]
+    # the client closed the connection after its first event: the request is aborted, KV freed
+    wait_for(lambda: kv_full("oa", "BatchEngine"), timeout=8, what="KV freed after the disconnect")
+    assert time.monotonic() - t0 < 15  # well before the request could have finished
+
+
+# -- the real model ---------------------------------------------------------------------------
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+MODES = {"speculative": 1, "plain": 2}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster.models.loader import resolve_model
+
+    torch.set_num_threads(1)
+    path = resolve_model("default").path
+    return (AutoTokenizer.from_pretrained(path),
+            AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["speculative", "plain"])
+def test_real_greedy_equals_grpc_and_hf(addrs, real, hf, mode):
+    from tests.deployments.test_service_model import assert_greedy_equal, hf_greedy
+
+    r = real.completions.create(model="default", prompt=PROMPT, max_tokens=24, temperature=0,
+                                extra_body={"mode": mode})
+    assert r.model_extra["specserve"]["route"]["path"] == mode
+    g = Client(addrs.grpc, "real").generate(prompt=PROMPT, max_tokens=24, mode=MODES[mode], timeout=300)
+    prompt_ids, want = hf_greedy(hf, PROMPT, 24)
+    assert_greedy_equal(hf, prompt_ids, list(g.token_ids), want)  # gRPC == HF generate
+    assert r.choices[0].text == g.text and r.usage.completion_tokens == len(g.token_ids)  # HTTP == gRPC
+    streamed = real.completions.create(model="default", prompt=PROMPT, max_tokens=24, temperature=0,
+                                       stream=True, extra_body={"mode": mode})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == g.text
+
+
+@pytest.mark.model
+def test_real_stop_seed_and_chat(addrs, real):
+    grpc_client = Client(addrs.grpc, "real")
+    base = real.completions.create(model="default", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    cut = base[len(base) // 2:][:3]
+    stopped = real.completions.create(model="default", prompt=PROMPT, max_tokens=24, temperature=0, stop=cut)
+    text = stopped.choices[0].text
+    assert stopped.choices[0].finish_reason == "stop" and cut not in text and base.startswith(text)
+    assert grpc_client.generate(prompt=PROMPT, max_tokens=24, stop=[cut], timeout=300).text == text
+    plain = {"mode": "plain"}  # one path for every sample: the seed's stream of draws is the path's
+    sampled = [real.completions.create(model="default", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=s,
+                                       extra_body=plain).choices[0].text for s in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]  # a seed reproduces its sample; another seed differs
+    g = grpc_client.generate(prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7, mode=2, timeout=300)
+    assert g.text == sampled[0]  # the same seed over gRPC: the same sample
+    chat = real.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
+                                        max_tokens=8, temperature=0)
+    pb = grpc_client.pb2
+    g = grpc_client.generate(messages=[pb.ChatMessage(role="user", content="Say hi.")], max_tokens=8,
+                             timeout=300)
+    assert chat.choices[0].message.content == g.text  # the same chat template on both front ends
+    assert chat.usage.prompt_tokens == g.usage.prompt_tokens > 5
