@@ -101,6 +101,7 @@ endpoint (the app refuses enabled=true without one).
   "torch_threads" $a.torch_threads
   "router" $a.router
   "moe" (default (dict) $a.moe)
+  "kvsync" (default (dict) $a.kvsync)
   "limits" $a.limits
   "http" (default (dict) $a.http)
   "auth" (dict "token_env" (ternary "SPECSERVE_AUTH_TOKEN" nil (ne (include "specserve.authSecretName" .) "")))
