@@ -28,6 +28,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _MODE_FROM_PROTO = {0: SpecMode.AUTO, 1: SpecMode.SPECULATIVE, 2: SpecMode.PLAIN}
 
 
+_SEGMENT = re.compile(r"[A-Za-z0-9._:/-]+")  # a traffic label: metric tag, stats and config key
+
+
 @dataclass(slots=True, frozen=True)
 class Limits:
     max_tokens: int = 1024  # cap on a request's max_tokens
@@ -246,6 +249,8 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     segment = f.segment.strip() or "default"
     if len(segment) > 64:
         raise invalid("segment must be at most 64 characters")
+    if not _SEGMENT.fullmatch(segment):  # it becomes a metric tag and a stats key: keep it plain
+        raise invalid(f"segment must be ASCII letters, digits and . _ : / - only, got {segment[:64]!r}")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
                             segment=segment, constrained=bool(f.json_schema or f.regex), label=label)
 

@@ -57,9 +57,16 @@ def bad(match, **fields):
     (dict(prompt="hi", json_schema=DEEP_JSON), "json_schema is nested too deeply"),
     (dict(prompt="hi", json_schema=DEEP_SCHEMA), "json_schema is nested too deeply"),
     (dict(prompt="hi", regex=DEEP_REGEX), "regex is nested too deeply"),
+    (dict(prompt="hi", segment="ünïcödé"), "segment must be ASCII letters"),  # a metric tag (fuzz)
+    (dict(prompt="hi", segment="a b"), "segment must be ASCII letters"),
 ])
 def test_invalid_requests(fields, match):
     bad(match, **fields)
+
+
+def test_segment_labels_that_are_accepted():
+    for segment in ("code", "tenant-7/chat", "v1.2:json_mode", "A_b"):
+        assert validate_request(pb2.GenerateRequest(prompt="hi", segment=segment), "r1", LIMITS).segment == segment
 
 
 def test_valid_request_conversion():
