@@ -11,6 +11,16 @@ import torch
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "2")))
 
 
+def pytest_addoption(parser):
+    """The chaos suite's options (tests/chaos), registered here so that they are known however
+    pytest is started (an option of a nested conftest only exists when that folder is named)."""
+    group = parser.getgroup("chaos")
+    group.addoption("--fuzz-examples", type=int, default=None,
+                    help="hypothesis examples against the FakeEngine app (default: the CI profile, "
+                         "tests/chaos/conftest.py); the real-model fuzz runs a seventh of it, at least 30")
+    group.addoption("--chaos-report", default=None, help="write the chaos suite's figures as JSON here")
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     from cluster.models.loader import resolve_model

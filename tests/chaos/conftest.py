@@ -21,14 +21,6 @@ CI_FUZZ_EXAMPLES = 200
 MIN_REAL_FUZZ_EXAMPLES = 30
 
 
-def pytest_addoption(parser):
-    group = parser.getgroup("chaos")
-    group.addoption("--fuzz-examples", type=int, default=None,
-                    help=f"hypothesis examples against the FakeEngine app (default {CI_FUZZ_EXAMPLES}); "
-                         "the real-model fuzz runs a seventh of it, at least 30")
-    group.addoption("--chaos-report", default=None, help="write the chaos suite's figures as JSON here")
-
-
 def pytest_collection_modifyitems(config, items):
     """The two-node test starts its own Ray cluster and driver: run it first among the chaos
     tests, before the package's shared Ray session starts (other packages keep their order)."""
