@@ -2,8 +2,8 @@
 fixed-plain (e2e p50), with its uncertainty.
 
 Owns: the crossing point of the ratio r(c) = spec p50 / plain p50 over the measured levels —
-linear in log2(c) between the last level where speculation wins (r < 1) and the first where it
-does not — and a bootstrap of it (each cell's per-request latencies resampled, seeded) for a 90%
+linear in log2(c) between the last level where speculation wins (r < 1) and the next, from which
+on it never does — and a bootstrap of it (each cell's per-request latencies resampled, seeded) for a 90%
 interval. Ignores: how the latencies were measured (``sweep``) and concurrencies not run
 (``cost_model``).
 """
@@ -33,19 +33,22 @@ class Crossover:
 
 
 def find_crossover(levels: list[int], ratios: list[float]) -> Crossover:
-    """``levels`` ascending, ``ratios`` spec/plain p50 per level. The first crossing from < 1 to
-    >= 1 (later dips back below 1 are noise at high load and do not move it)."""
+    """``levels`` ascending, ``ratios`` spec/plain p50 per level. The crossing after which the
+    ratio stays >= 1: speculation's cost grows with load, so a level where it wins again after
+    having lost is read as noise in the lower level, not as a second crossing."""
     if not levels or len(levels) != len(ratios):
         raise ValueError("levels and ratios must be non-empty and of equal length")
-    if ratios[0] >= 1.0:
+    if ratios[-1] < 1.0:
+        return Crossover(CrossoverKind.ABOVE, None)
+    j = len(ratios) - 1
+    while j > 0 and ratios[j - 1] >= 1.0:
+        j -= 1
+    if j == 0:
         return Crossover(CrossoverKind.BELOW, float(levels[0]))
-    for j in range(1, len(levels)):
-        if ratios[j] >= 1.0:
-            x0, x1 = math.log2(levels[j - 1]), math.log2(levels[j])
-            r0, r1 = ratios[j - 1], ratios[j]
-            x = x0 + (1.0 - r0) / (r1 - r0) * (x1 - x0)
-            return Crossover(CrossoverKind.WITHIN, round(2.0 ** x, 3))
-    return Crossover(CrossoverKind.ABOVE, None)
+    x0, x1 = math.log2(levels[j - 1]), math.log2(levels[j])
+    r0, r1 = ratios[j - 1], ratios[j]
+    x = x0 + (1.0 - r0) / (r1 - r0) * (x1 - x0)
+    return Crossover(CrossoverKind.WITHIN, round(2.0 ** x, 3))
 
 
 def bootstrap_crossover(levels: list[int], spec: list[list[float]], plain: list[list[float]],

@@ -121,16 +121,17 @@ def _speculates(d: dict) -> bool:
 
 
 def _router_crossover(d: dict) -> float | None:
-    """The concurrency below which this segment should speculate: measured if it crossed, else
-    predicted by the cost model, else just past the highest level run."""
+    """The concurrency below which this segment should speculate: measured if it crossed; if it
+    still won at the highest level run, that level or the cost model's crossover if beyond;
+    unswept, the cost model's."""
     cross = d.get("crossover")
     if not d["speculate"]:
         return 1.0
     if cross and cross["kind"] == "within":
         return cross["value"]
-    if d.get("predicted_crossover"):
-        return d["predicted_crossover"]
-    return float(d["levels"][-1] * 2) if d.get("levels") else None
+    if cross:  # still winning at the highest level run: at least there, further if the model says so
+        return max(float(d["levels"][-1]), d.get("predicted_crossover") or 0.0)
+    return d.get("predicted_crossover")
 
 
 def _knobs(segments: dict, prof: dict, app) -> dict:
