@@ -48,6 +48,13 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _log2_axis(ax, cells: list[dict]) -> None:
+    levels = sorted({c["concurrency"] for c in cells})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(x) for x in levels])
+    ax.minorticks_off()
+
+
 def _by_segment(cells: list[dict]) -> dict[str, dict[str, list[dict]]]:
     out: dict[str, dict[str, list[dict]]] = {}
     for c in sorted(cells, key=lambda c: c["concurrency"]):
@@ -71,7 +78,7 @@ def latency_plot(cells: list[dict], segments: dict, path: Path) -> dict:
             lo, hi = cross["ci90"]
             if lo is not None and hi is not None:
                 ax.axvspan(lo, hi, color="grey", alpha=0.15)
-        ax.set_xscale("log", base=2)
+        _log2_axis(ax, cells)
         ax.set_title(f"{seg}: e2e latency")
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("seconds")
@@ -91,7 +98,7 @@ def throughput_plot(cells: list[dict], path: Path) -> dict:
         for policy, cs in pols.items():
             name, color = PATH_STYLE.get(policy, (policy, None))
             ax.plot([c["concurrency"] for c in cs], [c["tokens_per_s"] for c in cs], "o-", color=color, label=name)
-        ax.set_xscale("log", base=2)
+        _log2_axis(ax, cells)
         ax.set_title(f"{seg}: throughput")
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("tokens/s")

@@ -84,8 +84,6 @@ def default_drafters(app) -> list[str]:
 
 def map_workload(plan: MapPlan) -> dict:
     """Run the map; returns the state written to ``map.json``."""
-    import copy
-
     from cluster.bench.serve import _interrupt, _local_config
     from cluster.mapper.profile import run_profile
     from cluster.mapper.progress import Budget
@@ -129,7 +127,6 @@ def map_workload(plan: MapPlan) -> dict:
                       state["sweep"], plan.token)
         else:
             cfg = _local_config(argparse.Namespace(config=plan.config, addr=None))
-            cfg = copy.deepcopy(cfg)
             from cluster.commands.serve import local_service
 
             _log("starting a local service from the config for phase 2 ...")
