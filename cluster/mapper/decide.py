@@ -17,6 +17,7 @@ from cluster.mapper.cost_model import GRID, CostModel, PathShape, fit, r_squared
 from cluster.mapper.crossover import bootstrap_crossover
 
 ALPHA_FLOOR_MARGIN = 0.02  # min_alpha this far below the α of the weakest segment that gains
+DRAFTER_SWITCH_GAIN = 0.05  # another drafter replaces the configured one only when this much faster
 
 
 def break_even_alpha(k: float, c: float, v: float) -> float:
@@ -148,8 +149,13 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
         for name, row in p.get("drafters", {}).items():
             scores[name] = scores.get(name, 0.0) + shares.get(seg, 0.0) * (row["speedup"] or 0.0)
     if scores:
-        knobs["drafter"] = max(scores, key=scores.get)
-        knobs["why"]["drafter"] = f"traffic-weighted speedup at concurrency 1: {({k: round(v, 3) for k, v in scores.items()})}"
+        best = max(scores, key=scores.get)
+        if app.drafter in scores and scores[best] <= scores[app.drafter] * (1 + DRAFTER_SWITCH_GAIN):
+            best = app.drafter  # within noise of the configured one: no change without a gain
+        knobs["drafter"] = best
+        knobs["why"]["drafter"] = (f"traffic-weighted speedup at concurrency 1: {({k: round(v, 3) for k, v in scores.items()})}"
+                                   f"; the configured {app.drafter!r} is kept unless another is "
+                                   f"{DRAFTER_SWITCH_GAIN:.0%} faster")
     if not gaining and any(d.get("crossover") for d in segments.values()):
         knobs["drafter"] = "none"
         knobs["why"]["drafter"] = "no segment was faster speculated at any concurrency measured"

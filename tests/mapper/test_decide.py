@@ -98,3 +98,13 @@ def test_mapped_config_keeps_everything_else_and_refuses_what_the_app_refuses():
     bad = dict(d["knobs"], router={"enter_threshold": 9, "exit_threshold": 2, "min_alpha": 0.1})
     with pytest.raises(ValueError, match="exit_threshold"):
         mapped_args(base["applications"][0]["args"], bad)
+
+
+def test_drafter_changes_only_for_a_real_gain():
+    state = _state()
+    assert decide(state, AppConfig(model="fake", drafter="self"))["knobs"]["drafter"] == "ngram"  # 16% faster
+    # self within 5% of ngram: the configured drafter stays
+    state["profile"]["segments"]["a"]["drafters"]["self"]["speedup"] = 1.95
+    state["profile"]["segments"]["b"]["drafters"]["self"]["speedup"] = 0.8
+    assert decide(state, AppConfig(model="fake", drafter="self"))["knobs"]["drafter"] == "self"
+    assert decide(state, AppConfig(model="fake", drafter="ngram"))["knobs"]["drafter"] == "ngram"
