@@ -4,9 +4,10 @@ Owns: per segment the crossover concurrency (measured, with its bootstrap interv
 by the fitted cost model), the best drafter and K, whether it speculates at all; and the global
 knobs the service reads — ``drafter``, ``num_spec_tokens``, ``router.enter_threshold`` /
 ``exit_threshold`` (the traffic-weighted median crossover: leave the SpecEngine where the typical
-request stops gaining, come back a third lower) and ``router.min_alpha`` (the break-even α of the
+request stops gaining, come back a third lower), ``router.min_alpha`` (the break-even α of the
 chosen drafter's measured c and v, lowered below any segment that measured a gain, so the rule
-never sends a winning segment plain). Ignores: writing files (``write``) and plotting.
+never sends a winning segment plain) and ``router.segments`` (a segment's own thresholds where its
+crossover differs; a segment that never gained gated). Ignores: writing files (``write``) and plotting.
 """
 from __future__ import annotations
 
@@ -135,6 +136,28 @@ def _router_crossover(d: dict) -> float | None:
     return d.get("predicted_crossover")
 
 
+def _thresholds(crossover: float) -> tuple[int, int]:
+    """(enter, exit) for a crossover: leave the SpecEngine where speculation stops gaining, come
+    back a third lower (the hysteresis band keeps a load near the crossover from flapping)."""
+    exit_ = max(1, int(round(crossover)))
+    return max(1, min(exit_, int(round(exit_ * 2 / 3)))), exit_
+
+
+def _segment_router(segments: dict, router: dict) -> dict[str, dict]:
+    """Per-segment router settings where a segment's own crossover disagrees with the global
+    thresholds; a segment that never gained is gated (min_alpha 1.0 once its α is measured, and
+    it leaves the SpecEngine as soon as anything runs there)."""
+    out = {}
+    for seg, d in segments.items():
+        if not d["speculate"]:
+            out[seg] = {"enter_threshold": 1, "exit_threshold": 1, "min_alpha": 1.0}
+        elif d["crossover_for_router"] is not None:
+            enter, exit_ = _thresholds(d["crossover_for_router"])
+            if (enter, exit_) != (router["enter_threshold"], router["exit_threshold"]):
+                out[seg] = {"enter_threshold": enter, "exit_threshold": exit_}
+    return out
+
+
 def _knobs(segments: dict, prof: dict, app) -> dict:
     shares = {s: d["share"] for s, d in segments.items()}
     gaining = {s: d for s, d in segments.items() if d["speculate"]}
@@ -169,10 +192,12 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
         knobs["why"]["num_spec_tokens"] = f"segments prefer different K ({sorted(ks)}): adaptive K"
     x = _weighted_median({s: d["crossover_for_router"] for s, d in segments.items()}, shares)
     if x is not None:
-        exit_ = max(1, int(round(x)))
-        knobs["router"]["exit_threshold"] = exit_
-        knobs["router"]["enter_threshold"] = max(1, min(exit_, int(round(exit_ * 2 / 3))))
+        knobs["router"]["enter_threshold"], knobs["router"]["exit_threshold"] = _thresholds(x)
         knobs["why"]["thresholds"] = f"traffic-weighted median crossover {x:g} concurrent requests"
+    knobs["router"]["segments"] = _segment_router(segments, knobs["router"])
+    if knobs["router"]["segments"]:
+        knobs["why"]["segments"] = ("segments whose own crossover differs from the global thresholds get their "
+                                    "own (router.segments); a segment that never gained gets min_alpha 1.0")
     rows = [prof[s]["drafters"][knobs["drafter"]] for s in prof if knobs["drafter"] in prof[s].get("drafters", {})]
     if rows:
         k = statistics.median([r["k_mean"] or 0.0 for r in rows])

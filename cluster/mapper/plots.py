@@ -62,52 +62,50 @@ def _by_segment(cells: list[dict]) -> dict[str, dict[str, list[dict]]]:
     return out
 
 
-def latency_plot(cells: list[dict], segments: dict, path: Path) -> dict:
+def _panels(cells: list[dict], path: Path, title: str, ylabel: str, draw) -> dict:
+    """One panel per segment, concurrency on a log2 axis; ``draw(ax, segment, {policy: cells})``."""
     by = _by_segment(cells)
     plt, fig, axes = _grid(len(by))
     series = {}
     for ax, (seg, pols) in zip(axes, by.items()):
+        draw(ax, seg, pols)
+        _log2_axis(ax, cells)
+        ax.set_title(f"{seg}: {title}")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+        series.update(_lines(ax, seg))
+    for ax in axes[len(by):]:
+        ax.axis("off")
+    _save(plt, fig, path)
+    return series
+
+
+def latency_plot(cells: list[dict], segments: dict, path: Path) -> dict:
+    def draw(ax, seg, pols):
         for policy, cs in pols.items():
             name, color = PATH_STYLE.get(policy, (policy, None))
-            xs = [c["concurrency"] for c in cs if c["e2e_p50"] is not None]
-            ax.plot(xs, [c["e2e_p50"] for c in cs if c["e2e_p50"] is not None], "o-", color=color, label=f"{name} p50")
-            ax.plot(xs, [c["e2e_p99"] for c in cs if c["e2e_p99"] is not None], "x--", color=color, label=f"{name} p99")
+            ok = [c for c in cs if c["e2e_p50"] is not None]
+            xs = [c["concurrency"] for c in ok]
+            ax.plot(xs, [c["e2e_p50"] for c in ok], "o-", color=color, label=f"{name} p50")
+            ax.plot(xs, [c["e2e_p99"] for c in ok], "x--", color=color, label=f"{name} p99")
         cross = (segments.get(seg) or {}).get("crossover") or {}
         if cross.get("kind") == "within":
             ax.axvline(cross["value"], color="black", linestyle=":", label="crossover")
             lo, hi = cross["ci90"]
             if lo is not None and hi is not None:
                 ax.axvspan(lo, hi, color="grey", alpha=0.15)
-        _log2_axis(ax, cells)
-        ax.set_title(f"{seg}: e2e latency")
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("seconds")
-        ax.legend(fontsize=7)
-        series.update(_lines(ax, seg))
-    for ax in axes[len(by):]:
-        ax.axis("off")
-    _save(plt, fig, path)
-    return series
+
+    return _panels(cells, path, "e2e latency", "seconds", draw)
 
 
 def throughput_plot(cells: list[dict], path: Path) -> dict:
-    by = _by_segment(cells)
-    plt, fig, axes = _grid(len(by))
-    series = {}
-    for ax, (seg, pols) in zip(axes, by.items()):
+    def draw(ax, seg, pols):
         for policy, cs in pols.items():
             name, color = PATH_STYLE.get(policy, (policy, None))
             ax.plot([c["concurrency"] for c in cs], [c["tokens_per_s"] for c in cs], "o-", color=color, label=name)
-        _log2_axis(ax, cells)
-        ax.set_title(f"{seg}: throughput")
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("tokens/s")
-        ax.legend(fontsize=7)
-        series.update(_lines(ax, seg))
-    for ax in axes[len(by):]:
-        ax.axis("off")
-    _save(plt, fig, path)
-    return series
+
+    return _panels(cells, path, "throughput", "tokens/s", draw)
 
 
 def alpha_plot(profile: dict, path: Path) -> dict:

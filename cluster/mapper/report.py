@@ -58,6 +58,8 @@ def render(state: dict, decision: dict, plots: dict) -> str:
               f"- `router.exit_threshold: {router.get('exit_threshold')}` (leave the SpecEngine at this many "
               f"in flight), `router.enter_threshold: {router.get('enter_threshold')}` (come back below it)",
               f"- `router.min_alpha: {router.get('min_alpha')}` (a segment whose live α falls below goes plain)"]
+    for seg, own in (router.get("segments") or {}).items():
+        lines.append(f"- `router.segments.{seg}`: " + ", ".join(f"{k} {v}" for k, v in own.items()))
     lines += [f"- why {k}: {v}" for k, v in knobs.get("why", {}).items()]
     lines += ["", "Files: `serve_config.yaml` (`specserve serve --config serve_config.yaml`), "
               "`values-mapped.yaml` (`helm upgrade ... -f values-mapped.yaml`), `map.json` (every number).", ""]

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 KNOB_KEYS = ("drafter", "num_spec_tokens")
-ROUTER_KEYS = ("enter_threshold", "exit_threshold", "min_alpha")
+ROUTER_KEYS = ("enter_threshold", "exit_threshold", "min_alpha", "segments")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -45,7 +45,7 @@ def mapped_args(app_args: dict, knobs: dict) -> dict:
 
 
 def _segment_comments(decision: dict) -> list[str]:
-    lines = ["# per-segment choices (the service applies the global knobs above to every segment):"]
+    lines = ["# per-segment measurements and choices (router.segments holds the thresholds that differ):"]
     for seg, d in decision.get("segments", {}).items():
         cross = d.get("crossover") or {}
         lines.append(f"#   {seg}: share {d.get('share')}, speculate={d.get('speculate')}, "
@@ -60,7 +60,7 @@ def serve_config_text(base_cfg: dict, args: dict, decision: dict, source: str) -
     cfg["applications"][0]["args"] = args
     head = [f"# Serve config written by `specserve map` from {source}.",
             "#   specserve serve --config serve_config.yaml    or    serve deploy serve_config.yaml",
-            "# Mapped knobs: drafter, num_spec_tokens, router.enter_threshold / exit_threshold / min_alpha;",
+            "# Mapped knobs: drafter, num_spec_tokens, router.enter_threshold / exit_threshold / min_alpha / segments;",
             "# everything else is the config the map ran with. Why each value: report.md, map.json."]
     head += _segment_comments(decision)
     return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

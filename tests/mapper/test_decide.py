@@ -60,6 +60,21 @@ def test_decide_known_answers():
     assert k["router"]["exit_threshold"] == 6 and k["router"]["enter_threshold"] == 4
     be = break_even_alpha(4.0, 0.05, 1.2)
     assert k["break_even_alpha"] == be and k["router"]["min_alpha"] == round(be, 2)
+    # a's own crossover gives the global thresholds: nothing of its own; b never gained: gated
+    assert k["router"]["segments"] == {"b": {"enter_threshold": 1, "exit_threshold": 1, "min_alpha": 1.0}}
+    rc = AppConfig(**mapped_args({"model": "fake"}, k)).router_config()
+    assert rc.knobs("b") == (1, 1, 1.0) and rc.knobs("a") == (4, 6, round(be, 2))
+
+
+def test_a_segment_with_its_own_crossover_gets_its_own_thresholds():
+    state = _state()
+    state["traffic"]["shares"] = {"a": 0.7, "b": 0.3}
+    state["sweep"]["cells"] = _cells("a", [0.5, 0.7, 0.9, 1.1, 1.3]) + _cells("b", [0.3, 0.4, 0.5, 0.7, 1.1])
+    k = decide(state, AppConfig(model="fake"))["knobs"]
+    cross_b = 2 ** (3 + 0.3 / 0.4)  # between 8 (0.7) and 16 (1.1)
+    assert k["router"]["exit_threshold"] == 6  # a carries the traffic-weighted median
+    assert k["router"]["segments"] == {"b": {"enter_threshold": round(round(cross_b) * 2 / 3),
+                                             "exit_threshold": round(cross_b)}}
 
 
 def test_min_alpha_never_gates_a_gaining_segment():
