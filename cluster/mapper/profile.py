@@ -29,6 +29,8 @@ from cluster.bench.spec import Run, summarize_row
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic, sampling_params
 
+SMALLER_K_MARGIN = 0.02  # a larger K must predict this much more speedup to be chosen
+
 
 # -- running one request -----------------------------------------------------------------------
 class _RealEngines:
@@ -196,7 +198,10 @@ def summarize_pair(plain: list[Run], spec: list[Run], k: int) -> dict:
     n_p = sum(len(r.decode_steps) for r in spec)
     share = n_p / (n_v + n_p) if n_v + n_p else 0.0
     by_k = predicted_speedups(p, row["c"] or 0.0, row["v"] or 1.0, k, share)
-    best_k = max(by_k, key=by_k.get) if by_k else 0
+    top = max(by_k.values(), default=0.0)
+    # the smallest K within the margin of the best: more drafts that do not pay measurably only
+    # add risk (a noisy v below 1 would otherwise favour the largest K on a flat curve)
+    best_k = min((kk for kk, sp in by_k.items() if sp >= top / (1 + SMALLER_K_MARGIN)), default=0)
     row.update(position_acceptance=[round(x, 4) for x in p],
                alpha_by_position=[round(x, 4) for x in alpha_by_position(p)],
                predicted_speedup=by_k.get(k, row["predicted_speedup"]),  # per position, at the run's K

@@ -123,3 +123,29 @@ def test_drafter_changes_only_for_a_real_gain():
     state["profile"]["segments"]["b"]["drafters"]["self"]["speedup"] = 0.8
     assert decide(state, AppConfig(model="fake", drafter="self"))["knobs"]["drafter"] == "self"
     assert decide(state, AppConfig(model="fake", drafter="ngram"))["knobs"]["drafter"] == "ngram"
+
+
+def test_profile_prediction_per_position_and_best_k():
+    from cluster.bench.spec import Run
+    from cluster.mapper.profile import alpha_by_position, predicted_speedups, summarize_pair
+
+    # exactly one of four drafts accepted every step: per position p = [1, 0, 0, 0]
+    p = [1.0, 0.0, 0.0, 0.0]
+    assert alpha_by_position([0.8, 0.4, 0.1]) == pytest.approx([0.8, 0.5, 0.25])
+    assert predicted_speedups(p, 0.0, 1.0, 4) == {1: 2.0, 2: 2.0, 3: 2.0, 4: 2.0}
+    by_k = predicted_speedups([0.9, 0.7, 0.4, 0.1], 0.1, 1.2, 4)
+    assert by_k[2] == pytest.approx((1 + 0.9 + 0.7) / (2 * 0.1 + 1.1), abs=1e-4)
+
+    def run(wall, acc, dr, steps):
+        r = Run(wall, 24, [], decode_steps=[] if dr else [0.01] * steps, verify_steps=[0.0099] * steps if dr else [])
+        r.accepted_per_position, r.drafted_per_position = acc, dr
+        r.draft_tokens, r.accepted_tokens, r.drafts = sum(dr), 1 * steps, steps
+        return r
+
+    plain = [run(0.24, [], [], 24)]
+    spec = [run(0.12, [12, 0, 0, 0], [12, 12, 12, 12], 12)]
+    row = summarize_pair(plain, spec, 4)
+    assert row["acceptance_rate"] == 0.25 and row["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0]
+    assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)  # accepted/drafted would say 1.33
+    assert row["predicted_speedup_alpha_only"] == pytest.approx(1.33, rel=0.02)
+    assert row["best_k"] == 1  # v < 1 by noise makes K=4 0.75% "faster": not worth its drafts
