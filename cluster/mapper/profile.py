@@ -26,10 +26,11 @@ import statistics
 import time
 
 from cluster.bench.spec import Run, summarize_row
+from cluster.engine.request import InvalidRequestError
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic, sampling_params
 
-SMALLER_K_MARGIN = 0.02  # a larger K must predict this much more speedup to be chosen
+SMALLER_K_MARGIN = 0.02  # a larger K (or any K over plain) must predict this much more speedup
 
 
 # -- running one request -----------------------------------------------------------------------
@@ -207,7 +208,7 @@ def summarize_pair(plain: list[Run], spec: list[Run], k: int) -> dict:
                predicted_speedup=by_k.get(k, row["predicted_speedup"]),  # per position, at the run's K
                predicted_speedup_alpha_only=row["predicted_speedup"],
                predicted_by_k={str(kk): s for kk, s in by_k.items()},
-               best_k=best_k if by_k.get(best_k, 0.0) > 1.0 else 0,
+               best_k=best_k if by_k.get(best_k, 0.0) > 1.0 + SMALLER_K_MARGIN else 0,  # 0: plain
                no_draft_step_share=round(share, 4),
                rows=len(spec))
     return row
@@ -223,10 +224,9 @@ def run_profile(app, traffic: Traffic, drafters: list[str], k: int, max_tokens: 
     drafters = [d for d in drafters if d in engines.spec]
     segs = result.setdefault("segments", {})
     try:
-        first = next(iter(traffic.segments.values()))[0]  # warm-up: allocations, first calls
-        ids0 = engines.ids(first)[:64]
+        warm = {"prompt": "Hello, how are you today?", "max_tokens": 4}  # allocations, first calls
         for d in [None, *drafters]:
-            engines.run(d, f"warm-{d}", ids0, sampling_params(first, 4), first["segment"])
+            engines.run(d, f"warm-{d}", engines.ids(warm), sampling_params(warm), "warm-up")
         total = traffic.num_rows * (1 + len(drafters))
         with budget.phase("phase 1/3 profile", total) as bar:
             for seg, rows in traffic.segments.items():
@@ -234,15 +234,21 @@ def run_profile(app, traffic: Traffic, drafters: list[str], k: int, max_tokens: 
                 spec: dict[str, list[Run]] = {d: [] for d in drafters}
                 for row in rows:
                     budget.check()
-                    ids = engines.ids(row)
-                    params = sampling_params(row, max_tokens)
-                    got = {d: engines.run(d, f"{row['id']}-{d or 'plain'}", ids, params, seg) for d in [None, *drafters]}
-                    bar.update(1 + len(drafters))
+                    try:
+                        ids = engines.ids(row)
+                        params = sampling_params(row, max_tokens)
+                        got = {d: engines.run(d, f"{row['id']}-{d or 'plain'}", ids, params, seg)
+                               for d in [None, *drafters]}
+                    except InvalidRequestError as exc:  # e.g. longer than the model's context
+                        result.setdefault("row_errors", []).append(f"{row['id']}: {exc}")
+                        continue
+                    finally:
+                        bar.update(1 + len(drafters))
                     plain.append(got[None])
                     for d in drafters:
                         spec[d].append(got[d])
                     t = statistics.median([x for r in plain for x in r.decode_steps] or [0.0])
-                    segs[seg] = {"rows": len(plain), "constrained_rows": sum(r.get("constrained", False) for r in rows[:len(plain)]),
+                    segs[seg] = {"rows": len(plain), "constrained_rows": sum(r.get("constrained", False) for r in rows),
                                  "output_tokens": _dist([r.tokens for r in plain]),
                                  "plain_ms_per_token": round(1e3 * statistics.median([r.wall_s / max(r.tokens, 1) for r in plain]), 3),
                                  "plain_step_ms": round(1e3 * t, 3),

@@ -53,6 +53,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
                     per = {p: ([], 0.0) for p in PATHS}
                     rounds, n_round = bench.round_plan(requests, c, 0)
                     for r in range(rounds):
+                        budget.check()  # a half-measured cell is dropped, not recorded
                         for path in bench.round_order(list(PATHS), r):
                             # untimed: the engine may have sat idle while the other path ran
                             bench._one(stub, pb2, md, bench.WARM_UP_ROW, bench.POLICIES[path], 1)
