@@ -274,6 +274,15 @@ class RouterPolicy:
                 return self._probe(req.segment, view, RouteReason.PROBE_BELOW_BREAK_EVEN)
         return self._hysteresis(req.segment, view)
 
+    def segment_settings(self, view: EngineView) -> list[tuple[str, int, int, float, bool]]:
+        """(segment, enter, exit, min_alpha in force, min_alpha is auto) of every segment with
+        settings of its own, sorted: what ModelInfo shows."""
+        out = []
+        for name in sorted(self.config.segments):
+            enter, exit_, setting = self.config.knobs(name)
+            out.append((name, enter, exit_, self.min_alpha(view, name), setting == "auto"))
+        return out
+
     def min_alpha(self, view: EngineView, segment: str | None = None) -> float:
         """The α under which ``segment`` (None: any segment without its own setting) goes plain."""
         setting = self.config.min_alpha if segment is None else self.config.knobs(segment)[2]

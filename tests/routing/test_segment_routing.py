@@ -60,3 +60,17 @@ def test_unset_keys_fall_back_and_bad_settings_name_the_segment():
     with pytest.raises(ValueError, match="extra"):
         AppConfig(router={"segments": {"chat": {"drafter": "ngram"}}})
     assert AppConfig(router={"segments": {"chat": {"exit_threshold": 9}}}).router_config().knobs("chat") == (4, 9, "auto")
+
+
+def test_model_info_shows_the_settings_in_force_per_segment():
+    from cluster.api import stubs
+    from deployments.router import segment_routing_pb
+
+    pb2 = stubs.generation_pb2()
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=8,
+                                  segments={"json": {"min_alpha": 1.0}, "chat": {"exit_threshold": 5}}))
+    info = pb2.ModelInfoResponse(segment_routing=segment_routing_pb(pb2, p, EngineView(break_even_alpha=0.2)))
+    got = [(s.segment, s.enter_threshold, s.exit_threshold, round(s.min_alpha, 4), s.min_alpha_auto)
+           for s in pb2.ModelInfoResponse.FromString(info.SerializeToString()).segment_routing]
+    assert got == [("chat", 4, 5, 0.2, True), ("json", 4, 8, 1.0, False)]
+    assert segment_routing_pb(pb2, RouterPolicy(RouterConfig()), EngineView()) == []
