@@ -65,6 +65,10 @@ def bootstrap_crossover(levels: list[int], spec: list[list[float]], plain: list[
         draws.append(find_crossover(levels, ratios).as_number())
     draws.sort()
     lo, hi = draws[int(0.05 * (len(draws) - 1))], draws[int(0.95 * (len(draws) - 1))]
+    from cluster.bench.serve import ratio_interval
+
+    first = ratio_interval(spec[0], [plain[0]], resamples, seed)  # is "below" clear, or noise?
     return {"kind": point.kind.value, "value": point.value,
             "ci90": [lo if math.isfinite(lo) else None, hi if math.isfinite(hi) else None],
-            "share_crossed": round(sum(math.isfinite(d) for d in draws) / len(draws), 3)}
+            "share_crossed": round(sum(math.isfinite(d) for d in draws) / len(draws), 3),
+            "lowest_level_ratio_ci90": list(first) if first else None}

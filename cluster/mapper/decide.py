@@ -116,10 +116,18 @@ def decide(state: dict, app) -> dict:
 
 
 def _speculates(d: dict) -> bool:
+    """Whether the segment gains at all. The sweep (through the service) decides when it ran:
+    speculation won at some level, or plain was clearly as fast already at the lowest (its ratio's
+    interval above 1). A loss there within noise, or no sweep, leaves it to the profile's measured
+    speedup at concurrency 1 (then at the lowest load only, ``_router_crossover``)."""
+    profile_gain = bool(d.get("speedup_c1") and d["speedup_c1"] > 1.0)
     cross = d.get("crossover")
-    if cross is not None:
-        return cross["kind"] != "below"
-    return bool(d.get("speedup_c1") and d["speedup_c1"] > 1.0)
+    if cross is None:
+        return profile_gain
+    if cross["kind"] != "below":
+        return True
+    ci = cross.get("lowest_level_ratio_ci90")
+    return profile_gain and not (ci and ci[0] > 1.0)
 
 
 def _router_crossover(d: dict) -> float | None:
@@ -131,6 +139,8 @@ def _router_crossover(d: dict) -> float | None:
         return 1.0
     if cross and cross["kind"] == "within":
         return cross["value"]
+    if cross and cross["kind"] == "below":  # lost at the lowest level, but within noise
+        return float(d["levels"][0]) + 1.0
     if cross:  # still winning at the highest level run: at least there, further if the model says so
         return max(float(d["levels"][-1]), d.get("predicted_crossover") or 0.0)
     return d.get("predicted_crossover")
@@ -190,7 +200,8 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
     elif ks:
         knobs["num_spec_tokens"] = "auto"
         knobs["why"]["num_spec_tokens"] = f"segments prefer different K ({sorted(ks)}): adaptive K"
-    x = _weighted_median({s: d["crossover_for_router"] for s, d in segments.items()}, shares)
+    # global thresholds from the segments that speculate (the others are gated by their own)
+    x = _weighted_median({s: d["crossover_for_router"] for s, d in gaining.items()}, shares)
     if x is not None:
         knobs["router"]["enter_threshold"], knobs["router"]["exit_threshold"] = _thresholds(x)
         knobs["why"]["thresholds"] = f"traffic-weighted median crossover {x:g} concurrent requests"

@@ -149,3 +149,18 @@ def test_profile_prediction_per_position_and_best_k():
     assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)  # accepted/drafted would say 1.33
     assert row["predicted_speedup_alpha_only"] == pytest.approx(1.33, rel=0.02)
     assert row["best_k"] == 1  # v < 1 by noise makes K=4 0.75% "faster": not worth its drafts
+
+
+def test_a_loss_at_the_lowest_level_within_noise_keeps_a_profile_gain_at_low_load():
+    state = _state()
+    noisy = _cells("b", [1.05, 1.1, 1.2, 1.3, 1.4])
+    for c in noisy:  # b's c=1 cell: spread wide enough that 1.05 is within noise
+        if c["concurrency"] == 1:
+            c["e2e_s"] = [x * f for x, f in zip(c["e2e_s"], (0.5, 0.8, 1.0, 1.3, 1.9))]
+    state["sweep"]["cells"] = _cells("a", [0.5, 0.7, 0.9, 1.1, 1.3]) + noisy
+    state["profile"]["segments"]["b"]["drafters"]["self"]["speedup"] = 1.2  # b's best drafter gains
+    b = decide(state, AppConfig(model="fake"))["segments"]["b"]
+    assert b["crossover"]["kind"] == "below" and b["crossover"]["lowest_level_ratio_ci90"][0] < 1.0
+    assert b["speculate"] and b["crossover_for_router"] == 2.0  # alone on the SpecEngine only
+    clear = decide(_state(), AppConfig(model="fake"))["segments"]["b"]
+    assert clear["crossover"]["lowest_level_ratio_ci90"][0] > 1.0 and not clear["speculate"]
