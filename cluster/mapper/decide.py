@@ -18,6 +18,7 @@ from cluster.mapper.cost_model import GRID, CostModel, PathShape, fit, r_squared
 from cluster.mapper.crossover import bootstrap_crossover
 
 ALPHA_FLOOR_MARGIN = 0.02  # min_alpha this far below the α of the weakest segment that gains
+EXTRAPOLATE_LEVELS = 2.0  # router thresholds trust the cost model up to 2x the highest level run
 DRAFTER_SWITCH_GAIN = 0.05  # another drafter replaces the configured one only when this much faster
 
 
@@ -141,8 +142,9 @@ def _router_crossover(d: dict) -> float | None:
         return cross["value"]
     if cross and cross["kind"] == "below":  # lost at the lowest level, but within noise
         return float(d["levels"][0]) + 1.0
-    if cross:  # still winning at the highest level run: at least there, further if the model says so
-        return max(float(d["levels"][-1]), d.get("predicted_crossover") or 0.0)
+    if cross:  # still winning at the highest level run: at least there, further if the model
+        top = float(d["levels"][-1])  # says so, but not past one doubling (unmeasured ground)
+        return min(max(top, d.get("predicted_crossover") or 0.0), EXTRAPOLATE_LEVELS * top)
     return d.get("predicted_crossover")
 
 

@@ -164,3 +164,19 @@ def test_a_loss_at_the_lowest_level_within_noise_keeps_a_profile_gain_at_low_loa
     assert b["speculate"] and b["crossover_for_router"] == 2.0  # alone on the SpecEngine only
     clear = decide(_state(), AppConfig(model="fake"))["segments"]["b"]
     assert clear["crossover"]["lowest_level_ratio_ci90"][0] > 1.0 and not clear["speculate"]
+
+
+def test_thresholds_extrapolate_at_most_one_doubling_past_the_sweep():
+    from cluster.mapper.decide import _router_crossover
+
+    def seg(kind, predicted, value=None):
+        return {"speculate": True, "crossover": {"kind": kind, "value": value}, "levels": LEVELS,
+                "predicted_crossover": predicted}
+
+    assert _router_crossover(seg("above", 44.0)) == 32.0  # the model's 44: one doubling past 16
+    assert _router_crossover(seg("above", 20.0)) == 20.0
+    assert _router_crossover(seg("above", 10.0)) == 16.0  # won at 16: at least 16
+    assert _router_crossover(seg("above", None)) == 16.0
+    assert _router_crossover(seg("within", 44.0, value=5.5)) == 5.5  # measured beats the model
+    assert _router_crossover({"speculate": True, "predicted_crossover": 7.0}) == 7.0  # not swept
+    assert _router_crossover({"speculate": False}) == 1.0
