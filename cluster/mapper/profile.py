@@ -172,6 +172,7 @@ def predicted_speedups(p: list[float], c: float, v: float, k: int, plain_share: 
     """Predicted speedup over plain for each K' in 1..k, from per-position acceptance ``p``.
     ``plain_share``: the fraction of decode steps that draft nothing (no n-gram match)."""
     out = {}
+    v = max(v, 1.0)  # K+1 tokens never verify cheaper than 1: a measured v < 1 is timing noise
     for kk in range(1, min(k, len(p)) + 1):
         e = 1.0 + sum(p[:kk])
         vk = 1.0 + (v - 1.0) * kk / k

@@ -148,7 +148,7 @@ def test_profile_prediction_per_position_and_best_k():
     assert row["acceptance_rate"] == 0.25 and row["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0]
     assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)  # accepted/drafted would say 1.33
     assert row["predicted_speedup_alpha_only"] == pytest.approx(1.33, rel=0.02)
-    assert row["best_k"] == 1  # v < 1 by noise makes K=4 0.75% "faster": not worth its drafts
+    assert row["best_k"] == 1  # v < 1 (timing noise) is clamped to 1: extra drafts gain nothing
 
 
 def test_a_loss_at_the_lowest_level_within_noise_keeps_a_profile_gain_at_low_load():
