@@ -18,7 +18,10 @@ def _cross(d: dict) -> str:
     if not c:
         return "not swept"
     lo, hi = c["ci90"]
-    ci = f" (90%: {_f(lo, 1)}–{'beyond' if hi is None else _f(hi, 1)})"
+    if lo is None:  # even the low end of the interval never crossed in the levels run
+        ci = " (90%: beyond the levels run)"
+    else:
+        ci = f" (90%: {_f(lo, 1)}–{'beyond' if hi is None else _f(hi, 1)})"
     if c["kind"] == "within":
         return f"{_f(c['value'], 1)}{ci}"
     if c["kind"] == "below":
