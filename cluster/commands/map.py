@@ -54,4 +54,6 @@ def run(args: argparse.Namespace) -> int:
                    rows_per_segment=args.rows_per_segment, max_tokens=args.max_tokens, seed=args.seed,
                    progress=not args.no_progress)
     state = map_workload(plan)
-    return 130 if state.get("interrupted") else 0
+    if state.get("interrupted"):
+        return 130
+    return 1 if state.get("failed") else 0

@@ -40,6 +40,8 @@ def render(state: dict, decision: dict, plots: dict) -> str:
             status.append(f"{phase} stopped early: {p['stopped']}")
     if state.get("interrupted"):
         status.append("interrupted (Ctrl-C): a partial map")
+    if state.get("failed"):
+        status.append(f"failed: {state['failed']}")
     if status:
         lines += ["**Partial map** — " + "; ".join(status) + ".", ""]
     t = state["traffic"]

@@ -143,6 +143,9 @@ def map_workload(plan: MapPlan) -> dict:
     except KeyboardInterrupt:
         state["interrupted"] = True
         _log("interrupted: writing the partial map")
+    except Exception as exc:  # e.g. the service did not start: keep what phase 1 measured
+        state["failed"] = f"{type(exc).__name__}: {exc}"
+        _log(f"failed: {state['failed']}; writing the partial map")
     finally:
         signal.signal(signal.SIGTERM, previous)
     return finish(plan, state, base_cfg, app)
@@ -156,7 +159,7 @@ def finish(plan: MapPlan, state: dict, base_cfg: dict, app) -> dict:
     from cluster.mapper.write import write_atomic, write_configs, write_map_json
 
     try:
-        state["partial"] = bool(state.get("interrupted") or (state.get("profile") or {}).get("stopped")
+        state["partial"] = bool(state.get("interrupted") or state.get("failed") or (state.get("profile") or {}).get("stopped")
                                 or (state.get("sweep") or {}).get("stopped"))
         decision = decide(state, app)
         state["decision"] = decision

@@ -140,21 +140,26 @@ def test_time_budget_spent_leaves_a_partial_map(tmp_path):
     _check_configs(out, m["decision"]["knobs"])  # the config's own knobs: nothing was measured
 
 
-def test_ctrl_c_in_the_sweep_leaves_the_partial_map(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exc,rc,key", [(KeyboardInterrupt, 130, "interrupted"),
+                                        (RuntimeError("engines not SERVING"), 1, "failed")])
+def test_ctrl_c_or_a_failed_sweep_leaves_the_partial_map(tmp_path, monkeypatch, exc, rc, key):
     from cluster.mapper import sweep
 
     def interrupted(addr, app, traffic, levels, requests, max_tokens, budget, result, token=None):
         result.setdefault("cells", [])
-        raise KeyboardInterrupt
+        raise exc
 
     monkeypatch.setattr(sweep, "run_sweep", interrupted)
     cfg = fake_serve_config(tmp_path / "serve_config.yaml")
     out = tmp_path / "map"
-    rc = main(["map", "--traffic", str(traffic_file(tmp_path / "t.jsonl", per_segment=2)), "--config", str(cfg),
-               "--out", str(out), "--addr", "127.0.0.1:1", "--drafters", "ngram", "--no-progress"])
-    assert rc == 130
+    got = main(["map", "--traffic", str(traffic_file(tmp_path / "t.jsonl", per_segment=2)), "--config", str(cfg),
+                "--out", str(out), "--addr", "127.0.0.1:1", "--drafters", "ngram", "--no-progress"])
+    assert got == rc
     m = json.loads((out / "map.json").read_text())
-    assert m["interrupted"] is True and m["partial"] is True
+    assert m[key] and m["partial"] is True
+    if key == "failed":
+        assert m["failed"] == "RuntimeError: engines not SERVING"
+        assert "failed: RuntimeError: engines not SERVING" in (out / "report.md").read_text()
     assert set(m["profile"]["segments"]) == {"code", "chat", "default"}  # phase 1 kept
     for name in ("serve_config.yaml", "values-mapped.yaml", "report.md", "alpha_by_position.png",
                  "measured_vs_predicted.png"):
