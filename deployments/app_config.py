@@ -29,6 +29,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SegmentRouterKnobs(_Strict):
+    """One segment's own router settings (``specserve map`` writes them); unset: the global one."""
+
+    enter_threshold: int | None = Field(None, ge=1)
+    exit_threshold: int | None = Field(None, ge=1)
+    min_alpha: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] | None = None
+
+
 class RouterKnobs(_Strict):
     enter_threshold: int = Field(4, ge=1)
     exit_threshold: int = Field(8, ge=1)
@@ -42,6 +50,7 @@ class RouterKnobs(_Strict):
     plain_when_faster: bool = True  # below the exit threshold, send a request plain when measured
     #                                latency says the BatchEngine serves it faster by the margin
     plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
+    segments: dict[str, SegmentRouterKnobs] = Field(default_factory=dict)  # per-segment overrides
 
 
 class MoeKnobs(_Strict):

@@ -81,6 +81,13 @@ def unexpected_error(exc: Exception, request_id: str, label: str) -> ServiceErro
     return internal_error(request_id)
 
 
+def segment_routing_pb(pb2, policy: RouterPolicy, view: EngineView) -> list:
+    """ModelInfo's ``segment_routing``: the settings in force for segments with their own."""
+    return [pb2.SegmentRouting(segment=seg, enter_threshold=enter, exit_threshold=exit_, min_alpha=alpha,
+                               min_alpha_auto=auto)
+            for seg, enter, exit_, alpha, auto in policy.segment_settings(view)]
+
+
 @serve.deployment(name="Router", max_ongoing_requests=2048)
 @serve.ingress()  # HTTP: the app __serve_build_asgi_app__ builds; gRPC: the methods below
 class Router:
@@ -314,7 +321,8 @@ class Router:
             enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold,
             min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
             spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight,
-            plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2))
+            plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2),
+            segment_routing=segment_routing_pb(pb2, self.policy, self._view()))
 
     def _path_latency_pb(self, pb2) -> list:
         paths = {Path.SPECULATIVE: pb2.PATH_SPECULATIVE, Path.PLAIN: pb2.PATH_PLAIN}

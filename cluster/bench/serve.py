@@ -82,12 +82,25 @@ def _max_tokens(row: dict, cap: int) -> int:
 
 # -- through the front door -------------------------------------------------------------------
 def _request(pb2, row: dict, mode: int, max_tokens: int):
+    """A GenerateRequest from a prompt row (``generate --prompts`` format): ``prompt`` (+ ``chat``)
+    or ``messages``, and when present the constraint and sampling keys of ``specserve map`` rows."""
     req = pb2.GenerateRequest(max_tokens=_max_tokens(row, max_tokens), mode=mode,
                               segment=row.get("segment", ""))
-    if row.get("chat"):
+    if "messages" in row:
+        for m in row["messages"]:
+            req.messages.append(pb2.ChatMessage(role=m["role"], content=m["content"]))
+    elif row.get("chat"):
         req.messages.append(pb2.ChatMessage(role="user", content=row["prompt"]))
     else:
         req.prompt = row["prompt"]
+    for key in ("json_schema", "regex", "temperature", "top_k"):
+        if row.get(key):
+            setattr(req, key, row[key])
+    if row.get("top_p") is not None:
+        req.top_p = float(row["top_p"])
+    if row.get("seed") is not None:
+        req.seed = int(row["seed"])
+    req.stop.extend(row.get("stop") or ())
     return req
 
 

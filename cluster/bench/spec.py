@@ -74,6 +74,8 @@ class Run:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # SpecStats' counters
+    drafted_per_position: list[int] = field(default_factory=list)
 
 
 def _timing(engine):
@@ -110,6 +112,8 @@ def run_ours(engine, request) -> Run:
             run.decode_steps.append(w - (k[0] if k else 0.0))
     if spec is not None:
         run.draft_tokens, run.accepted_tokens, run.drafts = spec.draft_tokens, spec.accepted_tokens, spec.drafts
+        run.accepted_per_position = list(spec.accepted_per_position)
+        run.drafted_per_position = list(spec.drafted_per_position)
     return run
 
 

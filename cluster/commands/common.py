@@ -32,6 +32,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, kv_cache_memory_mb=args.kv_cache_mb)
 
 
+def parse_prompt_row(line: str, where: str) -> dict:
+    """One JSONL prompt row (``where``: ``file:line`` for the message); InvalidRequestError says
+    what is wrong. A row carries a string 'prompt' or, for ``specserve map``, a 'messages' list."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{where}: not JSON: {exc}") from None
+    if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or "messages" in row):
+        raise InvalidRequestError(f"{where}: each row needs a string 'prompt'")
+    return row
+
+
 def read_prompt_rows(path: Path, limit: int | None = None) -> list[dict]:
     """Rows like shared/workloads/*.jsonl: id, segment, chat, prompt, max_tokens (optional)."""
     rows = []
@@ -39,11 +51,8 @@ def read_prompt_rows(path: Path, limit: int | None = None) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{path}:{n}: not JSON: {exc}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            row = parse_prompt_row(line, f"{path}:{n}")
+            if not isinstance(row.get("prompt"), str):
                 raise InvalidRequestError(f"{path}:{n}: each row needs a string 'prompt'")
             row.setdefault("id", f"row-{n}")
             rows.append(row)

@@ -27,6 +27,8 @@ Rule order (first match wins):
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
+   A segment with settings of its own (``RouterConfig.segments``, written by ``specserve map``)
+   uses its thresholds and min_alpha (rule 6) and its own hysteresis bit; others the global ones.
 8. overflow balance (``balance_overflow``): when rule 7 says plain but the SpecEngine would serve
    the request sooner, go speculative anyway (OVERFLOW_BALANCED); the hysteresis bit is not
    touched. A request is routed once, on arrival: without this a burst larger than the
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.engine.request import SpecMode
 from cluster.routing.load_latency import LoadLatencyModel
@@ -89,6 +91,26 @@ class RouteDecision:
 FALLBACK_MIN_ALPHA = 0.5  # the seed's break-even rule of thumb, used until the engine measures one
 
 
+@dataclass(slots=True, frozen=True)
+class SegmentRouting:
+    """One segment's own router settings (``specserve map`` writes them from the segment's
+    crossover); None falls back to the global setting. A segment with its own thresholds has its
+    own hysteresis bit, compared with the same SpecEngine in-flight count."""
+
+    enter_threshold: int | None = None
+    exit_threshold: int | None = None
+    min_alpha: float | str | None = None
+
+
+def _check_router_knobs(enter: int, exit_: int, min_alpha, where: str) -> None:
+    if enter < 1:
+        raise ValueError(f"{where}enter_threshold must be >= 1, got {enter}")
+    if exit_ < enter:
+        raise ValueError(f"{where}exit_threshold ({exit_}) must be >= enter_threshold ({enter})")
+    if min_alpha != "auto" and (isinstance(min_alpha, (str, bool)) or not 0.0 <= float(min_alpha) <= 1.0):
+        raise ValueError(f"{where}min_alpha must be \"auto\" or a number in [0, 1], got {min_alpha!r}")
+
+
 @dataclass(slots=True)
 class RouterConfig:
     """enter_threshold: route to spec again once its in-flight count is below this.
@@ -118,16 +140,14 @@ class RouterConfig:
     plain_when_faster: bool = True
     plain_faster_margin: float = 0.05
     moe_probe_every: int = 8
+    segments: dict[str, SegmentRouting] = field(default_factory=dict)  # per-segment overrides
 
     def __post_init__(self) -> None:
-        if self.enter_threshold < 1:
-            raise ValueError(f"router.enter_threshold must be >= 1, got {self.enter_threshold}")
-        if self.exit_threshold < self.enter_threshold:
-            raise ValueError(f"router.exit_threshold ({self.exit_threshold}) must be >= "
-                             f"enter_threshold ({self.enter_threshold})")
-        if self.min_alpha != "auto" and (isinstance(self.min_alpha, (str, bool))
-                                         or not 0.0 <= float(self.min_alpha) <= 1.0):
-            raise ValueError(f"router.min_alpha must be \"auto\" or a number in [0, 1], got {self.min_alpha!r}")
+        _check_router_knobs(self.enter_threshold, self.exit_threshold, self.min_alpha, "router.")
+        self.segments = {name: s if isinstance(s, SegmentRouting) else SegmentRouting(**s)
+                         for name, s in self.segments.items()}
+        for name in self.segments:
+            _check_router_knobs(*self.knobs(name), f"router.segments.{name}.")
         if self.probe_every < 0:
             raise ValueError("router.probe_every must be >= 0")
         if self.moe_probe_every < 0:
@@ -138,6 +158,16 @@ class RouterConfig:
             raise ValueError("router.overflow_min_samples must be >= 1")
         if not 0.0 <= self.plain_faster_margin < 1.0:
             raise ValueError(f"router.plain_faster_margin must be in [0, 1), got {self.plain_faster_margin}")
+
+
+    def knobs(self, segment: str) -> tuple[int, int, float | str]:
+        """(enter_threshold, exit_threshold, min_alpha) in force for ``segment``."""
+        own = self.segments.get(segment)
+        if own is None:
+            return self.enter_threshold, self.exit_threshold, self.min_alpha
+        pick = lambda mine, default: default if mine is None else mine  # noqa: E731
+        return (pick(own.enter_threshold, self.enter_threshold), pick(own.exit_threshold, self.exit_threshold),
+                pick(own.min_alpha, self.min_alpha))
 
 
 @dataclass(slots=True, frozen=True)
@@ -204,6 +234,7 @@ class RouterPolicy:
         self.config = config
         self.latency = LoadLatencyModel()
         self._spec_open = True
+        self._spec_open_by_segment: dict[str, bool] = {}  # segments with thresholds of their own
         self._lock = threading.Lock()
         self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
         self._moved: dict[str, int] = {}  # segment -> requests moved plain (rule 9) since its last probe
@@ -237,15 +268,26 @@ class RouterPolicy:
         measured = view.alpha(req.segment)
         if measured is not None:
             alpha, samples = measured
-            if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view):
+            if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view, req.segment):
                 if not self._probe_due(self._gated, req.segment):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
                 return self._probe(req.segment, view, RouteReason.PROBE_BELOW_BREAK_EVEN)
         return self._hysteresis(req.segment, view)
 
-    def min_alpha(self, view: EngineView) -> float:
-        if self.config.min_alpha != "auto":
-            return float(self.config.min_alpha)
+    def segment_settings(self, view: EngineView) -> list[tuple[str, int, int, float, bool]]:
+        """(segment, enter, exit, min_alpha in force, min_alpha is auto) of every segment with
+        settings of its own, sorted: what ModelInfo shows."""
+        out = []
+        for name in sorted(self.config.segments):
+            enter, exit_, setting = self.config.knobs(name)
+            out.append((name, enter, exit_, self.min_alpha(view, name), setting == "auto"))
+        return out
+
+    def min_alpha(self, view: EngineView, segment: str | None = None) -> float:
+        """The α under which ``segment`` (None: any segment without its own setting) goes plain."""
+        setting = self.config.min_alpha if segment is None else self.config.knobs(segment)[2]
+        if setting != "auto":
+            return float(setting)
         return FALLBACK_MIN_ALPHA if view.break_even_alpha is None else view.break_even_alpha
 
     def _probe(self, segment: str, view: EngineView, reason: RouteReason) -> RouteDecision:
@@ -268,7 +310,7 @@ class RouterPolicy:
 
     def _hysteresis(self, segment: str, view: EngineView, probing: bool = False) -> RouteDecision:
         """Rules 7-9; ``probing``: an α probe, which rule 9 must not move plain."""
-        decision = self._hysteresis_bit(view.spec_in_flight)
+        decision = self._hysteresis_bit(view.spec_in_flight, segment)
         if decision.path is Path.PLAIN and self.config.balance_overflow and self._spec_sooner(segment, view):
             return RouteDecision(Path.SPECULATIVE, RouteReason.OVERFLOW_BALANCED)
         if (decision.path is Path.SPECULATIVE and self.config.plain_when_faster and not probing
@@ -285,16 +327,25 @@ class RouterPolicy:
                                        self.config.overflow_min_samples)
         return view.spec_less_full() if measured is None else measured
 
-    def _hysteresis_bit(self, in_flight: int) -> RouteDecision:
+    def _hysteresis_bit(self, in_flight: int, segment: str = "") -> RouteDecision:
+        enter, exit_, _ = self.config.knobs(segment)
+        own = segment in self.config.segments
         with self._lock:
-            if self._spec_open:
-                if in_flight >= self.config.exit_threshold:
-                    self._spec_open = False
+            is_open = self._spec_open_by_segment.get(segment, True) if own else self._spec_open
+            if is_open:
+                if in_flight >= exit_:
+                    self._set_open(segment, own, False)
                     return RouteDecision(Path.PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
-                reason = (RouteReason.BELOW_ENTER_THRESHOLD if in_flight < self.config.enter_threshold
+                reason = (RouteReason.BELOW_ENTER_THRESHOLD if in_flight < enter
                           else RouteReason.HYSTERESIS_SPECULATIVE)
                 return RouteDecision(Path.SPECULATIVE, reason)
-            if in_flight < self.config.enter_threshold:
-                self._spec_open = True
+            if in_flight < enter:
+                self._set_open(segment, own, True)
                 return RouteDecision(Path.SPECULATIVE, RouteReason.BELOW_ENTER_THRESHOLD)
             return RouteDecision(Path.PLAIN, RouteReason.HYSTERESIS_PLAIN)
+
+    def _set_open(self, segment: str, own: bool, value: bool) -> None:
+        if own:
+            self._spec_open_by_segment[segment] = value
+        else:
+            self._spec_open = value
