@@ -21,6 +21,7 @@ import torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
+from cluster.engine.grammar import GrammarCompiler, apply_masks
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
     FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
@@ -73,6 +74,7 @@ class LLMEngine:
             on_preempt=self._on_preempt,
         )
         self.seqs: dict[str, Sequence] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per segment
         # per segment [accepted, drafted], exponentially decayed: the router's "live" α
         self._recent_alpha: dict[str, list[float]] = {}
@@ -89,13 +91,17 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
 
     def add_request(self, request: GenerationRequest) -> None:
+        """Admit a request; a constraint is compiled here (the step thread, never an event
+        loop), InvalidRequestError when it is unsupported or over the compile limits."""
         self.validate(request)
         speculate = self.spec is not None and request.mode is not SpecMode.PLAIN
+        grammar = self.grammars.matcher(request.constraint) if request.constraint is not None else None
         seq = Sequence(
             request=request,
             detok=Detokenizer(self.tokenizer, request.params.stop),
             eos_token_ids=self.model.eos_token_ids,
             speculate=speculate,
+            grammar=grammar,
         )
         seq.trace = start_request_trace(request.trace_carrier, request.request_id,
                                         engine="spec" if self.spec is not None else "batch",
@@ -161,10 +167,17 @@ class LLMEngine:
         return logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[tuple[list[int], int] | SeqFault]:
-        """Plain step: one token per sampling sequence (logits [len(sampling), V])."""
+        """Plain step: one token per sampling sequence (logits [len(sampling), V]); a constrained
+        sequence samples under its grammar's mask (a matcher error fails that sequence alone)."""
         def run(rows: list[int]) -> list[tuple[list[int], int]]:
             seqs = [sampling[r].seq for r in rows]
-            tokens = sample(logits[rows], [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
+            rows_logits = logits[rows]  # [len(rows), V]
+            masked = [i for i, q in enumerate(seqs) if q.grammar is not None]
+            if masked:
+                allowed = torch.stack([seqs[i].grammar.allowed() for i in masked])  # [M, V]
+                rows_logits = rows_logits.clone()
+                rows_logits[masked] = apply_masks(rows_logits[masked], allowed)
+            tokens = sample(rows_logits, [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
             return [([int(t)], 0) for t in tokens]
 
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])

@@ -170,6 +170,19 @@ class SpecStats:
         }
 
 
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A request's structured-output constraint (``cluster.engine.grammar`` enforces it)."""
+
+    kind: ConstraintKind
+    text: str
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     request_id: str
@@ -180,6 +193,7 @@ class GenerationRequest:
     arrival_time: float = 0.0
     # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.
     trace_carrier: dict[str, str] = field(default_factory=dict)
+    constraint: Constraint | None = None  # json_schema / regex the output must match
 
 
 @dataclass(slots=True)
