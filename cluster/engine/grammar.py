@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cluster.engine.request import Constraint, ConstraintKind, InvalidRequestError
@@ -140,7 +141,6 @@ class GrammarMatcher:
         self.eos_token_ids = frozenset(compiler.eos_token_ids)
         self._m = LLMatcher(compiler.tokenizer, grammar)
         self._raise_if_error()
-        self._bits = torch.arange(32, dtype=torch.int32)  # [32]
 
     def _raise_if_error(self) -> None:
         if self._m.is_error():
@@ -152,15 +152,15 @@ class GrammarMatcher:
         return self._m.is_stopped()
 
     def allowed(self) -> torch.Tensor:  # [V] bool
-        words = torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)  # [ceil(V'/32)]
+        raw = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)  # [4 * ceil(V'/32)] LE words
         self._raise_if_error()
-        bits = ((words[:, None] >> self._bits[None, :]) & 1).bool().reshape(-1)  # [32 * words]
-        out = bits[: self.vocab_size]
-        if out.shape[0] < self.vocab_size:
-            out = torch.cat([out, torch.zeros(self.vocab_size - out.shape[0], dtype=torch.bool)])
-        if not bool(out.any()):
+        # bit t of the little-endian int32 words is bit t % 8 of byte t // 8
+        bits = np.unpackbits(raw, bitorder="little")[: self.vocab_size].astype(bool)
+        if not bits.any():  # numpy: torch's any() on a small CPU tensor costs milliseconds here
             raise GrammarError("the grammar allows no token")
-        return out
+        if bits.shape[0] < self.vocab_size:
+            bits = np.concatenate([bits, np.zeros(self.vocab_size - bits.shape[0], dtype=bool)])
+        return torch.from_numpy(bits)
 
     def accept(self, token: int) -> None:
         """Advance by one committed token (not EOS); GrammarError if the grammar forbids it."""
