@@ -42,6 +42,7 @@ class RouterKnobs(_Strict):
     plain_when_faster: bool = True  # below the exit threshold, send a request plain when measured
     #                                latency says the BatchEngine serves it faster by the margin
     plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
+    grammar_speculation: bool = True  # constrained requests may speculate (under the grammar)
 
 
 class MoeKnobs(_Strict):
