@@ -118,3 +118,54 @@ def test_concurrency_one_equals_batched(default_model, plain_batched):
         got = run_to_completion(eng, requests(default_model.tokenizer, [r]))[r["id"]]
         check_valid(default_model.tokenizer, r, got)
         assert got["ids"] == plain_batched[r["id"]]["ids"]
+
+
+class LLGuidanceProcessor:
+    """An independent constrained reference: a transformers logits processor that drives
+    llguidance's LLMatcher directly (not through cluster.engine.grammar)."""
+
+    def __init__(self, tokenizer, vocab: int, eos: list[int], grammar: str, prompt_len: int) -> None:
+        import llguidance.hf
+        from llguidance import LLMatcher
+
+        self.matcher = LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos), grammar)
+        self.prompt_len = prompt_len
+        self.vocab = vocab
+
+    def __call__(self, input_ids, scores):
+        import numpy as np
+        import torch
+
+        out = input_ids[0, self.prompt_len:].tolist()
+        if out:
+            assert self.matcher.consume_token(out[-1])
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: scores.shape[-1]].astype(bool))
+        return scores.masked_fill(~allowed[None, :], float("-inf"))
+
+
+def test_equals_hf_generate_with_a_grammar_logits_processor(default_model, hf_reference):
+    import torch
+    from llguidance import LLMatcher
+    from transformers import LogitsProcessorList
+
+    tok = default_model.tokenizer
+    eos = sorted(default_model.eos_token_ids)
+    some = [rows()[0], rows()[-6], rows()[-2]]
+    plain_batched = run_to_completion(engine(default_model, None), requests(tok, some))
+    for r in some:
+        ids = prompt_ids(tok, r)
+        grammar = (LLMatcher.grammar_from_json_schema(r["json_schema"], defaults={"whitespace_flexible": False})
+                   if r.get("json_schema") is not None else LLMatcher.grammar_from_regex(r["regex"]))
+        proc = LLGuidanceProcessor(tok, default_model.runner.vocab_size, eos, grammar, len(ids))
+        with torch.inference_mode():
+            out = hf_reference.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                logits_processor=LogitsProcessorList([proc]))
+        ref = out[0, len(ids):].tolist()
+        ours = plain_batched[r["id"]]["ids"]
+        if plain_batched[r["id"]]["finish"] is FinishReason.STOP:  # grammar complete: HF goes on to EOS
+            assert ref[len(ours):] in ([], [eos[0]]) or ref[len(ours)] in eos, (r["id"], ref, ours)
+            ref = ref[: len(ours)]
+        assert ours == ref, r["id"]
