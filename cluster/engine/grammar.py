@@ -162,6 +162,15 @@ class GrammarMatcher:
             bits = np.concatenate([bits, np.zeros(self.vocab_size - bits.shape[0], dtype=bool)])
         return torch.from_numpy(bits)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (canonically tokenized; may be fewer than the
+        forced text: llguidance holds back tokens that could merge with what follows)."""
+        if self._m.is_stopped():
+            return []
+        out = list(self._m.compute_ff_tokens())
+        self._raise_if_error()
+        return out
+
     def accept(self, token: int) -> None:
         """Advance by one committed token (not EOS); GrammarError if the grammar forbids it."""
         if self._m.validate_tokens([token]) != 1 or not self._m.consume_token(token):

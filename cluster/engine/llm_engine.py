@@ -213,9 +213,10 @@ class LLMEngine:
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
         if seq.seq_id in drafts:
             k = len(drafts[seq.seq_id][0])
-            seq.spec.record(k, accepted)
+            forced = self.spec.forced.get(seq.seq_id, 0)
+            seq.spec.record(k, accepted, forced)
             seq.trace.step(k, accepted)
-            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted)
+            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted, forced)
             self._observe_recent(seq.request.segment, k, accepted)
         seq.append_committed(committed)
         seq.trace.prefill_done()  # idempotent: marks the first token only

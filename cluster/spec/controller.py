@@ -86,6 +86,7 @@ class SpecController:
         # constrained sequences this step: seq_id -> allowed [K_i + 1, V] along its (cut) draft
         self._masks: dict[str, torch.Tensor] = {}
         self.grammar_cut_tokens = 0  # draft tokens cut because the grammar rejects them
+        self.forced: dict[str, int] = {}  # seq_id -> forced tokens drafted this step (jump-forward)
         self.timing = SpecTiming()
 
     # -- before scheduling: K per running sequence -----------------------------------------------
@@ -151,6 +152,7 @@ class SpecController:
     # -- drafting ---------------------------------------------------------------------------------
     def propose(self, scheduled: list[ScheduledSeq]) -> Drafts:
         self._masks = {}
+        self.forced = {}
         asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
         if not asks:
             return {}
@@ -183,6 +185,8 @@ class SpecController:
                 continue
             ids, probs = got
             problem = self._check_draft(ids, probs)
+            if problem is None and s.seq.grammar is not None:
+                ids, probs = self._forced_first(s, ids, probs)
             if problem is None and s.seq.grammar is not None and ids:
                 ids, probs, problem = self._under_grammar(s.seq, ids, probs)
             if problem is not None:
@@ -190,6 +194,22 @@ class SpecController:
             elif ids:
                 drafts[s.seq.seq_id] = (ids, probs)
         return drafts
+
+    def _forced_first(self, s: ScheduledSeq, ids: list[int], probs):
+        """Jump-forward: when the grammar forces the next tokens (its only legal continuation),
+        they are the draft — one-hot, accepted by verification under any sampling settings
+        since the masked target is one-hot there too, and verified like any draft (lossless
+        whatever the grammar engine returns). The drafter's own draft is dropped for the step
+        (it was drafted for the position before the forced tokens)."""
+        try:
+            forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_lookahead]
+        except Exception:  # noqa: BLE001 (an optimisation: without it the drafter's draft stands)
+            log.exception("request %s: computing forced tokens failed", s.seq.seq_id)
+            return ids, probs
+        if not forced:
+            return ids, probs
+        self.forced[s.seq.seq_id] = len(forced)
+        return forced, None
 
     def _under_grammar(self, seq: Sequence, ids: list[int], probs):
         """Cut a constrained sequence's draft where the grammar rejects it and keep the masks
