@@ -6,7 +6,10 @@ committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. A
 of failure: an exception traced to one sequence (its sampling row, its verification, its
 detokenizer / stop check) finishes that sequence alone with ``FinishReason.ERROR`` and a message
 in ``RequestOutput.error``, frees its KV, and leaves every other sequence's tokens unchanged; a
-forward pass that raises fails the sequences it carried (``cluster.engine.faults``). Speculation is
+forward pass that raises fails the sequences it carried (``cluster.engine.faults``). A constrained
+request (json_schema / regex) gets its grammar matcher at admission (``cluster.engine.grammar``,
+compiled on the step thread) and samples under its mask on the plain path; a matcher error is
+that sequence's fault. Speculation is
 delegated to a ``SpecController`` (``cluster.spec.controller``) when configured; without one
 every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
 """
@@ -213,7 +216,7 @@ class LLMEngine:
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
         if seq.seq_id in drafts:
             k = len(drafts[seq.seq_id][0])
-            forced = self.spec.forced.get(seq.seq_id, 0)
+            forced = getattr(self.spec, "forced", {}).get(seq.seq_id, 0)  # jump-forward tokens
             seq.spec.record(k, accepted, forced)
             seq.trace.step(k, accepted)
             self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted, forced)

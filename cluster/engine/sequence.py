@@ -3,7 +3,7 @@
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
 KV), status, detokenizer, error message, finish reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
-max_tokens). Ignores: scheduling and model execution.
+max_tokens, a complete grammar) and feeding them to the sequence's grammar matcher. Ignores: scheduling and model execution.
 """
 from __future__ import annotations
 
