@@ -51,6 +51,7 @@ class RouterKnobs(_Strict):
     #                                latency says the BatchEngine serves it faster by the margin
     plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
     segments: dict[str, SegmentRouterKnobs] = Field(default_factory=dict)  # per-segment overrides
+    grammar_speculation: bool = True  # constrained requests may speculate (under the grammar)
 
 
 class MoeKnobs(_Strict):

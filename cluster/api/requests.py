@@ -4,8 +4,9 @@ Owns: every INVALID_ARGUMENT rule of the API that needs no model (prompt shape, 
 sampling values, ranges via ``SamplingParams``, stop-string caps, the client's ``request_id`` label)
 in ``validate_fields``, which both front ends call: gRPC through ``validate_request`` (the proto ->
 ``RequestFields``), the OpenAI HTTP API through ``cluster.api.openai_schemas`` (JSON ->
-``RequestFields``) — one copy of the rules; the constraint check (JSON Schema / regex syntax) in
-``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
+``RequestFields``) — one copy of the rules — which also attaches the ``Constraint`` the engine
+enforces; the constraint check (JSON Schema / regex syntax, then what the grammar engine supports:
+unsupported keywords and formats are refused by name) in ``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
 off its event loop (size-capped first, so it is bounded; recursion and any other checker failure is
 the client's INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
 ``to_generation_request``, which an engine deployment runs next to its tokenizer.
@@ -20,8 +21,8 @@ import warnings
 from dataclasses import dataclass
 
 from cluster.api.status import ServiceError, invalid
-from cluster.engine.request import (GenerationRequest, InvalidRequestError, SamplingParams,
-                                    SpecMode)
+from cluster.engine.request import (Constraint, ConstraintKind, GenerationRequest,
+                                    InvalidRequestError, SamplingParams, SpecMode)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -70,6 +71,7 @@ class ValidatedRequest:
     segment: str
     constrained: bool
     label: str = ""  # the client's request_id metadata: echoed back and logged, never an id
+    constraint: Constraint | None = None  # what the engine enforces on the output (constrained)
 
     @property
     def echo_id(self) -> str:
@@ -101,6 +103,16 @@ def _check_regex(text: str) -> None:
         raise invalid(f"regex does not compile: {exc}") from None
 
 
+def _check_grammar(kind: ConstraintKind, text: str) -> None:
+    """What the grammar engine enforces: unsupported features are refused, never ignored."""
+    from cluster.engine.grammar import check_grammar
+
+    try:
+        check_grammar(Constraint(kind, text))
+    except InvalidRequestError as exc:
+        raise invalid(str(exc)) from None
+
+
 def check_constraint(json_schema: str, regex: str) -> None:
     """The syntax of a request's constraint (at most one of the two is non-empty).
 
@@ -108,8 +120,10 @@ def check_constraint(json_schema: str, regex: str) -> None:
     ``validate_request`` first; whatever the checkers raise on what is left (``RecursionError`` on
     deep nesting, or anything else) is the client's INVALID_ARGUMENT, not an internal error."""
     field, check = ("json_schema", _check_json_schema) if json_schema else ("regex", _check_regex)
+    kind = ConstraintKind.JSON_SCHEMA if json_schema else ConstraintKind.REGEX
     try:
         check(json_schema or regex)
+        _check_grammar(kind, json_schema or regex)
     except ServiceError:
         raise
     except RecursionError:
@@ -252,7 +266,14 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     if not _SEGMENT.fullmatch(segment):  # it becomes a metric tag and a stats key: keep it plain
         raise invalid(f"segment must be ASCII letters, digits and . _ : / - only, got {segment[:64]!r}")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
-                            segment=segment, constrained=bool(f.json_schema or f.regex), label=label)
+                            segment=segment, constrained=bool(f.json_schema or f.regex), label=label,
+                            constraint=_constraint(f.json_schema, f.regex))
+
+
+def _constraint(json_schema: str, regex: str) -> Constraint | None:
+    if json_schema:
+        return Constraint(ConstraintKind.JSON_SCHEMA, json_schema)
+    return Constraint(ConstraintKind.REGEX, regex) if regex else None
 
 
 def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_size: int,
@@ -276,4 +297,5 @@ def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_s
         raise InvalidRequestError(
             f"prompt too long: {len(ids)} tokens, limit is {limits.max_prompt_tokens}")
     return GenerationRequest(request_id=req.request_id, prompt_token_ids=ids, params=req.params,
-                             segment=req.segment, mode=req.mode, arrival_time=arrival_time)
+                             segment=req.segment, mode=req.mode, arrival_time=arrival_time,
+                             constraint=req.constraint)

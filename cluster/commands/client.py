@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--segment", default="")
-    p.add_argument("--json-schema", default="", help="JSON Schema text (constrained -> plain path)")
+    p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
     p.set_defaults(func=run)

@@ -6,7 +6,10 @@ committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. A
 of failure: an exception traced to one sequence (its sampling row, its verification, its
 detokenizer / stop check) finishes that sequence alone with ``FinishReason.ERROR`` and a message
 in ``RequestOutput.error``, frees its KV, and leaves every other sequence's tokens unchanged; a
-forward pass that raises fails the sequences it carried (``cluster.engine.faults``). Speculation is
+forward pass that raises fails the sequences it carried (``cluster.engine.faults``). A constrained
+request (json_schema / regex) gets its grammar matcher at admission (``cluster.engine.grammar``,
+compiled on the step thread) and samples under its mask on the plain path; a matcher error is
+that sequence's fault. Speculation is
 delegated to a ``SpecController`` (``cluster.spec.controller``) when configured; without one
 every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
 """
@@ -21,6 +24,7 @@ import torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
+from cluster.engine.grammar import GrammarCompiler, apply_masks
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
     FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
@@ -73,6 +77,7 @@ class LLMEngine:
             on_preempt=self._on_preempt,
         )
         self.seqs: dict[str, Sequence] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per segment
         # per segment [accepted, drafted], exponentially decayed: the router's "live" α
         self._recent_alpha: dict[str, list[float]] = {}
@@ -89,13 +94,17 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
 
     def add_request(self, request: GenerationRequest) -> None:
+        """Admit a request; a constraint is compiled here (the step thread, never an event
+        loop), InvalidRequestError when it is unsupported or over the compile limits."""
         self.validate(request)
         speculate = self.spec is not None and request.mode is not SpecMode.PLAIN
+        grammar = self.grammars.matcher(request.constraint) if request.constraint is not None else None
         seq = Sequence(
             request=request,
             detok=Detokenizer(self.tokenizer, request.params.stop),
             eos_token_ids=self.model.eos_token_ids,
             speculate=speculate,
+            grammar=grammar,
         )
         seq.trace = start_request_trace(request.trace_carrier, request.request_id,
                                         engine="spec" if self.spec is not None else "batch",
@@ -161,10 +170,17 @@ class LLMEngine:
         return logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[tuple[list[int], int] | SeqFault]:
-        """Plain step: one token per sampling sequence (logits [len(sampling), V])."""
+        """Plain step: one token per sampling sequence (logits [len(sampling), V]); a constrained
+        sequence samples under its grammar's mask (a matcher error fails that sequence alone)."""
         def run(rows: list[int]) -> list[tuple[list[int], int]]:
             seqs = [sampling[r].seq for r in rows]
-            tokens = sample(logits[rows], [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
+            rows_logits = logits[rows]  # [len(rows), V]
+            masked = [i for i, q in enumerate(seqs) if q.grammar is not None]
+            if masked:
+                allowed = torch.stack([seqs[i].grammar.allowed() for i in masked])  # [M, V]
+                rows_logits = rows_logits.clone()
+                rows_logits[masked] = apply_masks(rows_logits[masked], allowed)
+            tokens = sample(rows_logits, [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
             return [([int(t)], 0) for t in tokens]
 
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])
@@ -200,9 +216,10 @@ class LLMEngine:
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
         if seq.seq_id in drafts:
             k = len(drafts[seq.seq_id][0])
-            seq.spec.record(k, accepted)
+            forced = getattr(self.spec, "forced", {}).get(seq.seq_id, 0)  # jump-forward tokens
+            seq.spec.record(k, accepted, forced)
             seq.trace.step(k, accepted)
-            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted)
+            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted, forced)
             self._observe_recent(seq.request.segment, k, accepted)
         seq.append_committed(committed)
         seq.trace.prefill_done()  # idempotent: marks the first token only

@@ -119,8 +119,13 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     k_chosen: list[int] = field(default_factory=list)  # histogram: k_chosen[k] = steps with K=k
+    # draft tokens the grammar forced (its only legal continuation, proposed without a drafter;
+    # counted in draft_tokens / accepted_tokens too): α without them is
+    # (accepted_tokens - forced_tokens) / (draft_tokens - forced_tokens)
+    forced_tokens: int = 0
 
-    def record(self, k: int, num_accepted: int) -> None:
+    def record(self, k: int, num_accepted: int, forced: int = 0) -> None:
+        self.forced_tokens += min(forced, num_accepted)
         while len(self.k_chosen) <= k:
             self.k_chosen.append(0)
         self.k_chosen[k] += 1
@@ -141,6 +146,7 @@ class SpecStats:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
+        self.forced_tokens += other.forced_tokens
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.drafted_per_position, other.drafted_per_position),
                              (self.k_chosen, other.k_chosen)):
@@ -167,7 +173,21 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
             "k_chosen": list(self.k_chosen),
+            "forced_tokens": self.forced_tokens,
         }
+
+
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A request's structured-output constraint (``cluster.engine.grammar`` enforces it)."""
+
+    kind: ConstraintKind
+    text: str
 
 
 @dataclass(slots=True)
@@ -180,6 +200,7 @@ class GenerationRequest:
     arrival_time: float = 0.0
     # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.
     trace_carrier: dict[str, str] = field(default_factory=dict)
+    constraint: Constraint | None = None  # json_schema / regex the output must match
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
 KV), status, detokenizer, error message, finish reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
-max_tokens). Ignores: scheduling and model execution.
+max_tokens, a complete grammar) and feeding them to the sequence's grammar matcher. Ignores: scheduling and model execution.
 """
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class Sequence:
     first_token_at: float | None = None
     num_preemptions: int = 0
     trace: object = NOOP_TRACE  # cluster.telemetry.engine_spans.RequestTrace (no-op when not traced)
+    # cluster.engine.grammar.GrammarMatcher of a constrained request: the grammar state after the
+    # committed output (it follows token_ids, not the KV, so preemption leaves it valid)
+    grammar: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -76,16 +79,22 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def append_committed(self, tokens: list[int]) -> int:
-        """Append tokens in order until a stop condition; returns how many were kept."""
+        """Append tokens in order until a stop condition; returns how many were kept. A
+        constrained sequence feeds each token to its grammar first (a token the grammar forbids
+        raises GrammarError before it is appended), ends on EOS (the mask allowed it only where
+        the output can end) and finishes STOP once the grammar is complete."""
         p = self.request.params
         kept = 0
         for t in tokens:
+            is_eos = t in self.eos_token_ids
+            if self.grammar is not None and not is_eos:
+                self.grammar.accept(t)
             self.token_ids.append(t)
             self.pending_ids.append(t)
             kept += 1
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            if t in self.eos_token_ids and not p.ignore_eos:
+            if is_eos and (not p.ignore_eos or self.grammar is not None):
                 self.finish(FinishReason.EOS)
                 break
             text, hit = self.detok.add(t)
@@ -96,6 +105,9 @@ class Sequence:
             if t in p.stop_token_ids:
                 self.finish(FinishReason.STOP)
                 break
+            if self.grammar is not None and self.grammar.complete:
+                self.finish(FinishReason.STOP)
+                break
             if self.num_output >= p.max_tokens:
                 self.finish(FinishReason.LENGTH)
                 break
@@ -104,6 +116,7 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         if self.status is SeqStatus.FINISHED:
             return
+        self.grammar = None  # free the matcher
         self.status = SeqStatus.FINISHED
         self.finish_reason = reason
         self.pending_text += self.detok.flush()
@@ -112,6 +125,7 @@ class Sequence:
         """Finish with FinishReason.ERROR (even if a stop condition finished it a moment before
         the fault), keeping what the detokenizer still holds if it can."""
         self.status = SeqStatus.FINISHED
+        self.grammar = None
         self.finish_reason = FinishReason.ERROR
         self.error = message
         try:

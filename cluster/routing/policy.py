@@ -1,14 +1,16 @@
 """Router policy: speculative path or plain path, decided per request with a typed reason.
 
-Owns: the decision rules of DESIGN.md (mode overrides, constrained -> plain, MoE gate, live α per
+Owns: the decision rules of DESIGN.md (mode overrides, MoE gate, live α per
 segment against break-even, in-flight hysteresis on the SpecEngine) and the hysteresis state.
 Ignores: where in-flight counts and α come from (the Router deployment feeds them) and how a
 request travels (Ray handles, gRPC).
 
 Rule order (first match wins):
 1. mode PLAIN -> plain (MODE_PLAIN).
-2. constrained (json_schema / regex) -> plain (CONSTRAINED): speculation with constrained decoding
-   silently corrupts output unless the grammar is applied to drafts, which this service does not do.
+2. constrained (json_schema / regex) -> plain (CONSTRAINED) only when ``grammar_speculation`` is
+   off. By default constrained requests route like any other: the SpecEngine speculates under the
+   grammar (drafts cut where the grammar rejects them, verification under the grammar's masks:
+   lossless, ``cluster.spec.controller``), and its α counts in the segment's α.
 3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
 4. MoE target whose gate is closed for the request's segment -> plain (MOE_UNVALIDATED) — except
    every ``moe_probe_every``-th such request, which goes through the hysteresis rule as a probe
@@ -128,7 +130,8 @@ class RouterConfig:
     of the segment, by fullness relative to capacity before (needs both capacities in the
     EngineView). plain_when_faster: send a request that hysteresis sends speculative to the
     BatchEngine when measured latency says it would be served more than ``plain_faster_margin``
-    (a fraction) faster per token there."""
+    (a fraction) faster per token there. grammar_speculation: constrained requests may speculate
+    (the engine verifies drafts under the grammar); off sends them all plain (rule 2)."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
@@ -141,6 +144,7 @@ class RouterConfig:
     plain_faster_margin: float = 0.05
     moe_probe_every: int = 8
     segments: dict[str, SegmentRouting] = field(default_factory=dict)  # per-segment overrides
+    grammar_speculation: bool = True
 
     def __post_init__(self) -> None:
         _check_router_knobs(self.enter_threshold, self.exit_threshold, self.min_alpha, "router.")
@@ -253,7 +257,7 @@ class RouterPolicy:
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:
             return RouteDecision(Path.PLAIN, RouteReason.MODE_PLAIN)
-        if req.constrained:
+        if req.constrained and not self.config.grammar_speculation:
             return RouteDecision(Path.PLAIN, RouteReason.CONSTRAINED)
         if not view.spec_available:
             return RouteDecision(Path.PLAIN, RouteReason.SPEC_UNAVAILABLE)

@@ -5,7 +5,9 @@ Owns: K per sequence (fixed, or adaptive from ``AdaptiveK``) within each sequenc
 budget and context, the MoE gate (in a closed segment only probes draft, and their acceptance
 opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
 this step plain and backs off before asking again: no request waits on a dead drafter), checking
-each sequence's drafts (ids inside the target vocabulary, q of shape [K_i, V] with finite
+each sequence's drafts (ids inside the target vocabulary; a constrained sequence's draft cut
+where its grammar rejects it, and its verification rows masked by the grammar state after the
+draft prefix before them, so rejection sampling sees the masked target p'; q of shape [K_i, V] with finite
 non-negative entries; anything else drops that sequence's drafts for the step — a lossless plain
 step for it — counted as a draft fallback), isolating a drafter exception to the sequence that
 causes it (that sequence decodes plainly from then on), verification with per-sequence faults
@@ -23,6 +25,7 @@ import torch
 
 from cluster.engine.config import AUTO_K, EngineConfig, SpecConfig
 from cluster.engine.faults import FaultStage, SeqFault, per_row
+from cluster.engine.grammar import apply_masks
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import SpecMode
 from cluster.engine.scheduler import ScheduledSeq
@@ -80,6 +83,10 @@ class SpecController:
         self._keys: dict[str, tuple[str, str]] = {}
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
         self._no_drafts: set[str] = set()  # sequences whose drafting raised: plain until they finish
+        # constrained sequences this step: seq_id -> allowed [K_i + 1, V] along its (cut) draft
+        self._masks: dict[str, torch.Tensor] = {}
+        self.grammar_cut_tokens = 0  # draft tokens cut because the grammar rejects them
+        self.forced: dict[str, int] = {}  # seq_id -> forced tokens drafted this step (jump-forward)
         self.timing = SpecTiming()
 
     # -- before scheduling: K per running sequence -----------------------------------------------
@@ -144,6 +151,8 @@ class SpecController:
 
     # -- drafting ---------------------------------------------------------------------------------
     def propose(self, scheduled: list[ScheduledSeq]) -> Drafts:
+        self._masks = {}
+        self.forced = {}
         asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
         if not asks:
             return {}
@@ -176,11 +185,48 @@ class SpecController:
                 continue
             ids, probs = got
             problem = self._check_draft(ids, probs)
+            if problem is None and s.seq.grammar is not None:
+                ids, probs = self._forced_first(s, ids, probs)
+            if problem is None and s.seq.grammar is not None and ids:
+                ids, probs, problem = self._under_grammar(s.seq, ids, probs)
             if problem is not None:
                 self._draft_fallback(s, problem)
             elif ids:
                 drafts[s.seq.seq_id] = (ids, probs)
         return drafts
+
+    def _forced_first(self, s: ScheduledSeq, ids: list[int], probs):
+        """Jump-forward: when the grammar forces the next tokens (its only legal continuation),
+        they are the draft — one-hot, accepted by verification under any sampling settings
+        since the masked target is one-hot there too, and verified like any draft (lossless
+        whatever the grammar engine returns). The drafter's own draft is dropped for the step
+        (it was drafted for the position before the forced tokens)."""
+        try:
+            forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_lookahead]
+        except Exception:  # noqa: BLE001 (an optimisation: without it the drafter's draft stands)
+            log.exception("request %s: computing forced tokens failed", s.seq.seq_id)
+            return ids, probs
+        if not forced:
+            return ids, probs
+        self.forced[s.seq.seq_id] = len(forced)
+        return forced, None
+
+    def _under_grammar(self, seq: Sequence, ids: list[int], probs):
+        """Cut a constrained sequence's draft where the grammar rejects it and keep the masks
+        along it for verification -> (ids, q, problem). A deterministic draft (q None, or a
+        greedy / seeded request, whose verification ignores q) is cut before its first illegal
+        token; a sampled draft keeps that token (p' = 0 there rejects it and the residual is
+        drawn under the mask: cutting it would bias rejection sampling)."""
+        sp = seq.request.params
+        keep_illegal = probs is not None and not (sp.greedy or sp.coupled)
+        try:
+            k, allowed = seq.grammar.walk(ids, keep_illegal)
+        except Exception as exc:  # noqa: BLE001 (its grammar; verification masks it again or fails it)
+            return [], None, f"grammar walk over the draft failed: {type(exc).__name__}: {exc}"
+        self.grammar_cut_tokens += len(ids) - k
+        if k:
+            self._masks[seq.seq_id] = allowed
+        return ids[:k], (probs[:k] if probs is not None else None), None
 
     def _propose_rows(self, inputs: list[ProposeInput], rows: list[int]) -> list[tuple[list, object]]:
         """The proposer on inputs[rows] -> per row (draft ids, q [K_i, V] | None), trimmed to K_i.
@@ -240,7 +286,7 @@ class SpecController:
             meta = SpecBatchMetadata.from_counts([counts[r] for r in rows])
             target_rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
             result = rejection_sample(
-                logits[target_rows],  # [sum(K_i + 1), V] of these rows
+                self._masked(logits[target_rows], seqs, [counts[r] for r in rows]),  # [sum(K_i + 1), V]
                 torch.tensor([t for s in seqs for t in drafts.get(s.seq.seq_id, none)[0]], dtype=torch.int64),
                 [drafts.get(s.seq.seq_id, none)[1] for s in seqs], meta,
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
@@ -260,6 +306,25 @@ class SpecController:
                     sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, s.seq.request.segment))
                     self.adaptive.observe(sub_id, key, k, v[1])
         return verdicts
+
+    def _masked(self, logits: torch.Tensor, seqs: list[ScheduledSeq], counts: list[int]) -> torch.Tensor:
+        """logits [sum(K_i + 1), V] of seqs with each constrained sequence's rows masked: row j
+        by the grammar state after its first j draft tokens (the walk's masks; a sequence
+        without drafts gets its committed state's mask)."""
+        out = logits
+        start = 0
+        for s, k in zip(seqs, counts):
+            if s.seq.grammar is not None:
+                allowed = self._masks.get(s.seq.seq_id)  # [K_i + 1, V]
+                if allowed is None:
+                    allowed = s.seq.grammar.allowed()[None, :]  # no drafts: [1, V]
+                if allowed.shape[0] != k + 1:
+                    raise RuntimeError(f"{allowed.shape[0]} grammar masks for {k + 1} verified positions")
+                if out is logits:
+                    out = logits.clone()
+                out[start : start + k + 1] = apply_masks(out[start : start + k + 1], allowed)
+            start += k + 1
+        return out
 
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
         self.timing.plain_forward_s += forward_s

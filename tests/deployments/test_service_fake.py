@@ -172,12 +172,11 @@ def test_generate_and_stream_agree_on_both_paths(main):
             assert r.spec.draft_tokens == 0
 
 
-def test_constrained_goes_plain(main):
+def test_constrained_routes_like_any_request(main):
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
-    for mode in (0, 1):
-        r = main.generate(prompt="{", max_tokens=3, json_schema=schema, mode=mode)
-        assert (r.route.path, r.route.reason) == (2, "constrained")
-    assert main.generate(prompt="x", max_tokens=3, regex="[a-z]+").route.reason == "constrained"
+    r = main.generate(prompt="{", max_tokens=3, json_schema=schema, mode=1)
+    assert r.route.reason == "mode_speculative"
+    assert main.generate(prompt="x", max_tokens=3, regex="[a-z]+", mode=2).route.reason == "mode_plain"
     assert main.generate(prompt="x", max_tokens=3, mode=1).route.reason == "mode_speculative"
 
 

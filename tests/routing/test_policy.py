@@ -42,10 +42,19 @@ def test_mode_overrides_and_hysteresis_state_untouched():
     assert p.spec_open  # overrides never flip the hysteresis bit
 
 
-def test_constrained_goes_plain_even_when_forced():
-    p = RouterPolicy(RouterConfig())
+def test_constrained_routes_like_any_request_by_default():
+    p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4))
+    assert decide(p, constrained=True) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    assert decide(p, 5, constrained=True) == (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)
+    assert decide(p, constrained=True, mode=SpecMode.SPECULATIVE) == (SPEC, RouteReason.MODE_SPECULATIVE)
+    assert decide(p, constrained=True, mode=SpecMode.PLAIN) == (PLAIN, RouteReason.MODE_PLAIN)
+
+
+def test_constrained_goes_plain_when_grammar_speculation_is_off():
+    p = RouterPolicy(RouterConfig(grammar_speculation=False))
     assert decide(p, constrained=True) == (PLAIN, RouteReason.CONSTRAINED)
     assert decide(p, constrained=True, mode=SpecMode.SPECULATIVE) == (PLAIN, RouteReason.CONSTRAINED)
+    assert decide(p) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
 
 
 def test_moe_gate_and_unavailable_spec():

@@ -1,0 +1,66 @@
+"""Constraints at the API: what the grammar engine cannot enforce is refused (INVALID_ARGUMENT,
+naming the feature, within a bounded time), and what it can travels to the engine request."""
+import json
+import time
+
+import grpc
+import pytest
+
+from cluster.api import stubs
+from cluster.api.requests import Limits, check_constraint, to_generation_request, validate_request
+from cluster.api.status import ServiceError
+from cluster.engine.config import EngineConfig
+from cluster.engine.fake_engine import FakeEngine
+from cluster.engine.request import Constraint, ConstraintKind
+
+pb2 = stubs.generation_pb2()
+LIMITS = Limits()
+
+
+@pytest.mark.parametrize("schema,regex,needle", [
+    (json.dumps({"type": "object", "not": {"required": ["a"]}}), "", "not"),
+    (json.dumps({"type": "object", "if": {"type": "object"}, "then": {"required": ["a"]}}), "", "if"),
+    (json.dumps({"type": "string", "format": "credit-card"}), "", "credit-card"),
+    ("", r"(?=a)a", "regex"),  # lookaround
+    ("", r"(a)\1", "regex"),  # backreference
+    ("", "[a-z", "regex"),
+])
+def test_unsupported_or_pathological_constraints_are_refused_fast(schema, regex, needle):
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match=needle) as e:
+        check_constraint(schema, regex)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("schema,regex", [
+    ("", "(a|aa)*" * 200 + "b{1000}" * 10),  # exponential for a backtracking or DFA-building engine
+    (json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,900}"}
+                                                    for i in range(150)}}), ""),  # big and wide
+    (json.dumps({"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}), ""),
+])
+def test_pathological_constraints_are_answered_in_bounded_time(schema, regex):
+    """llguidance builds its lexer lazily: these compile (the engine's first-mask time limit
+    bounds the rest); whatever the answer, it comes fast and is never an internal error."""
+    t0 = time.monotonic()
+    try:
+        check_constraint(schema, regex)
+    except ServiceError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert time.monotonic() - t0 < 5
+
+
+def test_schema_and_regex_together_are_refused():
+    with pytest.raises(ServiceError, match="at most one of json_schema and regex"):
+        validate_request(pb2.GenerateRequest(prompt="x", json_schema="{}", regex="a"), "r", LIMITS)
+
+
+def test_the_constraint_travels_to_the_engine_request():
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    v = validate_request(pb2.GenerateRequest(prompt="x", json_schema=schema), "r", LIMITS)
+    assert v.constrained and v.constraint == Constraint(ConstraintKind.JSON_SCHEMA, schema)
+    engine = FakeEngine(EngineConfig())
+    assert to_generation_request(v, engine, LIMITS, engine.vocab_size).constraint == v.constraint
+    r = validate_request(pb2.GenerateRequest(prompt="x", regex="[0-9]+"), "r", LIMITS)
+    assert to_generation_request(r, engine, LIMITS, engine.vocab_size).constraint.kind is ConstraintKind.REGEX
+    plain = validate_request(pb2.GenerateRequest(prompt="x"), "r", LIMITS)
+    assert not plain.constrained and to_generation_request(plain, engine, LIMITS, engine.vocab_size).constraint is None
