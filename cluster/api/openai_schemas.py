@@ -4,10 +4,11 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; unknown fields are ignored,
 as the OpenAI peers do), the model-name check (another name: NOT_FOUND -> 404), the refusal of
 what we do not do (``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias,
-tools, non-text content parts, batched prompts) and, until the engine enforces constraints,
-``response_format`` ``json_object``/``json_schema`` and the ``regex`` extension — and the
-conversion into the ``RequestFields`` that ``cluster.api.requests.validate_fields`` checks for gRPC
-too (every range, cap and finiteness rule lives there, not here).
+tools, non-text content parts, batched prompts), ``response_format`` (``json_object`` /
+``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
+``regex`` carry — and the conversion into the ``RequestFields`` that
+``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
+constraint rule lives there, not here).
 Ignores: transport, response shapes (``openai_responses``), error bodies (``openai_errors``).
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ from cluster.api.requests import RequestFields
 from cluster.api.status import ServiceError, invalid
 from cluster.engine.request import SpecMode
 
-# Constrained decoding is validated but not enforced by the engine yet: refused, never ignored.
-CONSTRAINTS_NOT_SUPPORTED = "is not supported yet (constrained decoding is not enforced by the engine)"
+# response_format json_object: any JSON object (the grammar engine enforces it like a schema)
+JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
 
 
 class _Body(BaseModel):
@@ -138,11 +139,9 @@ def _refuse(body: _Common) -> None:
         ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
         ("presence_penalty", body.presence_penalty not in (None, 0), "presence_penalty is not supported"),
         ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
-        ("regex", bool(body.regex), f"regex {CONSTRAINTS_NOT_SUPPORTED}"),
+        ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
+         "set at most one of response_format (json_object / json_schema) and regex"),
     ]
-    rf = body.response_format
-    if rf is not None and rf.type != "text":
-        checks.append(("response_format", True, f"response_format {rf.type!r} {CONSTRAINTS_NOT_SUPPORTED}"))
     if isinstance(body, ChatCompletionRequest):
         checks.append(("tools", bool(body.tools or body.functions), "tools and functions are not supported"))
     if isinstance(body, CompletionRequest):
@@ -164,9 +163,23 @@ def _mode(value: str | None) -> SpecMode:
                            "mode") from None
 
 
+def _json_schema(rf: ResponseFormat | None) -> str:
+    """``response_format`` -> the JSON Schema text gRPC's ``json_schema`` carries ("" for text)."""
+    if rf is None or rf.type == "text":
+        return ""
+    if rf.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    schema = (rf.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("response_format json_schema needs json_schema.schema, a JSON Schema object",
+                      "response_format")
+    return json.dumps(schema)
+
+
 def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
     stop = body.stop
-    return dict(size=size, max_tokens=max_tokens,
+    return dict(size=size, max_tokens=max_tokens, json_schema=_json_schema(body.response_format),
+                regex=body.regex or "",
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),

@@ -64,11 +64,11 @@ def test_completion_prompt_shapes():
     (dict(logprobs=True), "logprobs is not supported", "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty is not supported", "presence_penalty"),
     (dict(tools=[{"type": "function"}]), "tools and functions are not supported", "tools"),
-    (dict(response_format={"type": "json_object"}), "'json_object' is not supported yet", "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), "'json_schema' is not supported",
-     "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format json_schema needs json_schema.schema", "response_format"),
     (dict(response_format={"type": "xml"}), "response_format.type: Input should be", "response_format"),
-    (dict(regex="a+"), "regex is not supported yet", "regex"),
+    (dict(regex="a+", response_format={"type": "json_object"}), "set at most one of response_format",
+     "response_format"),
     (dict(mode="fast"), "mode must be one of", "mode"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text content parts",
      "messages"),
@@ -79,6 +79,17 @@ def test_chat_refusals(body, match, param):
 
 def test_response_format_text_is_plain_output():
     assert chat(response_format={"type": "text"}).json_schema == ""
+
+
+def test_response_format_and_regex_are_grpcs_constraints():
+    """json_object / json_schema / the regex extension become the json_schema / regex fields gRPC
+    carries (one validation, one enforcement)."""
+    assert json.loads(chat(response_format={"type": "json_object"}).json_schema) == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    f = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(f.json_schema) == schema and f.regex == ""
+    f = chat(regex="[a-z]+")
+    assert f.regex == "[a-z]+" and f.json_schema == ""
 
 
 def test_completion_refusals_and_model():
