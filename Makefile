@@ -33,8 +33,13 @@ $(VENV)/.specserve-protos: $(STAMP) $(wildcard protos/specserve/v1/*.proto)
 run: setup
 	$(BIN)/specserve serve --model default --port 9000
 
+# The two-node chaos test joins Ray clusters it starts with `ray start` (their own GCS): it runs
+# in a pytest process of its own, so no Ray session earlier tests ran in-process shares its driver.
+TWO_NODES := tests/chaos/test_two_nodes.py
+
 test: setup
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(if $(PYTEST_ARGS),,--deselect $(TWO_NODES))
+	$(if $(PYTEST_ARGS),,OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(TWO_NODES))
 
 bench: setup
 	mkdir -p .bench
