@@ -52,8 +52,8 @@ def test_serve_stops_cleanly_on_signal(tmp_path, signum):
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
                              "serve", "--config", str(config), "--num-cpus", "2", "--ready-timeout", "180",
                              "--http-port", str(http_port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=ROOT, env=env, stdout=(tmp_path / "out.txt").open("w"),
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         client = Client(f"127.0.0.1:{port}", "specserve")
         deadline = time.monotonic() + 240
@@ -69,9 +69,15 @@ def test_serve_stops_cleanly_on_signal(tmp_path, signum):
         base_url = f"http://127.0.0.1:{http_port}/specserve/v1"  # the default route prefix: /<app name>
         h = requests.post(f"{base_url}/completions", json={"prompt": "up ", "max_tokens": 3}, timeout=30)
         assert h.status_code == 200 and h.json()["choices"][0]["text"] == "up "  # the same app over HTTP
+        # the service answers before the command has seen it serving: signal once its hint is out
+        ready = time.monotonic() + 120
+        while "OpenAI-compatible HTTP API at" not in (tmp_path / "out.txt").read_text():
+            assert time.monotonic() < ready and proc.poll() is None, "no address printed"
+            time.sleep(0.5)
         t0 = time.monotonic()
         proc.send_signal(signum)
-        out, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=90)
+        out = (tmp_path / "out.txt").read_text()
         took = time.monotonic() - t0
         assert proc.returncode == 0, err[-3000:]
         assert "specserve: stopped" in err and took < 90
