@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specserve-setup
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench protos clean
+.PHONY: setup run test chaos bench protos clean
 
 setup: $(STAMP) $(VENV)/.specserve-protos
 
@@ -33,13 +33,19 @@ $(VENV)/.specserve-protos: $(STAMP) $(wildcard protos/specserve/v1/*.proto)
 run: setup
 	$(BIN)/specserve serve --model default --port 9000
 
-# The two-node chaos test joins Ray clusters it starts with `ray start` (their own GCS): it runs
-# in a pytest process of its own, so no Ray session earlier tests ran in-process shares its driver.
+# `make test` is the CI suite. The chaos / fault / load suite (tests/chaos: real Serve apps with the
+# default model, process kills, a second Ray node) takes about a quarter of an hour on 2 cores on
+# its own: `make chaos` runs it (CI profile; `make chaos PYTEST_ARGS="--fuzz-examples 1000
+# --chaos-report chaos.json"` for the long one). Its two-node test joins Ray clusters it starts with
+# `ray start` and runs in a pytest process of its own.
 TWO_NODES := tests/chaos/test_two_nodes.py
 
 test: setup
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS) $(if $(PYTEST_ARGS),,--deselect $(TWO_NODES))
-	$(if $(PYTEST_ARGS),,OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(TWO_NODES))
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos)
+
+chaos: setup
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests/chaos --deselect $(TWO_NODES) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(TWO_NODES)
 
 bench: setup
 	mkdir -p .bench
