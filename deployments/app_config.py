@@ -55,7 +55,7 @@ class RouterKnobs(_Strict):
 
 
 class MoeKnobs(_Strict):
-    """The live MoE gate (cluster.spec.moe); dense targets ignore it. While a segment's gate is
+    """The live MoE gate (cluster.speculative.moe); dense targets ignore it. While a segment's gate is
     closed, 1 in ``probe_every`` of its requests speculates as a probe (0: the gate never opens
     live); each window of ``min_draft_tokens`` probe draft tokens opens the segment when its α
     reaches ``alpha_threshold`` ("auto": the SpecEngine's break-even from its measured step costs,
@@ -147,13 +147,13 @@ class KVSyncKnobs(_Strict):
         return self
 
     def tls(self):
-        from cluster.spec.kvsync_tls import KVSyncTLS
+        from cluster.kvsync.tls import KVSyncTLS
 
         return KVSyncTLS(cert_file=self.tls_cert_file, key_file=self.tls_key_file,
                          ca_file=self.tls_ca_file, server_name=self.tls_server_name)
 
     def budget(self, cap_s: float):
-        from cluster.spec.draft_budget import DraftBudget
+        from cluster.kvsync.budget import DraftBudget
 
         floor = min(self.budget_floor_ms / 1000, cap_s)
         return DraftBudget(factor=self.budget_factor, floor_s=floor, cap_s=cap_s)
@@ -232,7 +232,7 @@ class AppConfig(_Strict):
     def kvsync_limits(self, vocab_size: int = 0):
         """What a DraftServer accepts from one SpecEngine: K up to the engine's k_max, its batch,
         its context (prompt + output limits), ``draft_server.max_sequences`` per caller."""
-        from cluster.spec.kvsync_limits import KVSyncLimits
+        from cluster.kvsync.limits import KVSyncLimits
 
         spec = self.spec_config()
         return KVSyncLimits(max_draft_tokens=spec.k_max if spec is not None else 1,

@@ -1,7 +1,7 @@
 """DraftServer deployment: the draft model in its own replicas (placement ``separate``).
 
 Owns: building the drafter for this replica and serving it over KVSync with a real gRPC server
-(``cluster.spec.draft_server``) on ``draft_server.host`` (default: this node's IP; under Helm the
+(``cluster.kvsync.server``) on ``draft_server.host`` (default: this node's IP; under Helm the
 pod IP) and ``draft_server.port`` (0 = ephemeral), closed to strangers: the ``auth`` section's
 bearer token on every call, TLS when ``kvsync`` names a certificate, and limits derived from the
 SpecEngine's K, batch and context (``AppConfig.kvsync_limits``). ``check_health`` asks the server
@@ -20,8 +20,8 @@ import logging
 from ray import serve
 
 from cluster.api.auth import bearer_metadata, token_from_env
-from cluster.spec.draft_server import DraftServerCore, start_server
-from cluster.spec.proposer import DrafterKind, parse_drafter_spec
+from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
 from deployments.quiet_polls import quiet_polls
@@ -38,12 +38,12 @@ def build_proposer(app: AppConfig):
     if spec is None:
         raise ValueError("DraftServer needs a drafter")
     if spec.kind is DrafterKind.NGRAM:
-        from cluster.spec.ngram import NgramProposer
+        from cluster.speculative.ngram import NgramProposer
 
         return NgramProposer(), 0
     # Model drafters: an independent draft model (vocabulary checked against the target's
     # tokenizer), or the target's first L layers as a draft model with this replica's own KV.
-    from cluster.spec.remote_drafters import build_remote_proposer
+    from cluster.kvsync.drafters import build_remote_proposer
 
     return build_remote_proposer(spec, target_model=app.model, dtype=app.dtype,
                                  force_vocab_mismatch=app.force_vocab_mismatch,

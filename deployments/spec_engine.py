@@ -34,7 +34,7 @@ class SpecEngine(EngineServer):
             if draft_server is None:
                 raise ValueError("placement 'separate' needs a DraftServer deployment handle")
             from cluster.api.auth import token_from_env
-            from cluster.spec.remote import RemoteProposer
+            from cluster.kvsync.client import RemoteProposer
 
             timeout = app.draft_server.timeout_s
             self._proposer = RemoteProposer(None, timeout_s=timeout, retry_after_s=_REFRESH_S,

@@ -134,7 +134,7 @@ def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) 
 def _engine(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
     from cluster.engine.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
-    from cluster.spec.controller import build_spec_controller
+    from cluster.speculative.controller import build_spec_controller
 
     config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb)
     m = target.with_fresh_kv(config)
@@ -271,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.models.derive import derive_truncated_draft
     from cluster.models.load import load_model
     from cluster.models.loader import cache_root
-    from cluster.spec.draft_model import DraftModelProposer
-    from cluster.spec.vocab_check import require_vocab_compatible
+    from cluster.speculative.draft_model import DraftModelProposer
+    from cluster.speculative.vocab_check import require_vocab_compatible
     from cluster.engine.runner import ModelRunner
 
     if args.threads:

@@ -38,7 +38,7 @@ def build_engine(config: EngineConfig, proposer=None) -> "LLMEngine":
     model = load_model(config.model, config)
     spec = None
     if config.spec is not None:
-        from cluster.spec.controller import build_spec_controller
+        from cluster.speculative.controller import build_spec_controller
 
         spec = build_spec_controller(config, model, proposer)
     return LLMEngine(config, model, spec)

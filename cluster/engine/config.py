@@ -36,7 +36,7 @@ class SpecConfig:
     draft_vocab_trim: int | None = None  # keep the N most frequent tokens in the draft LM head
     force_vocab_mismatch: bool = False
     moe_validated: bool = False  # MoE targets speculate only after an acceptance measurement
-    # live MoE gate per segment (cluster.spec.moe): probe draft tokens per measurement window, and
+    # live MoE gate per segment (cluster.speculative.moe): probe draft tokens per measurement window, and
     # the α a window must reach to open its segment ("auto": adaptive K's break-even, else 0.5)
     moe_min_draft_tokens: int = 256
     moe_alpha_threshold: float | str = AUTO_K

@@ -11,7 +11,9 @@ Without one but with ``config.spec`` it simulates acceptance from ``alpha_by_seg
 Failure injection for service tests: a prompt containing ``FAIL_MARKER`` finishes that request
 alone with ``FinishReason.ERROR`` and an ``error`` message after its first tokens (as the real
 engine does when one sequence's step fails); one containing ``CRASH_MARKER`` raises an exception
-whose text looks like internals (pid, node IP, "Traceback") from the request's output stream.
+whose text looks like internals (pid, node IP, "Traceback") from the request's output stream;
+one containing ``HOLD_MARKER`` emits its first step and then holds its slot (and KV) until it is
+cancelled, or ``HOLD_LIMIT_S`` passes (so a test's in-flight count cannot drift with timing).
 Ignores: real model quality, batching across requests, sampling.
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ FAIL_MESSAGE = "sampling failed for this request (fake engine)"
 CRASH_MARKER = "@@crash-engine@@"
 CRASH_TEXT = "Traceback (most recent call last): worker pid=4242 node 10.1.2.3 actor ffff0001"
 _FAIL_AFTER = 2  # tokens a failing request produces first
+HOLD_MARKER = "@@hold@@"
+HOLD_LIMIT_S = 120.0  # a held request finishes by itself after this long
 
 
 class FakeEngine:
@@ -135,6 +139,7 @@ class FakeEngine:
         first_at = None
         text_prompt = self.detokenize(prompt)
         fail, crash = FAIL_MARKER in text_prompt, CRASH_MARKER in text_prompt
+        hold = HOLD_MARKER in text_prompt
         try:
             while len(out) < req.params.max_tokens:
                 if (fail or crash) and len(out) >= _FAIL_AFTER:
@@ -145,6 +150,9 @@ class FakeEngine:
                                         error=FAIL_MESSAGE)
                     return
                 await asyncio.sleep(self.token_delay_s)
+                if hold and out:
+                    await asyncio.sleep(HOLD_LIMIT_S)
+                    hold = False
                 new = await self._step(req, prompt, out, stats)
                 new = new[: req.params.max_tokens - len(out)]
                 out.extend(new)
@@ -179,8 +187,8 @@ class FakeEngine:
             accepted = min(k, int(alpha * k + 0.5))
             stats.record(k, accepted)
             return [target(pos + i) for i in range(accepted + 1)]
-        from cluster.spec.remote import DraftUnavailableError
-        from cluster.spec.types import ProposeInput
+        from cluster.kvsync.client import DraftUnavailableError
+        from cluster.speculative.types import ProposeInput
 
         inp = ProposeInput(seq_id=req.request_id, token_ids=prompt + out, num_draft_tokens=k,
                            params=req.params)

@@ -7,7 +7,7 @@ engine: the tokenizer's token trie built once, a bounded LRU cache of checked gr
 time limit), ``GrammarMatcher`` (one per sequence, single owner: the grammar state after the
 sequence's committed output tokens, masks, draft walks with rollback) and ``apply_masks`` (allowed
 [N, V] -> -inf on the logits). Ignores: sampling (``cluster.engine.sampler`` sees masked logits)
-and verification (``cluster.spec``).
+and verification (``cluster.speculative``).
 
 Engine: llguidance (chosen over xgrammar because it refuses unimplemented JSON Schema keywords and
 unknown formats instead of silently ignoring them, has parser resource limits that turn

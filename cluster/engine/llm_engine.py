@@ -10,7 +10,7 @@ forward pass that raises fails the sequences it carried (``cluster.engine.faults
 request (json_schema / regex) gets its grammar matcher at admission (``cluster.engine.grammar``,
 compiled on the step thread) and samples under its mask on the plain path; a matcher error is
 that sequence's fault. Speculation is
-delegated to a ``SpecController`` (``cluster.spec.controller``) when configured; without one
+delegated to a ``SpecController`` (``cluster.speculative.controller``) when configured; without one
 every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
 """
 from __future__ import annotations

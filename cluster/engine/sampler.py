@@ -4,7 +4,7 @@ Owns: turning target logits into the filtered scores and probabilities of a requ
 parameters (``filtered_logits`` / ``logits_to_probs``, shared with the rejection sampler and the
 drafters so that p and q are processed the same way), the per-position Gumbel noise of seeded
 requests, and drawing one token per row. Ignores: stop conditions (``Sequence``) and
-speculative acceptance (``cluster.spec.rejection_sampler``).
+speculative acceptance (``cluster.speculative.rejection_sampler``).
 
 Seeded requests (``SamplingParams.coupled``) are sampled by Gumbel-max: the token at absolute
 position n (its index in prompt + output) is argmax_x(s_n(x) + g_n(x)), where s_n are the

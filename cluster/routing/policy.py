@@ -10,14 +10,14 @@ Rule order (first match wins):
 2. constrained (json_schema / regex) -> plain (CONSTRAINED) only when ``grammar_speculation`` is
    off. By default constrained requests route like any other: the SpecEngine speculates under the
    grammar (drafts cut where the grammar rejects them, verification under the grammar's masks:
-   lossless, ``cluster.spec.controller``), and its α counts in the segment's α.
+   lossless, ``cluster.speculative.controller``), and its α counts in the segment's α.
 3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
 4. MoE target whose gate is closed for the request's segment -> plain (MOE_UNVALIDATED) — except
    every ``moe_probe_every``-th such request, which goes through the hysteresis rule as a probe
    (PROBE_MOE_UNVALIDATED when it speculates; the Router forwards it with mode SPECULATIVE, the
    one mark the SpecEngine lets draft in a closed segment). The SpecEngine measures the probes'
    acceptance per segment and opens the segment's gate once a window of enough draft tokens
-   reaches its threshold (``cluster.spec.moe``); from then on the segment follows rules 5-9.
+   reaches its threshold (``cluster.speculative.moe``); from then on the segment follows rules 5-9.
 5. mode SPECULATIVE -> speculative (MODE_SPECULATIVE); the client asked and nothing forbids it.
 6. live α of the request's segment below ``min_alpha`` — by default ("auto") the SpecEngine's
    break-even α from its measured step costs, ``FALLBACK_MIN_ALPHA`` while it reports none —

@@ -1,6 +1,6 @@
 """The DraftServer deployment's drafter factory: every drafter kind builds for placement
 ``separate`` from the app config (no Ray needed: the factory is plain code)."""
-from cluster.spec.proposer import DrafterKind
+from cluster.speculative.proposer import DrafterKind
 from deployments.app_config import AppConfig
 from deployments.draft_server import build_proposer
 

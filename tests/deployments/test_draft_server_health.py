@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from cluster.engine.request import SamplingParams
-from cluster.spec.draft_server import DraftServerCore, start_server
-from cluster.spec.ngram import NgramProposer
-from cluster.spec.remote import DraftUnavailableError, RemoteProposer
-from cluster.spec.types import ProposeInput
+from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.speculative.ngram import NgramProposer
+from cluster.kvsync.client import DraftUnavailableError, RemoteProposer
+from cluster.speculative.types import ProposeInput
 from deployments import draft_server as ds
 from deployments.app_config import AppConfig
 

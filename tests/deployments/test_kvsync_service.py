@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from cluster.api import stubs
-from cluster.spec.kvsync_tls import KVSyncTLS
+from cluster.kvsync.tls import KVSyncTLS
 from tests.deployments.harness import Client, fake_args, serve_apps
-from tests.spec.kvsync_certs import NAME, self_signed
+from tests.kvsync.certs import NAME, self_signed
 
 pytestmark = pytest.mark.ray
 TOKEN = "kvsync-service-token"

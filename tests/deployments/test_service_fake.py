@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from cluster.api.status import ENGINE_GONE
-from cluster.engine.fake_engine import CRASH_MARKER, CRASH_TEXT, FAIL_MARKER, FAIL_MESSAGE
+from cluster.engine.fake_engine import CRASH_MARKER, CRASH_TEXT, FAIL_MARKER, FAIL_MESSAGE, HOLD_MARKER
 from deployments.app_config import proxy_env
 from tests.deployments.harness import Client, fake_args, serve_apps
 
@@ -193,7 +193,7 @@ def test_burst_moves_to_plain_and_back(main):
     try:
         for _ in range(8):  # admitted one by one: each holds its slot until cancelled
             # a segment of its own: no completed requests, so overflow balancing is by capacity
-            it = main.stream(prompt="burst ", max_tokens=250, segment="burst")
+            it = main.stream(prompt="burst " + HOLD_MARKER, max_tokens=250, segment="burst")
             reasons.append(next(it).route.reason)
             streams.append(it)
         assert reasons == ["below_enter_threshold", "below_enter_threshold",

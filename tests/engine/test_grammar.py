@@ -16,9 +16,9 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import (Constraint, ConstraintKind, FinishReason, GenerationRequest,
                                     InvalidRequestError, SamplingParams)
 from cluster.engine.sampler import sample
-from cluster.spec.controller import build_spec_controller
-from cluster.spec.rejection_sampler import rejection_sample
-from cluster.spec.types import DraftProposal, SpecBatchMetadata
+from cluster.speculative.controller import build_spec_controller
+from cluster.speculative.rejection_sampler import rejection_sample
+from cluster.speculative.types import DraftProposal, SpecBatchMetadata
 from tests.engine.helpers import run_to_completion
 
 REGEX = r"[a-z]{2,6}-[0-9]{2,3}"
@@ -265,7 +265,7 @@ def test_sampled_model_drafts_under_the_grammar_stay_valid(tiny):
     """A model drafter's q is not grammar-aware: its illegal draft tokens are verified (and
     rejected) under the mask; every output still matches."""
     from cluster.engine.runner import ModelRunner
-    from cluster.spec.draft_model import DraftModelProposer
+    from cluster.speculative.draft_model import DraftModelProposer
 
     params = SamplingParams(max_tokens=60, temperature=1.0)
     eng = engine(tiny, "default", 3, DraftModelProposer(ModelRunner(tiny.runner.model, 64, 16, 64)))

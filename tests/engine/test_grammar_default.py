@@ -15,7 +15,7 @@ import pytest
 from cluster.engine.config import EngineConfig, SpecConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import Constraint, ConstraintKind, FinishReason, GenerationRequest, SamplingParams
-from cluster.spec.controller import build_spec_controller
+from cluster.speculative.controller import build_spec_controller
 from tests.engine.helpers import prompt_ids, run_to_completion
 
 

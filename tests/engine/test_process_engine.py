@@ -16,7 +16,7 @@ from cluster.engine.request import (
     EngineOverloadedError, EngineUnavailableError, GenerationRequest, InvalidRequestError,
     SamplingParams,
 )
-from cluster.spec.remote import RemoteProposer
+from cluster.kvsync.client import RemoteProposer
 from tests.engine.helpers import (
     assert_streams_match, consume_stream, run_to_completion, wait_pool_full,
 )

@@ -9,7 +9,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import GenerationRequest, SamplingParams
 from cluster.models.hf_runner import HFRunner
 from cluster.models.load import load_model
-from cluster.spec.controller import build_spec_controller
+from cluster.speculative.controller import build_spec_controller
 from tests.engine.helpers import run_to_completion
 
 

@@ -1,0 +1,65 @@
+"""Shared mechanics of model-based drafters (draft model and layer skip): K autoregressive
+rounds batched over all speculating sequences, drawing each draft token from q.
+
+Owns: the round loop (round 0 feeds each sequence's not-yet-drafted tokens, round i feeds draft
+token i), per-sequence drop-out when its K is reached, and how each draft token is chosen:
+- greedy requests: the draft argmax (draft_probs None);
+- seeded requests: Gumbel-max over the draft's filtered scores with the request's own
+  (seed, position) noise (draft_probs None). Verification of a seeded request accepts a draft
+  token iff it equals the target's Gumbel-max token at that position, so drafting with the same
+  noise makes draft and target agree whenever their argmax under the noise does (far more often
+  than an independent draw, which agrees with probability sum_x p(x) q(x)). The noise is a pure
+  function of (seed, position): drafting consumes nothing the verification draws from, and the
+  output does not depend on the drafts at all (``cluster.engine.sampler``);
+- other sampling requests: a draw from q = ``logits_to_probs`` under the request's sampling
+  params (so p and q are processed the same way) with the input's generator (None: global RNG).
+Ignores: where K/V live (the caller's ``forward`` closure).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cluster.engine.runner import SeqChunk
+from cluster.engine.sampler import coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
+from cluster.speculative.types import DraftProposal, ProposeInput
+
+# forward(chunks) -> logits [len(chunks), V] for the last position of each chunk
+ForwardFn = Callable[[list[SeqChunk]], torch.Tensor]
+
+
+def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list[int]],
+                 forward: ForwardFn) -> DraftProposal:
+    """starts[i]: position of feeds[i][0]; feeds[i]: tokens the drafter has not processed yet."""
+    n = len(inputs)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    pos = list(starts)
+    feed = [list(f) for f in feeds]
+    active = [i for i in range(n) if inputs[i].num_draft_tokens > 0 and feed[i]]
+    while active:
+        chunks = [SeqChunk(inputs[i].seq_id, feed[i], pos[i], 1) for i in active]
+        logits = forward(chunks)  # [len(active), V]
+        still = []
+        for row, i in enumerate(active):
+            p = inputs[i].params
+            if p.greedy:
+                t = int(logits[row].argmax())
+            elif p.coupled:  # draft token for absolute position len(token_ids) + drafted so far
+                position = len(inputs[i].token_ids) + len(tokens[i])
+                t = int(coupled_tokens(filtered_logits(logits[row : row + 1], p), p.seed, position)[0])
+            else:
+                q = logits_to_probs(logits[row : row + 1], p)  # [1, V]
+                t = int(sample_from_probs(q, inputs[i].generator)[0])
+                probs[i].append(q[0])
+            tokens[i].append(t)
+            pos[i] += len(feed[i])
+            feed[i] = [t]
+            if len(tokens[i]) < inputs[i].num_draft_tokens:
+                still.append(i)
+        active = still
+    return DraftProposal(
+        draft_token_ids=tokens,
+        draft_probs=[torch.stack(pr) if pr else None for pr in probs],  # [K_i, V] or None
+    )

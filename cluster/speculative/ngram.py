@@ -1,0 +1,127 @@
+"""Prompt-lookup (n-gram) drafting: no model, just copying from the sequence's own history.
+
+Owns: ``NgramProposer`` (DrafterKind.NGRAM). For each sequence it takes the longest suffix
+n-gram of the committed tokens (n from ngram_max down to ngram_min) that also occurs earlier in
+prompt + output, picks the most recent earlier occurrence, and drafts the tokens that followed it
+(up to K, fewer if the history ends first). Drafts are deterministic, so draft_probs are None
+(one-hot q). Ignores: sampling params — a deterministic draft is verified losslessly for any
+sampling request by the rejection sampler.
+
+``draft_context`` tells adaptive K the length of the match a draft would rest on, so that
+acceptance is estimated per match length (and a sequence with no match is not planned at all).
+
+Cost: a search is ngram_max vectorized comparisons over the history (numpy), tens of microseconds
+for a few thousand tokens. The history of each seq_id is cached as a numpy buffer that grows by
+appending; a bad cache can only produce poor drafts, never wrong output (the target verifies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.speculative.proposer import DrafterKind
+from cluster.speculative.types import DraftProposal, ProposeInput
+
+
+def find_ngram_continuation(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """tokens [L] int64 -> up to k tokens that followed the most recent earlier occurrence of the
+    longest matching suffix n-gram; [] when no n in [ngram_min, ngram_max] matches."""
+    return continuation(tokens, find_ngram_match(tokens, ngram_min, ngram_max) if k > 0 else (0, -1), k)
+
+
+def continuation(tokens: np.ndarray, match: tuple[int, int], k: int) -> list[int]:
+    """tokens [L], a ``find_ngram_match`` result -> the up to k tokens after the match."""
+    n, start = match
+    return tokens[start : start + k].tolist() if n and k > 0 else []
+
+
+def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tuple[int, int]:
+    """tokens [L] int64 -> (n, start): the longest suffix n-gram (n in [ngram_min, ngram_max])
+    that occurs earlier, and where the continuation of its most recent earlier occurrence
+    starts; (0, -1) when none matches."""
+    length = tokens.shape[0]
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        # Candidate starts i in [0, L - n): a[i:i+n] == suffix, never the suffix itself, so at
+        # least one continuation token exists.
+        span = length - n
+        match = tokens[:span] == tokens[span]
+        for t in range(1, n):
+            match &= tokens[t : span + t] == tokens[span + t]
+        hits = np.flatnonzero(match)
+        if hits.size:
+            return n, int(hits[-1]) + n
+    return 0, -1
+
+
+@dataclass(slots=True)
+class _History:
+    buf: np.ndarray  # [capacity] int64
+    length: int
+    match: tuple[int, int] | None = None  # find_ngram_match of buf[:length], once searched
+
+
+@dataclass(slots=True)
+class NgramProposer:
+    ngram_min: int = 1
+    ngram_max: int = 4
+    kind: DrafterKind = field(default=DrafterKind.NGRAM, init=False)
+    _cache: dict[str, _History] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
+        drafts: list[list[int]] = []
+        for inp in inputs:
+            if inp.num_draft_tokens <= 0 or len(inp.token_ids) < 2:
+                drafts.append([])
+                continue
+            tokens, match = self._match(inp.seq_id, inp.token_ids)
+            drafts.append(continuation(tokens, match, inp.num_draft_tokens))
+        return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
+
+    def draft_context(self, seq_id: str, token_ids: list[int]) -> str | None:
+        """What this sequence's next draft would rest on: "n<size>" of the suffix match (a longer
+        match is accepted far more often — on chat a 1-token match was right 12–14% of the time, a
+        2-token one 38–47%), or None when nothing matches and there is nothing to
+        draft. Adaptive K keeps acceptance statistics per context."""
+        if len(token_ids) < 2:
+            return None
+        _, (n, _) = self._match(seq_id, token_ids)
+        return f"n{n}" if n else None
+
+    def release(self, seq_id: str) -> None:
+        self._cache.pop(seq_id, None)
+
+    def _match(self, seq_id: str, token_ids: list[int]) -> tuple[np.ndarray, tuple[int, int]]:
+        """(history [L], find_ngram_match over it), searched once per history length: adaptive K
+        asks for the draft context and then the draft of the same tokens in one step."""
+        tokens = self._history(seq_id, token_ids)
+        h = self._cache[seq_id]
+        if h.match is None:
+            h.match = find_ngram_match(tokens, self.ngram_min, self.ngram_max)
+        return tokens, h.match
+
+    def _history(self, seq_id: str, token_ids: list[int]) -> np.ndarray:
+        """The committed tokens as a numpy view, appending only what is new since the last call.
+        Committed tokens are append-only per seq_id; anything else (shorter list, changed
+        endpoints) rebuilds the buffer."""
+        n = len(token_ids)
+        h = self._cache.get(seq_id)
+        reusable = (h is not None and 0 < h.length <= n and h.buf[0] == token_ids[0]
+                    and h.buf[h.length - 1] == token_ids[h.length - 1])
+        if not reusable:
+            buf = np.empty(max(64, 2 * n), dtype=np.int64)
+            buf[:n] = token_ids
+            h = self._cache[seq_id] = _History(buf, n)
+        elif n > h.length:
+            if n > h.buf.shape[0]:
+                grown = np.empty(2 * n, dtype=np.int64)
+                grown[: h.length] = h.buf[: h.length]
+                h.buf = grown
+            h.buf[h.length : n] = token_ids[h.length : n]
+            h.length = n
+            h.match = None
+        return h.buf[:n]

@@ -1,0 +1,90 @@
+"""The one interface every drafter implements, and the parsing of a drafter spec string.
+
+Owns: ``DrafterKind`` (which family of drafter), the ``Proposer`` protocol the engine calls once
+per step for all speculating sequences, and ``parse_drafter_spec`` (the ``--drafter`` /
+``SpecConfig.drafter`` string -> typed ``DrafterSpec``). Ignores: building drafters (the engine
+does that from the spec), loading models, and verification (``rejection_sampler``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from cluster.speculative.types import DraftProposal, ProposeInput
+
+
+class DrafterKind(enum.Enum):
+    DRAFT_MODEL = "draft_model"  # an independent small model sharing the target vocabulary
+    NGRAM = "ngram"  # prompt lookup: copy what followed the latest matching n-gram
+    SELF = "self"  # layer skip: the first L target layers + the target LM head
+    REMOTE = "remote"  # a draft model living in a DraftServer, reached over KVSync
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A drafter. ``propose`` gets every speculating sequence of one engine step.
+
+    Contract:
+    - ``propose`` returns one entry per input, in order; entry i has at most
+      ``inputs[i].num_draft_tokens`` draft tokens (fewer, even zero, is allowed: the engine then
+      verifies what it got, or decodes plainly). ``draft_probs[i]`` is q [K_i, V] float32,
+      processed with ``cluster.engine.sampler.logits_to_probs`` under the sequence's sampling
+      params, or None for a deterministic (one-hot) draft.
+    - A stateful drafter (own KV cache) must roll back or extend its state so that it matches
+      ``token_ids`` exactly before proposing.
+    - ``release`` frees per-sequence state when a sequence finishes or is preempted; releasing an
+      unknown seq_id is a no-op.
+    - Optional ``draft_context(seq_id, token_ids) -> str | None``: a label for what the next draft
+      would rest on (adaptive K estimates acceptance per label); None: nothing to draft now.
+    """
+
+    kind: DrafterKind
+
+    def propose(self, inputs: list[ProposeInput]) -> DraftProposal: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class DrafterSpec:
+    kind: DrafterKind
+    self_layers: int | None = None  # SELF only; None lets the engine pick a default depth
+    model: str | None = None  # DRAFT_MODEL / REMOTE only: a model spec (path or hub id)
+
+    def __post_init__(self) -> None:
+        if self.self_layers is not None:
+            if self.kind is not DrafterKind.SELF:
+                raise ValueError(f"self_layers only applies to the self drafter, not {self.kind.value}")
+            if self.self_layers < 1:
+                raise ValueError(f"self-speculation needs at least 1 layer, got {self.self_layers}")
+        if self.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.REMOTE) and not self.model:
+            raise ValueError(f"a {self.kind.value} drafter needs a model spec")
+
+
+def parse_drafter_spec(s: str | None) -> DrafterSpec | None:
+    """"ngram" | "self" | "self:L" | "none" / "" (no speculation) | anything else: a draft model.
+
+    >>> parse_drafter_spec("self:4")
+    DrafterSpec(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
+    """
+    text = (s or "").strip()
+    low = text.lower()
+    if low in ("", "none"):
+        return None
+    if low == "ngram":
+        return DrafterSpec(DrafterKind.NGRAM)
+    if low == "self":
+        return DrafterSpec(DrafterKind.SELF)
+    if low.startswith("self:"):
+        raw = text[len("self:"):].strip()
+        try:
+            layers = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"drafter {text!r}: expected 'self:L' with L a positive number of target layers, "
+                f"got {raw!r}") from None
+        if layers < 1:
+            raise ValueError(f"drafter {text!r}: self-speculation needs L >= 1 layers, got {layers}")
+        return DrafterSpec(DrafterKind.SELF, self_layers=layers)
+    return DrafterSpec(DrafterKind.DRAFT_MODEL, model=text)

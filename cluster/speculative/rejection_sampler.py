@@ -1,0 +1,250 @@
+"""Lossless verification of draft tokens: speculative rejection sampling (arXiv 2211.17192).
+
+Owns: turning one verification forward pass (target logits at K_i + 1 positions per sequence)
+plus the drafter's proposal into the tokens each sequence commits this step. Ignores: running
+models, KV bookkeeping (the caller rolls back rejected positions) and stop conditions.
+
+Vocabulary. For sequence i the drafter proposed K_i *draft tokens* x_1..x_K with probabilities
+q_j (one-hot when the drafter is deterministic). The target scored K_i + 1 positions, giving
+p_1..p_{K+1} (``logits_to_probs`` under the request's sampling params). Walking left to right,
+draft token x_j is *accepted* with probability min(1, p_j(x_j) / q_j(x_j)); the run of accepted
+tokens is the sequence's acceptance length. At the first rejection the *recovered token* is
+drawn from the residual norm(max(p_j - q_j, 0)); if all K_i were accepted the *bonus token* is
+drawn from p_{K+1}. So every step commits num_accepted + 1 tokens and the committed tokens are
+distributed exactly as if sampled from the target alone. Greedy requests are the limit case:
+accept while x_j == argmax p_j, then commit the target argmax at the first mismatch (recovered)
+or at position K_i + 1 (bonus) — the output equals plain greedy decoding token for token.
+
+Seeded requests (``SamplingParams.coupled``) are verified by coupling instead: the target token
+at each verified position is the Gumbel-max token of ``cluster.engine.sampler`` (noise from
+(seed, absolute position)), draft token x_j is accepted iff it equals the target token at its
+position given the accepted prefix, and the target token at the first mismatch (recovered) or
+at K_i + 1 (bonus) is committed. The committed tokens are then exactly the tokens plain seeded
+sampling produces, whatever K and drafter — and exactly distributed as the target (Gumbel-max);
+q plays no part. Unseeded rows draw their uniforms and final tokens from the global RNG, batched.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from cluster.engine.request import SamplingParams
+from cluster.engine.sampler import (
+    NonFiniteScoresError, check_finite, coupled_tokens, filtered_logits, logits_to_probs,
+)
+from cluster.speculative.types import PLACEHOLDER_TOKEN_ID, RejectionResult, SpecBatchMetadata
+
+# Residual mass below this counts as "p <= q everywhere" (only possible through rounding when the
+# draft token was rejected); we then fall back to p itself.
+_RESIDUAL_EPS = 1e-12
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [sum(K_i + 1), V]
+    draft_token_ids: torch.Tensor,  # [sum(K_i)] int64
+    draft_probs: list[torch.Tensor | None],  # B x ([K_i, V] float | None = one-hot draft)
+    metadata: SpecBatchMetadata,
+    params: list[SamplingParams],
+    positions: list[int],  # [B] absolute position of each sequence's first verified token
+) -> RejectionResult:
+    """Verify a ragged batch of drafts. Returns output ids [B, max_K + 1] padded with
+    PLACEHOLDER_TOKEN_ID and num_accepted [B]; row i commits output[i, :num_accepted[i] + 1].
+    Raises ValueError (NonFiniteScoresError for NaN/inf target scores) on bad input: the caller
+    isolates the sequence at fault."""
+    _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions)
+    batch = metadata.batch_size
+    width = metadata.max_spec_len + 1
+    device = target_logits.device
+    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    if batch == 0:
+        return RejectionResult(output, num_accepted)
+
+    k = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64, device=device)  # [B]
+    cu = metadata.cu_num_draft_tokens.to(device)  # [B + 1]
+    target_start = cu[:-1] + torch.arange(batch, device=device)  # [B] first target row of each seq
+    draft_start = cu[:-1]  # [B]
+
+    # Greedy and seeded rows: a deterministic target token per position, drafts matched against it.
+    choice_rows = [i for i, p in enumerate(params) if p.greedy or p.coupled]
+    sampling_rows = [i for i, p in enumerate(params) if not (p.greedy or p.coupled)]
+    if choice_rows:
+        rows = torch.tensor(choice_rows, dtype=torch.int64, device=device)
+        choice = _target_choice(target_logits, metadata, params, positions, choice_rows)
+        out, acc = _match_target(choice, draft_token_ids, target_start[rows], draft_start[rows],
+                                 k[rows], metadata.max_spec_len)
+        output[rows] = out
+        num_accepted[rows] = acc
+    if sampling_rows:
+        rows = torch.tensor(sampling_rows, dtype=torch.int64, device=device)
+        out, acc = _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start,
+                             k, sampling_rows, metadata, params)
+        output[rows] = out
+        num_accepted[rows] = acc
+    return RejectionResult(output, num_accepted)
+
+
+def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions) -> None:
+    batch = metadata.batch_size
+    counts = metadata.num_draft_tokens
+    if len(params) != batch or len(positions) != batch or len(draft_probs) != batch:
+        raise ValueError(f"batch of {batch} sequences but {len(params)} params, "
+                         f"{len(positions)} positions, {len(draft_probs)} draft_probs")
+    if metadata.cu_num_draft_tokens.tolist() != [0] + _cumsum(counts):
+        raise ValueError(f"cu_num_draft_tokens {metadata.cu_num_draft_tokens.tolist()} "
+                         f"does not match num_draft_tokens {counts}")
+    if metadata.max_spec_len < max(counts, default=0):
+        raise ValueError(f"max_spec_len {metadata.max_spec_len} < largest K {max(counts)}")
+    total = sum(counts)
+    if target_logits.dim() != 2 or target_logits.shape[0] != total + batch:
+        raise ValueError(f"target_logits must be [sum(K_i + 1) = {total + batch}, V], "
+                         f"got {tuple(target_logits.shape)}")
+    vocab = target_logits.shape[1]
+    if vocab < 1:
+        raise ValueError("target_logits has an empty vocabulary dimension")
+    if draft_token_ids.dim() != 1 or draft_token_ids.shape[0] != total:
+        raise ValueError(f"draft_token_ids must be [sum(K_i) = {total}], got {tuple(draft_token_ids.shape)}")
+    if draft_token_ids.dtype.is_floating_point or draft_token_ids.dtype == torch.bool:
+        raise ValueError(f"draft_token_ids must be an integer tensor, got {draft_token_ids.dtype}")
+    if total and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= vocab):
+        bad = draft_token_ids[(draft_token_ids < 0) | (draft_token_ids >= vocab)]
+        raise ValueError(f"draft token ids {bad[:5].tolist()} outside the target vocabulary [0, {vocab})")
+    for i, q in enumerate(draft_probs):
+        if q is not None and tuple(q.shape) != (counts[i], vocab):
+            raise ValueError(f"draft_probs[{i}] must be [K_i = {counts[i]}, V = {vocab}], got {tuple(q.shape)}")
+        if q is not None and not (params[i].greedy or params[i].coupled) and not bool(
+                (torch.isfinite(q) & (q >= 0)).all()):
+            raise ValueError(f"draft_probs[{i}] has negative or non-finite entries")
+    check_finite(target_logits)
+
+
+def _cumsum(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        acc += c
+        out.append(acc)
+    return out
+
+
+def _pad_index(start: torch.Tensor, length: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices [n, width] into a flattened tensor and the validity mask [n, width]
+    (position < length). Invalid positions index row 0 — always in bounds for a non-empty
+    tensor, even when a K=0 sequence starts at the very end of the draft rows."""
+    pos = torch.arange(width, device=start.device)
+    valid = pos[None, :] < length[:, None]
+    index = torch.where(valid, start[:, None] + pos[None, :], torch.zeros_like(start)[:, None])
+    return index, valid
+
+
+def _ragged_positions(length: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [sum(length)] position of each element within its row: 0..len_i - 1."""
+    starts = torch.cumsum(length, 0) - length
+    return torch.arange(int(length.sum()), device=length.device) - starts.repeat_interleave(length)
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """accept [n, K] bool -> [n] length of the leading run of True."""
+    if accept.shape[1] == 0:
+        return torch.zeros(accept.shape[0], dtype=torch.int64, device=accept.device)
+    return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _target_choice(target_logits, metadata, params, positions, row_list) -> torch.Tensor:
+    """[sum(K_i + 1)] the target's token at every verification row of the greedy rows (argmax)
+    and the seeded rows (Gumbel-max with (seed, position) noise); other rows hold the argmax
+    too but are never read."""
+    choice = target_logits.argmax(dim=-1)  # [sum(K_i + 1)]
+    for i in row_list:
+        sp = params[i]
+        if sp.coupled:
+            rows = metadata.target_slice(i)
+            choice[rows] = coupled_tokens(filtered_logits(target_logits[rows], sp), sp.seed, positions[i])
+    return choice
+
+
+def _match_target(choice, draft_token_ids, target_start, draft_start, k, max_k):
+    """Rows with a deterministic target token per position (greedy, seeded), vectorized:
+    [n] starts/K -> (output [n, max_k + 1], num_accepted [n])."""
+    t_idx, t_valid = _pad_index(target_start, k + 1, max_k + 1)  # [n, max_k + 1]
+    target_ids = choice[t_idx]  # [n, max_k + 1]
+    d_idx, d_valid = _pad_index(draft_start, k, max_k)  # [n, max_k]
+    drafts = draft_token_ids[d_idx] if draft_token_ids.numel() else torch.zeros_like(d_idx)
+    accept = (drafts == target_ids[:, :max_k]) & d_valid
+    num_accepted = _accepted_prefix(accept)  # [n]
+    # Accepted positions equal the target token, and so does the recovered / bonus token at
+    # position num_accepted: the committed row is just the target tokens up to there.
+    keep = torch.arange(max_k + 1, device=k.device)[None, :] <= num_accepted[:, None]
+    out = torch.where(keep & t_valid, target_ids, torch.full_like(target_ids, PLACEHOLDER_TOKEN_ID))
+    return out, num_accepted
+
+
+def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start, k, row_list,
+              metadata, params):
+    """Sampling rows: (output [n, max_k + 1], num_accepted [n]) for the batch rows ``row_list``."""
+    n = len(row_list)
+    max_k = metadata.max_spec_len
+    vocab = target_logits.shape[1]
+    device = target_logits.device
+    rows = torch.tensor(row_list, dtype=torch.int64, device=device)
+    k_host = [metadata.num_draft_tokens[i] for i in row_list]  # no device sync per row
+    k_rows = k[rows]  # [n]
+    t_idx, _ = _pad_index(target_start[rows], k_rows + 1, max_k + 1)  # [n, max_k + 1]
+
+    # p: target probabilities, processed per distinct (temperature, top_k, top_p).
+    p = torch.empty(n, max_k + 1, vocab, dtype=torch.float32, device=device)  # [n, K+1, V]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for j, i in enumerate(row_list):
+        sp = params[i]
+        groups[(sp.temperature, sp.top_k, sp.top_p)].append(j)
+    for members in groups.values():
+        sel = torch.tensor(members, dtype=torch.int64, device=device)
+        logits = target_logits[t_idx[sel].reshape(-1)]  # [m * (K+1), V]
+        p[sel] = logits_to_probs(logits, params[row_list[members[0]]]).reshape(len(members), max_k + 1, vocab)
+    if not bool(torch.isfinite(p).all()):
+        raise NonFiniteScoresError("target probabilities are not finite")
+
+    # q: draft probabilities; a deterministic draft is one-hot on its token.
+    d_idx, d_valid = _pad_index(draft_start[rows], k_rows, max_k)  # [n, max_k]
+    drafts = draft_token_ids[d_idx] if draft_token_ids.numel() else torch.zeros_like(d_idx)
+    q = torch.zeros(n, max_k, vocab, dtype=torch.float32, device=device)  # [n, K, V]
+    one_hot = [j for j, i in enumerate(row_list) if draft_probs[i] is None]
+    if one_hot and max_k:
+        sel = torch.tensor(one_hot, dtype=torch.int64, device=device)
+        q[sel] = q[sel].scatter_(2, drafts[sel].unsqueeze(-1), d_valid[sel].unsqueeze(-1).float())
+    given = [j for j, i in enumerate(row_list) if draft_probs[i] is not None and k_host[j]]
+    if given:
+        sel = torch.tensor(given, dtype=torch.int64, device=device)
+        q[sel.repeat_interleave(k_rows[sel]), _ragged_positions(k_rows[sel])] = torch.cat(
+            [draft_probs[row_list[j]] for j in given]).to(device=device, dtype=torch.float32)
+
+    uniforms = torch.rand(n, max_k, device=device)  # [n, K] one per draft position
+
+    p_x = p[:, :max_k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
+    q_x = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
+    # u < p/q written without the division: q(x) = 0 with p(x) > 0 accepts, p(x) = 0 never does.
+    accept = (uniforms * q_x < p_x) & d_valid
+    num_accepted = _accepted_prefix(accept)  # [n]
+
+    # The final token: residual at the first rejection (recovered) or p at K_i (bonus).
+    arange_n = torch.arange(n, device=device)
+    p_last = p[arange_n, num_accepted]  # [n, V]
+    rejected = num_accepted < k_rows  # [n]
+    if max_k:
+        q_last = q[arange_n, num_accepted.clamp(max=max_k - 1)]  # [n, V]
+        residual = (p_last - q_last).clamp_min(0.0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        residual = torch.where(mass > _RESIDUAL_EPS, residual / mass.clamp_min(_RESIDUAL_EPS), p_last)
+        final_probs = torch.where(rejected[:, None], residual, p_last)  # [n, V]
+    else:
+        final_probs = p_last
+
+    final = torch.multinomial(final_probs, 1).squeeze(-1)  # [n]
+
+    pos = torch.arange(max_k + 1, device=device)[None, :]
+    out = torch.full((n, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    if max_k:
+        out[:, :max_k] = torch.where(pos[:, :max_k] < num_accepted[:, None], drafts, out[:, :max_k])
+    out[arange_n, num_accepted] = final
+    return out, num_accepted

@@ -1,0 +1,289 @@
+"""Adaptive K: expected-token formula, the K decision with literal costs, the batch decision,
+online estimation of α and of step costs, and the exploration schedule."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.speculative.adaptive_k import (
+    AcceptanceEstimator,
+    AdaptiveK,
+    StepCostModel,
+    batch_rate,
+    break_even_alpha,
+    choose_k,
+    expected_committed,
+)
+
+
+@dataclass
+class LinearCosts:
+    """Fixed costs: c seconds per draft round, t(n) = a + b·n seconds per target forward."""
+
+    draft_cost: float
+    a: float
+    b: float
+
+    def target_time(self, num_tokens: int) -> float:
+        return self.a + self.b * num_tokens
+
+
+def test_expected_committed_matches_design_numbers():
+    # DESIGN.md: α=0.6, K=5 gives ~2.4 tokens per target pass, α=0.8 gives ~3.7.
+    assert expected_committed(0.6, 5) == pytest.approx(2.38, abs=0.01)
+    assert expected_committed(0.8, 5) == pytest.approx(3.69, abs=0.01)
+    assert expected_committed(1.0, 4) == 5.0
+    assert expected_committed(0.0, 4) == 1.0
+    assert expected_committed(0.7, 0) == 1.0
+
+
+def test_high_alpha_cheap_draft_speculates_deep():
+    # α=0.9, draft round 1 ms, target 20 ms nearly flat in batch tokens (memory bound).
+    costs = LinearCosts(draft_cost=0.001, a=0.020, b=0.00005)
+    # K=8: 6.13 tokens / 28.45 ms beats every smaller K; K=0: 1 token / 20.05 ms.
+    assert choose_k(0.9, 8, costs) == 8
+    # With a moderate α the best K is interior: α=0.7 peaks at K=5 (3.29 tokens / 25.3 ms).
+    assert choose_k(0.7, 8, costs) == 5
+
+
+def test_low_alpha_does_not_pay():
+    # A draft model whose round costs 30% of a target forward: at α=0.3 nothing beats plain.
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    assert choose_k(0.3, 6, costs) == 0
+    # Same costs, α=0.8: speculation pays.
+    assert choose_k(0.8, 6, costs) >= 3
+
+
+def test_compute_bound_verification_does_not_pay():
+    # Verification not free: every token in the forward costs 5 ms on top of 1 ms.
+    steep = LinearCosts(draft_cost=0.0, a=0.001, b=0.005)
+    assert choose_k(0.8, 6, steep) == 0  # 1.8 tokens / 11 ms < 1 token / 6 ms
+    # Large batch, batch-rate view: 63 other sequences commit 63 tokens in the same forward.
+    steep_batch = LinearCosts(draft_cost=0.0, a=0.010, b=0.001)
+    assert choose_k(0.8, 6, steep_batch, batch_tokens_other=63, other_committed=63.0) == 0
+    # ...while the same costs at batch 1 still favour speculation.
+    assert choose_k(0.8, 6, steep_batch) > 0
+
+
+def _fixed_adaptive(costs: LinearCosts, alpha: float, **kw) -> AdaptiveK:
+    model = StepCostModel(draft_cost_prior=costs.draft_cost, target_a_prior=costs.a,
+                          slope_prior_ratio=costs.b / costs.a)
+    return AdaptiveK(estimator=AcceptanceEstimator(prior_alpha=alpha), costs=model, **kw)
+
+
+def test_batch_choice_goes_plain_for_large_compute_bound_batches():
+    costs = LinearCosts(draft_cost=0.0005, a=0.010, b=0.001)
+    ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
+    assert ak.choose([("s0", "code")], k_max=6)[0] > 0
+    big = [(f"s{i}", "code") for i in range(64)]
+    assert ak.choose(big, k_max=6) == [0] * 64
+
+
+def test_batch_choice_counts_non_speculating_tokens_in_the_forward():
+    # One speculating sequence alone would draft; the same sequence sharing a compute-bound
+    # forward with 63 plain decoders (e.g. constrained requests: 63 tokens, 63 committed) goes
+    # plain — its verification tokens would slow all of them down.
+    costs = LinearCosts(draft_cost=0.0005, a=0.010, b=0.001)
+    ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
+    assert ak.choose([("s", "code")], k_max=6)[0] > 0
+    assert ak.choose([("s", "code")], k_max=6, extra_tokens=63, extra_committed=63.0) == [0]
+    # A big prefill chunk committing one token does not make speculation worse: the step is
+    # slow anyway and a drafted token costs only b more (batch-rate objective).
+    assert ak.choose([("s", "code")], k_max=6, extra_tokens=200, extra_committed=1.0)[0] > 0
+
+
+def test_batch_choice_shares_the_draft_phase():
+    # A draft round costs 10% of a forward: one sequence alone in a batch of 32 would not pay
+    # for the whole batch's draft phase, but all drafting together pays (uniform start).
+    costs = LinearCosts(draft_cost=0.002, a=0.020, b=0.00002)
+    ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
+    seqs = [(f"s{i}", "chat") for i in range(32)]
+    ks = ak.choose(seqs, k_max=6)
+    assert min(ks) >= 3
+    assert batch_rate([0.8] * 32, ks, costs) > 1.5 * batch_rate([0.8] * 32, [0] * 32, costs)
+
+
+def test_batch_choice_drops_low_alpha_sequences():
+    costs = LinearCosts(draft_cost=0.0002, a=0.020, b=0.0002)
+    est = AcceptanceEstimator(prior_alpha=0.8, seq_prior_weight=1.0)
+    for _ in range(200):
+        est.update("bad", "chat", 4, 0)  # the target rejects this sequence's first draft every time
+        est.update("good", "chat", 4, 4)
+        est.update("good2", "chat", 4, 3)
+    ak = AdaptiveK(estimator=est, costs=StepCostModel(draft_cost_prior=0.0002, target_a_prior=0.020,
+                                                      slope_prior_ratio=0.01), explore_every=1000)
+    ks = ak.choose([("good", "chat"), ("bad", "chat"), ("good2", "chat")], k_max=6)
+    assert ks[1] == 0 and ks[0] > 0 and ks[2] > 0
+
+
+def _geometric_step(rng: random.Random, alpha: float, k: int) -> int:
+    accepted = 0
+    while accepted < k and rng.random() < alpha:
+        accepted += 1
+    return accepted
+
+
+@pytest.mark.parametrize("true_alpha", [0.3, 0.7, 0.9])
+def test_estimator_converges_on_bernoulli_stream(true_alpha):
+    rng = random.Random(42)
+    est = AcceptanceEstimator(prior_alpha=0.5)
+    for step in range(3000):
+        est.update(f"seq{step % 5}", "code", 4, _geometric_step(rng, true_alpha, 4))
+    assert est.segment_estimate("code") == pytest.approx(true_alpha, abs=0.05)
+    assert est.estimate("seq0", "code") == pytest.approx(true_alpha, abs=0.07)
+    # Naive accepted / drafted would be biased low (e.g. 0.55 for α=0.7, K=4); we are not.
+    # an untouched segment starts from this drafter's pooled α; an untouched pool from the prior
+    assert est.segment_estimate("other") == pytest.approx(true_alpha, abs=0.05)
+    assert est.segment_estimate("other|n3") == 0.5
+
+
+def test_segments_pool_by_draft_context():
+    """"chat|n1" and "code|n1" share the pool "n1", not "n4": a new segment's 1-token matches
+    start from what 1-token matches achieve elsewhere."""
+    rng = random.Random(3)
+    est = AcceptanceEstimator(prior_alpha=0.6)
+    for _ in range(400):
+        est.update("a", "chat|n1", 2, _geometric_step(rng, 0.1, 2))
+        est.update("b", "chat|n4", 4, _geometric_step(rng, 0.9, 4))
+    assert est.segment_estimate("code|n1") < 0.2 < 0.8 < est.segment_estimate("code|n4")
+    assert est.segment_estimate("code|n2") == 0.6
+
+
+def test_estimator_tracks_change_and_blends_sequence_with_segment():
+    rng = random.Random(7)
+    est = AcceptanceEstimator(prior_alpha=0.5, decay=0.98)
+    for _ in range(500):
+        est.update("a", "summarize", 5, _geometric_step(rng, 0.85, 5))
+    assert est.segment_estimate("summarize") > 0.75
+    # A fresh sequence inherits its segment; it moves toward its own α as evidence grows.
+    assert est.estimate("new", "summarize") == est.segment_estimate("summarize")
+    for _ in range(300):
+        est.update("b", "summarize", 5, _geometric_step(rng, 0.2, 5))
+    assert est.estimate("b", "summarize") < 0.3
+    assert est.estimate("a", "summarize") > 0.7  # sequence a keeps its own history
+    est.release("b")
+    assert est.estimate("b", "summarize") == est.segment_estimate("summarize")
+
+
+def test_estimator_validation():
+    est = AcceptanceEstimator()
+    est.update("s", "x", 0, 0)  # a plain step carries no information
+    assert est.seq_trials("s") == 0
+    with pytest.raises(ValueError):
+        est.update("s", "x", 3, 4)
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(prior_alpha=1.5)
+
+
+def test_cost_model_priors_then_fit():
+    m = StepCostModel(draft_cost_prior=0.004, target_a_prior=0.02, slope_prior_ratio=1 / 200)
+    assert m.target_time(10) == pytest.approx(0.02 * (1 + 10 / 200))  # before data: the priors
+    assert m.draft_cost == 0.004
+    # Observations over a spread of batch sizes from t(n) = 5 ms + 0.5 ms * n.
+    for rep in range(24):  # a realistic window: ~120 steps
+        for n in (1, 8, 16, 32, 64):
+            m.observe_target(n, 0.005 + 0.0005 * n)
+    a, b = m.coefficients
+    assert a == pytest.approx(0.005, rel=0.05)
+    assert b == pytest.approx(0.0005, rel=0.05)
+    assert m.target_time(100) == pytest.approx(0.055, rel=0.03)
+    for _ in range(100):
+        m.observe_draft(rounds=4, seconds=0.004)  # 1 ms per round
+    assert m.draft_cost == pytest.approx(0.001, rel=0.05)
+
+
+def test_cost_model_single_batch_size_keeps_prior_slope_ratio():
+    m = StepCostModel(target_a_prior=0.02, slope_prior_ratio=1 / 100)
+    for _ in range(50):
+        m.observe_target(1, 0.008)  # only batch-1 decode measured: 8 ms, far from the 20 ms prior
+    a, b = m.coefficients
+    assert m.target_time(1) == pytest.approx(0.008, rel=0.01)
+    assert b == pytest.approx(a / 100, rel=0.1)  # no slope information -> the prior ratio
+
+
+def test_cost_model_window_forgets_old_regime():
+    m = StepCostModel(window=10)
+    for _ in range(10):
+        m.observe_target(4, 0.050)
+    for _ in range(10):
+        m.observe_target(4, 0.010)
+    assert m.target_time(4) == pytest.approx(0.010, rel=0.01)
+
+
+def test_exploration_probes_plain_sequences_on_a_fixed_schedule():
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.2, explore_every=5, explore_k=2)
+    history = [ak.choose([("s", "chat")], k_max=6)[0] for _ in range(15)]
+    assert history == [0, 0, 0, 0, 2] * 3
+    # Probes that show high acceptance lift α until speculation is chosen without probing.
+    for _ in range(40):
+        k = ak.choose([("s", "chat")], k_max=6)[0]
+        ak.observe("s", "chat", k, k)  # every draft token accepted
+    assert ak.choose([("s", "chat")], k_max=6)[0] > 2
+    ak.release("s")
+
+
+def test_k_max_zero_means_plain():
+    ak = _fixed_adaptive(LinearCosts(0.0, 0.02, 0.0), 0.9, explore_every=1)
+    assert ak.choose([("a", "x"), ("b", "x")], k_max=0) == [0, 0]
+    assert choose_k(0.99, 0, LinearCosts(0.0, 0.02, 0.0)) == 0
+
+
+def test_failed_probes_back_off_per_segment_and_success_resets():
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
+    probes = []
+    for step in range(60):
+        k = ak.choose([("s", "chat")], k_max=6)[0]
+        if k:
+            probes.append(step)
+            ak.observe("s", "chat", k, 0)  # the probe is rejected
+    # intervals 4, 8, 16, 16: steps 3, 11, 27, 43, 59
+    assert probes == [3, 11, 27, 43, 59]
+    ak.release("s")
+    # a new sequence of the same segment inherits the backed-off interval
+    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)] == [0] * 15 + [2]
+    ak.observe("t", "chat", 2, 2)  # a fully accepted probe resets the interval
+    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(4)][-1] >= 1
+
+
+def test_draft_cost_ratio_prior_scales_with_the_measured_decode_step():
+    m = StepCostModel(draft_cost_ratio_prior=0.25, target_a_prior=0.02)
+    for _ in range(5):
+        m.observe_target(1, 0.060)  # this machine's decode step
+    assert m.draft_cost == pytest.approx(0.25 * m.target_time(1))
+    assert m.target_time(1) == pytest.approx(0.060, rel=0.01)
+    m.observe_draft(3, 0.030)  # the first timed draft replaces the prior
+    assert m.draft_cost == pytest.approx(0.010)
+    assert StepCostModel(draft_cost_ratio_prior=0.0).draft_cost == 0.0
+
+
+def test_break_even_alpha_is_where_speculation_starts_to_pay():
+    """Free drafts, t(n) = a + b·n: K = 1 pays when (1 + α)·(1 - g) > (a + 2b)/(a + b), g the
+    min_gain margin; the break-even is that α, and dearer verification or drafts raise it."""
+    cheap = LinearCosts(draft_cost=0.0, a=0.030, b=0.0005)
+    be = break_even_alpha(cheap, k_max=8, min_gain=0.0)
+    assert be == pytest.approx((0.030 + 0.001) / (0.030 + 0.0005) - 1, abs=2e-3)
+    assert choose_k(be + 0.01, 8, cheap, min_gain=0.0) > 0 and choose_k(be - 0.01, 8, cheap, min_gain=0.0) == 0
+    dear_verify = LinearCosts(draft_cost=0.0, a=0.030, b=0.010)
+    dear_draft = LinearCosts(draft_cost=0.010, a=0.030, b=0.0005)
+    assert break_even_alpha(dear_verify, 8) > break_even_alpha(cheap, 8) + 0.2
+    assert break_even_alpha(dear_draft, 8) > break_even_alpha(cheap, 8) + 0.2
+    assert break_even_alpha(LinearCosts(draft_cost=1.0, a=0.03, b=0.0005), 8) == 1.0  # nothing pays
+    assert break_even_alpha(cheap, 0) == 1.0
+    assert AdaptiveK(costs=StepCostModel()).break_even_alpha(4) < 1.0
+
+
+def test_a_new_segment_inherits_the_pools_backed_off_probe_interval():
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
+    for _ in range(40):
+        k = ak.choose([("s", "code")], k_max=6)[0]
+        if k:
+            ak.observe("s", "code", k, 0)
+    assert ak.probe_interval("code") == 16 and ak.probe_interval("chat") == 16
+    assert ak.probe_interval("chat|n1") == 4  # another pool: its own start
+    first = [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)]
+    assert first == [0] * 15 + [2]

@@ -1,0 +1,174 @@
+"""Speculative decoding through the engine on the real default model: every drafter is lossless
+against Hugging Face generate of the target alone (concurrent batch of workload prompts, mixed
+K including K=0 in the same step), draft == target gives α = 1, frequent rejections stay exact,
+seeded sampling is reproducible, and a vocabulary mismatch is refused."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.engine.llm_engine import LLMEngine, LoadedModel
+from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.runner import ModelRunner
+from cluster.speculative.controller import build_spec_controller
+from tests.engine.helpers import greedy_requests, prompt_ids, run_to_completion
+from tests.reference import check_greedy_match, workload_rows
+
+MAX_TOKENS = 32  # same as the engine tests, so the HF reference is computed once
+
+
+def spec_engine(model: LoadedModel, spec: SpecConfig, proposer=None) -> LLMEngine:
+    config = EngineConfig(spec=spec)
+    m = model.with_fresh_kv(config)
+    return LLMEngine(config, m, build_spec_controller(config, m, proposer))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return workload_rows(per_segment=4)
+
+
+@pytest.fixture(scope="module")
+def draft_proposer(default_model):
+    """The default model as its own draft (own runner and KV pool, shared weights)."""
+    from cluster.speculative.draft_model import DraftModelProposer
+
+    return DraftModelProposer(ModelRunner(default_model.runner.model, None, 16, 256))
+
+
+@pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto")])
+def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k):
+    proposer = draft_proposer if drafter == "draft-model" else None
+    eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
+                                                num_spec_tokens=k), proposer)
+    reqs = greedy_requests(default_model.tokenizer, rows, MAX_TOKENS)
+    for r in reqs[::5]:  # some requests decode plainly in the same steps (K = 0 rows)
+        r.mode = SpecMode.PLAIN
+    res = run_to_completion(eng, reqs)
+    verdicts = {r.request_id: check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
+                for r in reqs}
+    assert sum(v == "equal" for v in verdicts.values()) >= len(reqs) - 2, verdicts
+    drafted = sum(res[r.request_id]["spec"].draft_tokens for r in reqs if r.mode is not SpecMode.PLAIN)
+    assert drafted > 0, "nothing was speculated"
+    assert all(res[r.request_id]["spec"] is None for r in reqs if r.mode is SpecMode.PLAIN)
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+    if proposer is not None:
+        assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
+    break_even = eng.stats().break_even_alpha  # the router's default gate: from measured costs (auto K only)
+    assert (0.0 < break_even < 1.0) if k == "auto" else break_even is None
+    if k == "auto" and drafter == "ngram":  # acceptance learnt per match length, all state freed
+        keys = set(eng.spec.adaptive.estimator.to_dict())
+        assert keys and all("|n" in key for key in keys), keys
+        assert not eng.spec._derived and not eng.spec.adaptive.estimator._seqs
+
+
+def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):
+    k = 4
+    eng = spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=k), draft_proposer)
+    tok = default_model.tokenizer
+    # 1 token from the prefill, then 4 verification steps of K+1 = 5 tokens each
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=1 + 4 * (k + 1), ignore_eos=True))
+            for r in rows[:3]]
+    res = run_to_completion(eng, reqs)
+    for r in reqs:
+        s = res[r.request_id]["spec"]
+        assert s.acceptance_rate == 1.0 and s.drafts == 4
+        assert s.mean_acceptance_length == k + 1
+        assert s.accepted_per_position == s.drafted_per_position == [4] * k
+
+
+def test_frequent_rejections_still_equal_plain(default_model, rows):
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::4]]
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4)),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
+    eng = spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4))
+    res = run_to_completion(eng, reqs)
+    rejected = 0
+    for r in reqs:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        s = res[r.request_id]["spec"]
+        rejected += s.draft_tokens - s.accepted_tokens
+    total = sum(res[r.request_id]["spec"].draft_tokens for r in reqs)
+    assert rejected > total / 2, f"self:4 should reject often ({rejected}/{total})"
+
+
+def test_seeded_sampling_is_reproducible(default_model, rows):
+    tok = default_model.tokenizer
+
+    def run():
+        eng = spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3))
+        reqs = [GenerationRequest(r["id"], prompt_ids(tok, r),
+                                  SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234 + i))
+                for i, r in enumerate(rows[:6])]
+        return {k: v["ids"] for k, v in run_to_completion(eng, reqs).items()}
+
+    a, b = run(), run()
+    assert a == b
+    assert len({tuple(v) for v in a.values()}) == len(a)
+
+
+def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from cluster.errors import VocabularyMismatchError
+    from cluster.speculative.controller import build_draft_model_proposer
+    from tests.conftest import make_tiny_model_dir
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50 + ["def f(x): return x"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    other = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    d = make_tiny_model_dir(tmp_path / "draft", "llama", vocab_size=len(other))
+    other.save_pretrained(str(d))
+    spec = SpecConfig(drafter=str(d), num_spec_tokens=3)
+    with pytest.raises(VocabularyMismatchError) as info:
+        build_draft_model_proposer(str(d), spec, EngineConfig(), default_model.tokenizer)
+    assert "vocab" in str(info.value).lower()
+    forced = SpecConfig(drafter=str(d), num_spec_tokens=3, force_vocab_mismatch=True)
+    assert build_draft_model_proposer(str(d), forced, EngineConfig(), default_model.tokenizer) is not None
+
+
+def test_vocab_trimmed_draft_head_is_lossless(default_model, rows):
+    """A draft LM head restricted to the 8000 most frequent (lowest BPE rank) ids plus specials:
+    drafts can only use those ids, the target still decides every token."""
+    from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
+
+    runner = ModelRunner(_clone_model(default_model.runner.model), None, 16, 128)
+    keep = frequent_ids(default_model.tokenizer, 8000)
+    trimmed = TrimmedHead(runner, keep)
+    assert runner.model.lm_head.shape[1] == trimmed.keep.numel() < default_model.runner.vocab_size
+    assert default_model.runner.model.lm_head.shape[1] == default_model.runner.vocab_size  # target untouched
+    proposer = DraftModelProposer(runner, trimmed)
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=20)) for r in rows[:6]]
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3)),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
+    res = run_to_completion(spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=3), proposer), reqs)
+    allowed = set(trimmed.keep.tolist())
+    for r in reqs:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"]
+        s = res[r.request_id]["spec"]
+        assert s.draft_tokens > 0 and s.accepted_tokens > 0
+    assert all(t in allowed for t in proposer_drafted(proposer))
+
+
+def _clone_model(model):
+    """A LlamaModel sharing every weight tensor with ``model`` (so trimming its head is local)."""
+    import copy
+
+    clone = copy.copy(model)
+    clone.layers = list(model.layers)
+    return clone
+
+
+def proposer_drafted(proposer) -> list[int]:
+    """The draft tokens the proposer produces for a fresh probe sequence (then released)."""
+    from cluster.engine.request import SamplingParams as SP
+    from cluster.speculative.types import ProposeInput
+
+    out = proposer.propose([ProposeInput("probe", list(range(300, 340)), 5, SP())])
+    proposer.release("probe")
+    return out.draft_token_ids[0]
