@@ -131,12 +131,17 @@ class DraftServerKnobs(DeploymentKnobs):
 class KVSyncKnobs(_Strict):
     """KVSync between the SpecEngine and the DraftServer (placement ``separate``). Auth: every call
     carries the ``auth`` section's bearer token when it is configured. TLS: on when a certificate
-    and key are given (the SpecEngine trusts ``tls_ca_file``, default the certificate itself)."""
+    and key are given (the SpecEngine trusts ``tls_ca_file``, default the certificate itself);
+    ``tls_mutual`` makes it mutual (the SpecEngine presents a certificate the DraftServer checks)."""
 
     tls_cert_file: str | None = None  # DraftServer certificate chain (PEM)
     tls_key_file: str | None = None  # its private key (PEM)
     tls_ca_file: str | None = None  # CA bundle the SpecEngine verifies it with; None: the cert itself
     tls_server_name: str | None = None  # name expected in the certificate (the server is dialled by IP)
+    tls_mutual: bool = False  # mutual TLS: the DraftServer demands a trusted client certificate
+    tls_client_cert_file: str | None = None  # SpecEngine certificate; None: tls_cert_file (one identity)
+    tls_client_key_file: str | None = None  # its key; None: tls_key_file
+    tls_client_ca_file: str | None = None  # CA the DraftServer trusts clients by; None: tls_ca_file / the cert
     budget_factor: float = Field(4.0, gt=0)  # a propose may take this × the median target step...
     budget_floor_ms: float = Field(20.0, gt=0)  # ...but never less; draft_server.timeout_s caps it
     max_callers: int = Field(16, ge=1)  # SpecEngine replicas whose sequences a DraftServer holds
@@ -150,7 +155,9 @@ class KVSyncKnobs(_Strict):
         from cluster.kvsync.tls import KVSyncTLS
 
         return KVSyncTLS(cert_file=self.tls_cert_file, key_file=self.tls_key_file,
-                         ca_file=self.tls_ca_file, server_name=self.tls_server_name)
+                         ca_file=self.tls_ca_file, server_name=self.tls_server_name,
+                         mutual=self.tls_mutual, client_cert_file=self.tls_client_cert_file,
+                         client_key_file=self.tls_client_key_file, client_ca_file=self.tls_client_ca_file)
 
     def budget(self, cap_s: float):
         from cluster.kvsync.budget import DraftBudget

@@ -29,9 +29,9 @@ from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
                                         completion_fields, parse_body)
-from cluster.api.requests import check_size
+from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
-from cluster.api.status import ServiceError
+from cluster.api.status import ServiceError, invalid
 from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
 
@@ -112,10 +112,29 @@ async def _relay(first: str, events: AsyncIterator) -> AsyncIterator[str]:
         await events.aclose()
 
 
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The body, never buffered past the size cap: a declared ``Content-Length`` over it is refused
+    before reading, and a chunked upload stops at the first chunk that crosses it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        check_size(int(declared), limits)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_message_bytes:
+            raise invalid(f"request body is over the {limits.max_message_bytes}-byte limit "
+                          f"(stopped reading at {size} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _complete(router: "Router", request: Request, kind: Kind) -> Response:
     request_id = uuid.uuid4().hex
     metadata = _metadata(request)
-    raw = await request.body()
+    try:
+        raw = await _read_body(request, router.limits)
+    except ServiceError as err:
+        return _error(err)
     events = _lifecycle(router, kind, raw, metadata, request_id)
     first = await events.__anext__()
     if isinstance(first, ServiceError):

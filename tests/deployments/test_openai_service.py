@@ -197,6 +197,13 @@ def test_grpc_and_http_refuse_alike(addrs, oa):
     big = "z" * 5000  # over limits.max_message_bytes (4096)
     got, body = _status(oa.completions.create, model=MODEL, prompt=big, max_tokens=4)
     assert got == 400 and "over the 4096-byte limit" in body["message"]
+
+    def chunked():  # no Content-Length: the reader stops at the chunk that crosses the cap
+        for _ in range(64):
+            yield b"z" * 1024
+    r = requests.post(f"{addrs.http}/oa/v1/completions", data=chunked(), timeout=30,
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and "body is over the 4096-byte limit" in r.json()["error"]["message"]
     r = requests.post(f"{addrs.http}/oa/v1/completions", data=b"{not json", timeout=30,
                    headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -87,6 +87,29 @@ def test_tls_with_a_self_signed_certificate(server, tmp_path):
         KVSyncTLS(cert_file=cert)
 
 
+def test_mutual_tls_admits_only_a_trusted_client_certificate(server, tmp_path):
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_cert, other_key = self_signed(tmp_path / "other")  # same name, another key: not trusted
+    mutual = KVSyncTLS(cert_file=cert, key_file=key, server_name="draft.specserve.test", mutual=True)
+    core, port = server(token=TOKEN, tls=mutual)
+    remote = RemoteProposer(f"127.0.0.1:{port}", token=TOKEN, tls=mutual, timeout_s=5)
+    assert remote.propose([inp("a", [1, 2, 1])]).draft_token_ids == [[2, 1]]
+    one_way = KVSyncTLS(cert_file=cert, key_file=key, server_name="draft.specserve.test")
+    stranger = KVSyncTLS(cert_file=cert, key_file=key, server_name="draft.specserve.test", mutual=True,
+                         client_cert_file=other_cert, client_key_file=other_key)
+    for tls in (one_way, stranger):  # no client certificate / an untrusted one: no connection
+        with pytest.raises(DraftUnavailableError):
+            RemoteProposer(f"127.0.0.1:{port}", token=TOKEN, tls=tls, timeout_s=2).propose([inp("b", [1, 2, 1])])
+    assert core.held("b") is None
+    with pytest.raises(ValueError, match="mutual TLS needs cert_file and key_file"):
+        KVSyncTLS(mutual=True)
+    with pytest.raises(ValueError, match="mutual is off"):
+        KVSyncTLS(cert_file=cert, key_file=key, client_ca_file=cert)
+    with pytest.raises(ValueError, match="both client_cert_file and client_key_file"):
+        KVSyncTLS(cert_file=cert, key_file=key, mutual=True, client_cert_file=other_cert)
+
+
 @pytest.mark.parametrize("seqs,match", [
     ([seq("a", [1, 2], k=5)], "num_draft_tokens 5 .* limit of 4"),
     ([seq("a", [1]), seq("b", [1]), seq("c", [1])], "at most 2 sequences"),
