@@ -52,6 +52,9 @@ class RouterKnobs(_Strict):
     plain_faster_margin: float = Field(0.05, ge=0.0, lt=1.0)
     segments: dict[str, SegmentRouterKnobs] = Field(default_factory=dict)  # per-segment overrides
     grammar_speculation: bool = True  # constrained requests may speculate (under the grammar)
+    # the latency model counts the other path's running requests in a path's service time; auto:
+    # when both engines report the same Ray node and do not each hold whole GPUs
+    paths_share_hardware: bool | Literal["auto"] = "auto"
 
 
 class MoeKnobs(_Strict):

@@ -28,6 +28,16 @@ from deployments.quiet_polls import quiet_polls
 log = logging.getLogger("specserve.engine")
 
 
+def _ray_node_id() -> str:
+    """The Ray node this replica runs on ("" outside Ray, e.g. a unit test)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 — only ever used to compare placements
+        return ""
+
+
 class EngineServer:
     speculative: bool = False
 
@@ -44,6 +54,7 @@ class EngineServer:
         self._start_error: BaseException | None = None
         self._start_task = asyncio.create_task(self._start())
         self._in_flight = 0
+        self._node_id = _ray_node_id()
         self._metrics = SpecserveMetrics()  # Ray Serve metrics inside the replica
         self._stats_task = asyncio.create_task(export_engine_stats_forever(
             self._metrics, self.stats, "spec" if self.speculative else "batch"))
@@ -76,6 +87,7 @@ class EngineServer:
         d["ready"] = self.ready()
         d["in_flight"] = self._in_flight
         d["engine_pid"] = self.engine.pid  # ProcessEngine: the core process (its own GIL)
+        d["node_id"] = self._node_id  # the Router's paths_share_hardware "auto" compares these
         return d
 
     def model_info(self) -> dict:

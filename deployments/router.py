@@ -170,7 +170,19 @@ class Router:
             spec_capacity=self.load.capacities[Path.SPECULATIVE],
             plain_capacity=self.load.capacities[Path.PLAIN],
             moe=bool(s.get("moe", False)),
-            moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"))
+            moe_gate_open=bool(s.get("moe_gate_open", True)), break_even_alpha=s.get("break_even_alpha"),
+            paths_shared=self.paths_share_hardware)
+
+    @property
+    def paths_share_hardware(self) -> bool:
+        """Do the two engines compete for the same hardware? Configured, or ("auto") both report
+        the same Ray node and do not each hold whole GPUs of their own."""
+        mode = self.cfg.router.paths_share_hardware
+        if mode != "auto":
+            return bool(mode)
+        spec_node, batch_node = self._spec_stats.get("node_id"), self._batch_stats.get("node_id")
+        own_gpus = self.cfg.spec_engine.num_gpus >= 1 and self.cfg.batch_engine.num_gpus >= 1
+        return bool(spec_node) and spec_node == batch_node and not own_gpus
 
     # -- request path ----------------------------------------------------------------------
     async def _admit(self, metadata, request_id: str,
@@ -221,8 +233,9 @@ class Router:
                 if done and item.finish_reason is FinishReason.ERROR:  # this request failed, alone
                     raise engine_error(item.error, vreq.request_id)
                 if done and item.finish_reason not in _UNMEASURED:  # latency under load (rule 8)
-                    running, service_s = self.load.served(mark, item.queue_time)
-                    self.policy.observe(decision.path, vreq.segment, running, service_s, item.num_output_tokens)
+                    seen = self.load.served(mark, item.queue_time)
+                    self.policy.observe(decision.path, vreq.segment, seen.running, seen.service_s,
+                                        item.num_output_tokens, seen.beside if self.paths_share_hardware else 0.0)
                 yield item
         finally:
             self.load.leave(mark)
@@ -322,12 +335,14 @@ class Router:
             min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
             spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight,
             plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2),
-            segment_routing=segment_routing_pb(pb2, self.policy, self._view()))
+            segment_routing=segment_routing_pb(pb2, self.policy, self._view()),
+            paths_share_hardware=self.paths_share_hardware)
 
     def _path_latency_pb(self, pb2) -> list:
         paths = {Path.SPECULATIVE: pb2.PATH_SPECULATIVE, Path.PLAIN: pb2.PATH_PLAIN}
         return [pb2.PathLatency(segment=segment, path=paths[path], samples=int(fit["samples"]),
-                                base_s=fit["a"], per_running_s=fit["s"], capacity=self.load.capacities[path])
+                                base_s=fit["a"], per_running_s=fit["s"], per_beside_s=fit["t"],
+                                capacity=self.load.capacities[path])
                 for segment, by_path in self.policy.latency.snapshot().items()
                 for path, fit in by_path.items()]
 

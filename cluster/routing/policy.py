@@ -59,7 +59,7 @@ import threading
 from dataclasses import dataclass, field
 
 from cluster.engine.request import SpecMode
-from cluster.routing.load_latency import LoadLatencyModel
+from cluster.routing.load_latency import Joining, LoadLatencyModel
 
 
 class Path(enum.Enum):
@@ -131,7 +131,10 @@ class RouterConfig:
     EngineView). plain_when_faster: send a request that hysteresis sends speculative to the
     BatchEngine when measured latency says it would be served more than ``plain_faster_margin``
     (a fraction) faster per token there. grammar_speculation: constrained requests may speculate
-    (the engine verifies drafts under the grammar); off sends them all plain (rule 2)."""
+    (the engine verifies drafts under the grammar); off sends them all plain (rule 2).
+    paths_share_hardware: "auto" (the Router decides from where the engines run), True or False:
+    whether the latency model counts the other path's running requests in a path's service time
+    (``cluster.routing.load_latency``, "Shared hardware")."""
 
     enter_threshold: int = 4
     exit_threshold: int = 8
@@ -145,8 +148,12 @@ class RouterConfig:
     moe_probe_every: int = 8
     segments: dict[str, SegmentRouting] = field(default_factory=dict)  # per-segment overrides
     grammar_speculation: bool = True
+    paths_share_hardware: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.paths_share_hardware not in (True, False, "auto"):
+            raise ValueError(f"router.paths_share_hardware must be true, false or \"auto\", "
+                             f"got {self.paths_share_hardware!r}")
         _check_router_knobs(self.enter_threshold, self.exit_threshold, self.min_alpha, "router.")
         self.segments = {name: s if isinstance(s, SegmentRouting) else SegmentRouting(**s)
                          for name, s in self.segments.items()}
@@ -197,6 +204,7 @@ class EngineView:
     # sequences each side runs at once (max_num_seqs x replicas); None: unknown, no balancing
     spec_capacity: int | None = None
     plain_capacity: int | None = None
+    paths_shared: bool = False  # the two paths' engines compete for the same cores / GPU
 
     def spec_less_full(self) -> bool:
         """SpecEngine in-flight / capacity below the BatchEngine's (cross-multiplied, exact)."""
@@ -204,12 +212,12 @@ class EngineView:
             return False
         return self.spec_in_flight * self.plain_capacity < self.plain_in_flight * self.spec_capacity
 
-    def joining(self, path: Path) -> tuple[Path, int, int | None]:
-        """(path, its in-flight count once a new request joins it, its capacity): what the latency
-        model predicts a path from."""
+    def joining(self, path: Path) -> Joining:
+        """(path, its in-flight count once a new request joins it, its capacity, the other path's
+        in-flight count where they share hardware, else 0): what the latency model predicts from."""
         if path is Path.SPECULATIVE:
-            return path, self.spec_in_flight + 1, self.spec_capacity
-        return path, self.plain_in_flight + 1, self.plain_capacity
+            return path, self.spec_in_flight + 1, self.spec_capacity, self.plain_in_flight if self.paths_shared else 0
+        return path, self.plain_in_flight + 1, self.plain_capacity, self.spec_in_flight if self.paths_shared else 0
 
     def moe_open(self, segment: str) -> bool:
         return not self.moe or self.moe_gate_open or segment in self.moe_open_segments
@@ -248,11 +256,13 @@ class RouterPolicy:
     def spec_open(self) -> bool:
         return self._spec_open
 
-    def observe(self, path: Path, segment: str, running: float, service_s: float, tokens: int) -> None:
+    def observe(self, path: Path, segment: str, running: float, service_s: float, tokens: int,
+                beside: float = 0.0) -> None:
         """A request completed on ``path``: ``running`` requests ran beside it on average (itself
-        included, ``cluster.routing.load_latency.InFlightMeter``), ``service_s`` its time less the
-        time it queued in the engine."""
-        self.latency.observe(path, segment, running, service_s, tokens)
+        included, ``cluster.routing.load_latency.InFlightMeter``), ``beside`` on the other path
+        (0 unless the paths share hardware), ``service_s`` its time less the time it queued in
+        the engine."""
+        self.latency.observe(path, segment, running, service_s, tokens, beside)
 
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:

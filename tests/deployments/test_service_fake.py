@@ -110,6 +110,7 @@ def test_health_and_model_info(addr, main):
     assert info.model == "fake:fake" and info.vocab_size == 259 and info.placement == "shared"
     assert (info.enter_threshold, info.exit_threshold, info.max_prompt_tokens) == (2, 4, 64)
     assert info.spec_ready and info.batch_ready
+    assert info.paths_share_hardware  # auto: both engines on this one Ray node, no GPUs
     assert info.min_alpha == pytest.approx(0.5) and not info.min_alpha_auto
     # min_alpha "auto" (the default, app moe): the threshold in force is reported as a number
     moe = Client(addr, "moe")

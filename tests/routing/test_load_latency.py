@@ -1,6 +1,11 @@
 import pytest
 
-from cluster.routing.load_latency import InFlightMeter, LatencyFit, LoadLatencyModel, queued_latency
+from cluster.routing.load_latency import (InFlightMeter, LatencyFit, LoadLatencyModel, Served,
+                                          queued_latency)
+
+
+def own(seen: Served) -> tuple[float, float]:
+    return seen.running, seen.service_s
 
 
 def test_fit_recovers_a_line_and_extrapolates():
@@ -90,17 +95,17 @@ def test_meter_charges_a_request_the_requests_it_ran_beside():
     others = [m.enter("plain") for _ in range(15)]
     assert m.count("plain") == 16 and m.count("spec") == 0
     clock.t += 3.0
-    assert m.served(first) == pytest.approx(((1 * 1.0 + 16 * 3.0) / 4.0, 4.0))
-    assert m.served(others[-1]) == pytest.approx((16.0, 3.0))
+    assert own(m.served(first)) == pytest.approx(((1 * 1.0 + 16 * 3.0) / 4.0, 4.0))
+    assert own(m.served(others[-1])) == pytest.approx((16.0, 3.0))
     m.leave(first)
     for mark in others[:-1]:
         m.leave(mark)
     clock.t += 2.0  # the last one finishes alone
-    assert m.served(others[-1]) == pytest.approx(((16 * 3.0 + 1 * 2.0) / 5.0, 5.0))
+    assert own(m.served(others[-1])) == pytest.approx(((16 * 3.0 + 1 * 2.0) / 5.0, 5.0))
     m.leave(others[-1])
     assert m.count("plain") == 0
     instant = m.enter("spec")  # no time passed: the count itself
-    assert m.served(instant) == (1.0, 0.0)
+    assert own(m.served(instant)) == (1.0, 0.0)
 
 
 def test_meter_takes_the_queue_wait_out_beyond_capacity():
@@ -112,6 +117,68 @@ def test_meter_takes_the_queue_wait_out_beyond_capacity():
     for mark in batch[:3]:
         m.leave(mark)
     clock.t += 1.0
-    assert m.served(late, queue_s=2.0) == pytest.approx((2.0, 1.0))
-    assert m.served(batch[3]) == pytest.approx(((4 * 2.0 + 2 * 1.0) / 3.0, 3.0))  # min(5, 4) = 4 first
-    assert m.served(late, queue_s=99.0) == (2.0, 0.0)  # queue clipped to its life: no service seen
+    assert own(m.served(late, queue_s=2.0)) == pytest.approx((2.0, 1.0))
+    assert own(m.served(batch[3])) == pytest.approx(((4 * 2.0 + 2 * 1.0) / 3.0, 3.0))  # min(5, 4) = 4 first
+    assert own(m.served(late, queue_s=99.0)) == (2.0, 0.0)  # queue clipped to its life: no service seen
+
+
+def test_meter_counts_the_other_paths_running_beside():
+    clock = _Clock()
+    m = InFlightMeter({"spec": 4, "plain": 8}, clock=clock)
+    mark = m.enter("spec")
+    plain = [m.enter("plain") for _ in range(3)]  # 3 plain for 2 s, then 1 for 2 s
+    clock.t += 2.0
+    for p in plain[:2]:
+        m.leave(p)
+    clock.t += 2.0
+    seen = m.served(mark)
+    assert (seen.running, seen.beside, seen.service_s) == pytest.approx((1.0, 2.0, 4.0))
+    lonely = m.enter("spec")  # nothing else ran beside it on other paths since it entered
+    m.leave(plain[2])
+    clock.t += 1.0
+    assert m.served(lonely).beside == pytest.approx(0.0)
+
+
+def _shared_truth(b: float, o: float) -> float:
+    return 0.01 + 0.02 * b + 0.03 * o  # seconds per token: own and other path's requests cost
+
+
+def test_shared_fit_separates_own_and_other_path_load():
+    fit = LatencyFit()
+    for b, o in [(1, 0), (2, 4), (4, 1), (6, 6), (3, 8), (8, 2), (5, 5), (1, 7)]:
+        fit.add(b, _shared_truth(b, o), decay=1.0, o=o)
+    assert fit.plane() == pytest.approx((0.01, 0.02, 0.03))
+    assert fit.predict(2, 3) == pytest.approx(_shared_truth(2, 3))
+
+
+def test_shared_fit_falls_back_to_total_load_when_not_separable():
+    fit = LatencyFit()
+    for b in (1, 2, 4, 6, 8):  # o always equals b: the data cannot tell the slopes apart
+        fit.add(b, 0.01 + 0.01 * (b + b), decay=1.0, o=b)
+    a, s, t = fit.plane()
+    assert (a, s, t) == pytest.approx((0.01, 0.01, 0.01))  # every running request alike
+    unshared = LatencyFit()
+    for b in (1, 2, 4):
+        unshared.add(b, 0.02 * b, decay=1.0)
+    assert unshared.plane()[2] == 0.0 and unshared.predict(3, 99) == pytest.approx(0.06)
+
+
+def test_shared_model_sees_what_a_per_path_model_misses():
+    """Equal engines on the same cores, the SpecEngine running 4 and the BatchEngine 0: joining
+    either path puts 5 requests on the cores. The shared model predicts both alike (within the
+    margin: no request is moved); a per-path model, which never sees the other path's load, credits
+    plain with the quiet it will not have and moves the request (rule 9's split that ran slower
+    than either path)."""
+    shared, per_path = LoadLatencyModel(decay=1.0), LoadLatencyModel(decay=1.0)
+    truth = lambda b, o: 0.01 * (b + o)  # noqa: E731 — one pool of work on shared cores
+    for path, loads in (("spec", [(1, 0), (2, 1), (4, 0), (5, 2), (3, 3), (6, 1), (2, 4), (4, 4)]),
+                        ("plain", [(1, 4), (2, 5), (1, 6), (3, 4), (2, 2), (4, 5), (1, 1), (3, 6)])):
+        for b, o in loads:
+            shared.observe(path, "chat", b, truth(b, o) * 10, 10, beside=o)
+            per_path.observe(path, "chat", b, truth(b, o) * 10, 10)
+    spec, plain = ("spec", 5, 8, 0), ("plain", 1, 8, 4)  # joining each: own count + 1, the other's beside
+    assert shared.predict("spec", "chat", 5, 8) == pytest.approx(truth(5, 0))
+    assert shared.predict("plain", "chat", 1, 8, beside=4) == pytest.approx(truth(1, 4))
+    assert shared.faster("chat", plain, spec, 8, margin=0.05) is False
+    assert shared.faster("chat", spec, plain, 8, margin=0.05) is False
+    assert per_path.faster("chat", plain, spec, 8, margin=0.05) is True

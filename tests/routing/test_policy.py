@@ -306,3 +306,24 @@ def test_measured_plain_faster_margin_off_switch_and_alpha_probes():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError):
             RouterConfig(plain_faster_margin=bad)
+
+
+def test_paths_sharing_hardware_count_each_others_load():
+    """Both engines on the same cores, each request's time one pool of work: 0.01 s per token per
+    request running on either path. With the SpecEngine at 3 and the BatchEngine idle, plain is no
+    faster (4 requests on the cores either way): the shared view keeps the request speculative."""
+    chat = RequestFeatures(segment="chat")
+    p = RouterPolicy(RouterConfig(enter_threshold=4, exit_threshold=6, overflow_min_samples=8, probe_every=0))
+    for b in range(1, 9):
+        for o in (0, 2, 5):
+            p.observe(SPEC, "chat", b, service_s=0.01 * (b + o) * 32, tokens=32, beside=o)
+            p.observe(PLAIN, "chat", b, service_s=0.01 * (b + o) * 32, tokens=32, beside=o)
+    shared = EngineView(spec_in_flight=3, plain_in_flight=0, spec_capacity=8, plain_capacity=16, paths_shared=True)
+    assert shared.joining(PLAIN) == (PLAIN, 1, 16, 3) and shared.joining(SPEC) == (SPEC, 4, 8, 0)
+    assert p.decide(chat, shared).path is SPEC
+    # told the paths do not share (each has its own hardware), plain at 1 running is faster
+    apart = EngineView(spec_in_flight=3, plain_in_flight=0, spec_capacity=8, plain_capacity=16)
+    assert apart.joining(PLAIN) == (PLAIN, 1, 16, 0)
+    assert p.decide(chat, apart).reason is RouteReason.MEASURED_PLAIN_FASTER
+    with pytest.raises(ValueError, match="paths_share_hardware"):
+        RouterConfig(paths_share_hardware="sometimes")
