@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,serve}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,serve,mapped}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` and exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this module only wires them up."""
@@ -10,6 +10,7 @@ BENCHES = {
     "decode": "batch-1 latency vs Hugging Face and the bandwidth floor, verify cost, throughput",
     "spec": "acceptance and speedup per workload segment and drafter, vs Hugging Face",
     "serve": "the gRPC front door: fixed-spec, fixed-plain and routed policies per concurrency",
+    "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
 }
 
 
