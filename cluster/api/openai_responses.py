@@ -44,7 +44,8 @@ def spec_dict(spec: SpecStats | None) -> dict | None:
     if spec is None:
         return None
     return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
-            "acceptance_rate": spec.acceptance_rate, "mean_acceptance_length": spec.mean_acceptance_length}
+            "rejections": spec.rejections, "alpha": spec.alpha, "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length}
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:

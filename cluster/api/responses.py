@@ -27,7 +27,7 @@ def spec_pb(spec: SpecStats | None):
     if spec is None:
         return pb2.SpecStats()
     return pb2.SpecStats(drafts=spec.drafts, draft_tokens=spec.draft_tokens,
-                         accepted_tokens=spec.accepted_tokens,
+                         accepted_tokens=spec.accepted_tokens, rejections=spec.rejections, alpha=spec.alpha,
                          acceptance_rate=spec.acceptance_rate,
                          mean_acceptance_length=spec.mean_acceptance_length)
 

@@ -14,10 +14,13 @@ speedup = median over prompts of plain wall-clock / spec wall-clock (whole reque
 included). Costs are relative to t, the median wall time of one plain decode step (same segment):
 c = draft time per draft round / t, v = (verification step wall time - its draft time) / t
 (median over verification steps; the engine's bookkeeping and rejection sampling are in v).
-predicted_speedup = (1-α^(K+1)) / ((1-α)(K·c + v)) with K the mean draft tokens per verification
-step; when some decode steps of the spec run drafted nothing (ngram found no match, auto chose 0)
-they count as plain steps: (n_v·E(α,K) + n_p) / (n_v·(K·c + v) + n_p), which is the formula
-itself when n_p = 0.
+α is the per-position acceptance probability, accepted / (accepted + rejections)
+(``cluster.speculative.acceptance``) — the unit of the formula; ``acceptance_rate`` (accepted /
+drafted, biased low) is reported beside it but predicts nothing. predicted_speedup =
+E(α,K) / (K·c + v) with E(α,K) = (1-α^(K+1)) / (1-α), summed over the run's verification steps
+by their K (n_K steps drafted K tokens); decode steps of the spec run that drafted nothing
+(ngram found no match, auto chose 0) count as plain steps (n_p):
+(Σ_K n_K·E(α,K) + n_p) / (Σ_K n_K·(K·c + v) + n_p) — ``predicted_speedup``.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.commands.common import read_prompt_rows
+from cluster.speculative.acceptance import expected_committed
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
@@ -73,9 +77,19 @@ class Run:
     round_costs: list[float] = field(default_factory=list)  # draft seconds per round, per step
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    rejections: int = 0
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # SpecStats' counters
     drafted_per_position: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)  # k_chosen[K]: verification steps with K drafts
+
+    def take_counters(self, spec) -> None:
+        """The request's speculation counters (its final ``SpecStats``)."""
+        self.draft_tokens, self.accepted_tokens, self.drafts = spec.draft_tokens, spec.accepted_tokens, spec.drafts
+        self.rejections = spec.rejections
+        self.accepted_per_position = list(spec.accepted_per_position)
+        self.drafted_per_position = list(spec.drafted_per_position)
+        self.k_chosen = list(spec.k_chosen)
 
 
 def _timing(engine):
@@ -111,9 +125,7 @@ def run_ours(engine, request) -> Run:
         else:
             run.decode_steps.append(w - (k[0] if k else 0.0))
     if spec is not None:
-        run.draft_tokens, run.accepted_tokens, run.drafts = spec.draft_tokens, spec.accepted_tokens, spec.drafts
-        run.accepted_per_position = list(spec.accepted_per_position)
-        run.drafted_per_position = list(spec.drafted_per_position)
+        run.take_counters(spec)
     return run
 
 
@@ -148,12 +160,31 @@ def _request(rid: str, ids: list[int], max_tokens: int, segment: str):
     return GenerationRequest(rid, list(ids), SamplingParams(max_tokens=max_tokens), segment=segment)
 
 
-def expected_committed(alpha: float, k: float) -> float:
-    if k <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def alpha_of(runs: list[Run]) -> float:
+    """Per-position α of the runs together: accepted / (accepted + rejections); 0 without drafts."""
+    accepted = sum(r.accepted_tokens for r in runs)
+    trials = accepted + sum(r.rejections for r in runs)
+    return accepted / trials if trials else 0.0
+
+
+def steps_by_k(runs: list[Run]) -> list[int]:
+    """[K] verification steps that drafted K tokens, over the runs together."""
+    out: list[int] = []
+    for r in runs:
+        for k, n in enumerate(r.k_chosen):
+            while len(out) <= k:
+                out.append(0)
+            out[k] += n
+    return out
+
+
+def predicted_speedup(alpha: float, steps: list[int], c: float, v: float, plain_steps: int = 0) -> float:
+    """Speedup over plain decoding the cost model predicts from per-position ``alpha``: steps[K]
+    verification steps drafted K tokens, each committing E(α, K) tokens at K·c + v plain-step
+    times; ``plain_steps`` decode steps drafted nothing (1 token, 1 plain-step time each)."""
+    tokens = plain_steps + sum(n * expected_committed(alpha, k) for k, n in enumerate(steps) if k > 0)
+    cost = plain_steps + sum(n * (k * c + v) for k, n in enumerate(steps) if k > 0)
+    return tokens / cost if cost > 0 else 1.0
 
 
 def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_tokens: int = 32,
@@ -172,12 +203,11 @@ def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_to
     for L in [c for c in candidates if c < n]:
         eng = _engine(target, SpecConfig(drafter=f"self:{L}", num_spec_tokens=k))
         runs = [run_ours(eng, _request(f"cal-{L}-{i}", ids, max_tokens, seg)) for i, (seg, ids) in enumerate(rows)]
-        drafted = sum(r.draft_tokens for r in runs)
-        alpha = sum(r.accepted_tokens for r in runs) / max(drafted, 1)
+        alpha = alpha_of(runs)
         c = statistics.median([x for r in runs for x in r.round_costs] or [0.0]) / t
         v = statistics.median([x for r in runs for x in r.verify_steps] or [t]) / t
-        pred = expected_committed(alpha, k) / (k * c + v)
-        found[L] = {"acceptance_rate": round(alpha, 4), "c": round(c, 4), "v": round(v, 4), "predicted_speedup": round(pred, 4)}
+        pred = predicted_speedup(alpha, [0] * k + [1], c, v)  # a step at the fixed K
+        found[L] = {"alpha": round(alpha, 4), "c": round(c, 4), "v": round(v, 4), "predicted_speedup": round(pred, 4)}
     best = max(found, key=lambda L: found[L]["predicted_speedup"])
     return best, found
 
@@ -197,21 +227,19 @@ def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None,
     t = _med([x for r in plain for x in r.decode_steps])
     drafted = sum(r.draft_tokens for r in spec)
     drafts = sum(r.drafts for r in spec)
-    alpha = sum(r.accepted_tokens for r in spec) / drafted if drafted else 0.0
+    alpha = alpha_of(spec)
     mal = (sum(r.accepted_tokens for r in spec) + drafts) / drafts if drafts else 1.0
     k_mean = drafted / drafts if drafts else 0.0
     c = _med([x for r in spec for x in r.round_costs])
     v = _med([x for r in spec for x in r.verify_steps])
     c = (c / t) if (c is not None and t) else 0.0
     v = (v / t) if (v is not None and t) else 1.0
-    n_v = sum(len(r.verify_steps) for r in spec)
-    n_p = sum(len(r.decode_steps) for r in spec)
-    denom = n_v * (k_mean * c + v) + n_p
-    predicted = (n_v * expected_committed(alpha, k_mean) + n_p) / denom if denom > 0 else 1.0
+    predicted = predicted_speedup(alpha, steps_by_k(spec), c, v, sum(len(r.decode_steps) for r in spec))
     row = {
         "k": k_label,
         "k_mean": _r(k_mean, 3),
-        "acceptance_rate": _r(alpha),
+        "alpha": _r(alpha),
+        "acceptance_rate": _r(sum(r.accepted_tokens for r in spec) / drafted if drafted else 0.0),
         "mean_acceptance_length": _r(mal),
         "speedup": _r(_med([p.wall_s / s.wall_s for p, s in zip(plain, spec)])),
         "predicted_speedup": _r(predicted),
@@ -426,7 +454,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{seg:<13}{'plain':<16}" + f"{'':>10}" * 7 + f"{f(p['ms_per_token'], 1):>10}" + f"{'':>10}"
                      + f"{f(p['hf_ms_per_token'], 1):>10}")
         for name, r in rows.items():
-            vals = (r["acceptance_rate"], r["mean_acceptance_length"], r["k"] if r["k"] != "auto" else f"a{f(r['k_mean'], 1)}",
+            vals = (r["alpha"], r["mean_acceptance_length"], r["k"] if r["k"] != "auto" else f"a{f(r['k_mean'], 1)}",
                     r["c"], r["v"], r["speedup"], r["predicted_speedup"], r["ms_per_token"], r["hf_speedup"],
                     r["hf_ms_per_token"], r["vs_hf"])
             lines.append(f"{'':<13}{name:<16}" + "".join(f"{f(v) if not isinstance(v, str) else v:>10}" for v in vals))

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         s = result.spec
         print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "
               f"tokens={result.usage.completion_tokens} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
-              f"acceptance={s.acceptance_rate:.2f} mean_accept_len={s.mean_acceptance_length:.2f}]",
+              f"alpha={s.alpha:.2f} acceptance_rate={s.acceptance_rate:.2f} "
+              f"mean_accept_len={s.mean_acceptance_length:.2f}]",
               file=sys.stderr)
     return 0

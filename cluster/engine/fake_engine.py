@@ -7,7 +7,10 @@ watch it), readiness after a configurable start delay, and speculation counters 
 With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propose``/``release``
 each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,
 finishes the step without speculation (counting ``draft_fallbacks``) like the real engine.
-Without one but with ``config.spec`` it simulates acceptance from ``alpha_by_segment``.
+Without one but with ``config.spec`` it simulates acceptance from ``acceptance_rate_by_segment``:
+each verification step accepts round(rate·K) of its K drafts (deterministic; the per-position α
+this gives is accepted / (accepted + rejections), e.g. 1 of 4 every step: acceptance_rate 0.25,
+α 0.5 — ``cluster.speculative.acceptance``).
 Failure injection for service tests: a prompt containing ``FAIL_MARKER`` finishes that request
 alone with ``FinishReason.ERROR`` and an ``error`` message after its first tokens (as the real
 engine does when one sequence's step fails); one containing ``CRASH_MARKER`` raises an exception
@@ -42,15 +45,15 @@ HOLD_LIMIT_S = 120.0  # a held request finishes by itself after this long
 
 class FakeEngine:
     def __init__(self, config: EngineConfig, proposer=None, *, token_delay_s: float = 0.002,
-                 start_delay_s: float = 0.0, alpha_by_segment: dict[str, float] | None = None,
-                 default_alpha: float = 0.75, moe: bool = False, vocab_size: int = 259,
+                 start_delay_s: float = 0.0, acceptance_rate_by_segment: dict[str, float] | None = None,
+                 default_acceptance_rate: float = 0.75, moe: bool = False, vocab_size: int = 259,
                  max_model_len: int = 2048) -> None:
         self.config = config
         self.proposer = proposer
         self.token_delay_s = token_delay_s
         self.start_delay_s = start_delay_s
-        self.alpha_by_segment = dict(alpha_by_segment or {})
-        self.default_alpha = default_alpha
+        self.acceptance_rate_by_segment = dict(acceptance_rate_by_segment or {})
+        self.default_acceptance_rate = default_acceptance_rate
         self.moe = moe
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -182,9 +185,9 @@ class FakeEngine:
         if not self.spec_enabled or req.mode.value == "plain":
             return [target(pos)]
         k = self._k()
-        if self.proposer is None:  # simulated acceptance: α of the segment, deterministic
-            alpha = self.alpha_by_segment.get(req.segment, self.default_alpha)
-            accepted = min(k, int(alpha * k + 0.5))
+        if self.proposer is None:  # simulated acceptance: the segment's accepted share, deterministic
+            rate = self.acceptance_rate_by_segment.get(req.segment, self.default_acceptance_rate)
+            accepted = min(k, int(rate * k + 0.5))
             stats.record(k, accepted)
             return [target(pos + i) for i in range(accepted + 1)]
         from cluster.kvsync.client import DraftUnavailableError

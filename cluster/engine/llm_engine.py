@@ -1,5 +1,5 @@
-"""Synchronous engine: one ``step()`` = schedule -> propose -> forward -> sample/verify ->
-commit -> emit.
+"""Synchronous engine: one ``step()`` = schedule -> propose -> forward -> verify -> commit -> emit,
+the loop of arXiv 2211.17192 over a continuous batch, each phase a method of a few lines.
 
 Owns: request admission and validation against the model's limits, the step loop body, turning
 committed tokens into ``RequestOutput`` deltas, aborts, and engine statistics. A request is a unit
@@ -10,8 +10,10 @@ forward pass that raises fails the sequences it carried (``cluster.engine.faults
 request (json_schema / regex) gets its grammar matcher at admission (``cluster.engine.grammar``,
 compiled on the step thread) and samples under its mask on the plain path; a matcher error is
 that sequence's fault. Speculation is
-delegated to a ``SpecController`` (``cluster.speculative.controller``) when configured; without one
-every sequence decodes plainly. Ignores: threads and asyncio (``cluster.engine.async_engine``).
+delegated to a ``SpecController`` (``cluster.speculative.controller``) when configured — it owns
+K, the drafts (one ``StepDrafts`` from propose to verify), verification and the per-segment
+speculation statistics (α); without one every sequence decodes plainly. Ignores: threads and
+asyncio (``cluster.engine.async_engine``).
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer
+from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
 from cluster.engine.grammar import GrammarCompiler, apply_masks
 from cluster.engine.protocol import EngineStats
 from cluster.engine.request import (
     FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
-    SpecStats,
 )
 from cluster.engine.runner import SeqChunk
 from cluster.engine.sampler import sample
@@ -59,8 +61,16 @@ class LoadedModel:
                            self.hf_config, self.dtype)
 
 
+@dataclass(slots=True, frozen=True)
+class TargetPass:
+    """One target forward over every scheduled chunk and its drafts."""
+
+    logits: torch.Tensor  # [sum(K_i + 1), V]: the sampling sequences' rows, in batch order
+    seconds: float
+    num_tokens: int  # tokens fed (prefill chunks + new tokens + drafts)
+
+
 log = logging.getLogger(__name__)
-RECENT_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half
 
 
 class LLMEngine:
@@ -78,9 +88,6 @@ class LLMEngine:
         )
         self.seqs: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
-        self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per segment
-        # per segment [accepted, drafted], exponentially decayed: the router's "live" α
-        self._recent_alpha: dict[str, list[float]] = {}
 
     # -- admission ----------------------------------------------------------------------------
     @property
@@ -125,23 +132,17 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self._schedule()
-        if not scheduled:
+        batch = self._schedule()  # 1. which sequences run, with K lookahead slots each
+        if not batch:
             return []
-        drafts = self.spec.propose(scheduled) if self.spec is not None else {}
-        sampling = [s for s in scheduled if s.samples]
+        drafts = self._propose(batch)  # 2. K_i draft tokens per speculating sequence
         try:
-            logits, forward_s, num_tokens = self._forward(scheduled, drafts)  # [sum num_logits, V]
+            target = self._forward(batch, drafts)  # 3. one target pass over chunks + drafts
         except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
-            return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message)
-                    for s in scheduled]
-        if drafts:
-            verdicts = self.spec.verify(logits, sampling, drafts, forward_s, num_tokens)
-        else:
-            verdicts = self._sample(logits, sampling)
-            if self.spec is not None:
-                self.spec.observe_plain_step(forward_s, num_tokens)
-        return self._commit(scheduled, verdicts, drafts)
+            return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message) for s in batch]
+        verdicts = self._verify(batch, drafts, target)  # 4. accepted prefix + recovered/bonus token
+        self._commit(batch, drafts, verdicts)  # 5. advance KV and tokens
+        return self._emit(batch)  # 6. deltas and finished outputs
 
     def _schedule(self) -> list[ScheduledSeq]:
         lookahead = (lambda seq: 0)
@@ -156,23 +157,36 @@ class LLMEngine:
                 s.seq.trace.admitted()
         return scheduled
 
-    def _forward(self, scheduled: list[ScheduledSeq], drafts) -> tuple[torch.Tensor, float, int]:
-        """One target pass over every scheduled chunk (+ its drafts) -> (logits of the sampling
-        rows [sum(K_i + 1), V], seconds, tokens fed)."""
+    def _propose(self, batch: list[ScheduledSeq]) -> StepDrafts:
+        return self.spec.propose(batch) if self.spec is not None else StepDrafts()
+
+    def _forward(self, batch: list[ScheduledSeq], drafts: StepDrafts) -> TargetPass:
+        """Each chunk feeds its new tokens + its drafts and asks for K_i + 1 logits rows when it
+        samples (0 for a prefill chunk that samples nothing yet)."""
         chunks = []
-        for s in scheduled:
+        for s in batch:
             seq = s.seq
             new = seq.token_ids[seq.num_cached : seq.num_cached + s.num_new_tokens]
-            d = drafts[seq.seq_id][0] if seq.seq_id in drafts else []
+            d = drafts.token_ids(seq.seq_id)
             chunks.append(SeqChunk(seq.seq_id, new + d, seq.num_cached, len(d) + 1 if s.samples else 0))
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks)
-        return logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks)
+        logits = self.runner.forward(chunks)  # [sum(K_i + 1), V]
+        return TargetPass(logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks))
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[tuple[list[int], int] | SeqFault]:
+    def _verify(self, batch: list[ScheduledSeq], drafts: StepDrafts, target: TargetPass) -> list[Verdict | SeqFault]:
+        """Per sampling sequence (batch order) its committed tokens and accepted count, or its fault."""
+        sampling = [s for s in batch if s.samples]
+        if drafts:
+            return self.spec.verify(target.logits, sampling, drafts, target.seconds, target.num_tokens)
+        verdicts = self._sample(target.logits, sampling)
+        if self.spec is not None:
+            self.spec.observe_plain_step(target.seconds, target.num_tokens)
+        return verdicts
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[Verdict | SeqFault]:
         """Plain step: one token per sampling sequence (logits [len(sampling), V]); a constrained
         sequence samples under its grammar's mask (a matcher error fails that sequence alone)."""
-        def run(rows: list[int]) -> list[tuple[list[int], int]]:
+        def run(rows: list[int]) -> list[Verdict]:
             seqs = [sampling[r].seq for r in rows]
             rows_logits = logits[rows]  # [len(rows), V]
             masked = [i for i, q in enumerate(seqs) if q.grammar is not None]
@@ -185,44 +199,43 @@ class LLMEngine:
 
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])
 
-    def _commit(self, scheduled: list[ScheduledSeq], verdicts: list, drafts) -> list[RequestOutput]:
-        """Advance every scheduled sequence by what it committed this step; emit deltas."""
-        outputs: list[RequestOutput] = []
+    def _commit(self, batch: list[ScheduledSeq], drafts: StepDrafts, verdicts: list[Verdict | SeqFault]) -> None:
+        """Advance every scheduled sequence by what it committed; a fault (its verdict, or its
+        detokenizer / stop check here) fails that sequence alone."""
         verdict = iter(verdicts)
-        for s in scheduled:
-            seq = s.seq
+        for s in batch:
             if not s.samples:  # a prefill chunk that samples nothing yet
-                seq.num_cached += s.num_new_tokens
+                s.seq.num_cached += s.num_new_tokens
                 continue
             v = next(verdict)
             if isinstance(v, SeqFault):
-                outputs.append(self.fail(seq, v.message))
+                s.seq.fail(v.message)
                 continue
             try:
-                self._commit_one(s, v, drafts)
+                self._commit_one(s, v, drafts.get(s.seq.seq_id))
             except Exception as exc:  # noqa: BLE001 (its detokenizer / stop check: its own fault)
-                outputs.append(self.fail(seq, fault(FaultStage.COMMIT, exc, seq.seq_id).message))
-                continue
-            if seq.finished:
-                outputs.append(self._retire(seq))
-            elif seq.pending_ids or seq.pending_text:
-                outputs.append(self._delta(seq))
-        return outputs
+                s.seq.fail(fault(FaultStage.COMMIT, exc, s.seq.seq_id).message)
 
-    def _commit_one(self, s: ScheduledSeq, verdict: tuple[list[int], int], drafts) -> None:
+    def _commit_one(self, s: ScheduledSeq, verdict: Verdict, draft: SeqDraft | None) -> None:
         seq = s.seq
         committed, accepted = verdict
         seq.num_cached += s.num_new_tokens + accepted
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
-        if seq.seq_id in drafts:
-            k = len(drafts[seq.seq_id][0])
-            forced = getattr(self.spec, "forced", {}).get(seq.seq_id, 0)  # jump-forward tokens
-            seq.spec.record(k, accepted, forced)
-            seq.trace.step(k, accepted)
-            self.segment_stats.setdefault(seq.request.segment, SpecStats()).record(k, accepted, forced)
-            self._observe_recent(seq.request.segment, k, accepted)
+        if draft is not None:
+            seq.spec.record(draft.k, accepted, draft.num_forced)
+            seq.trace.step(draft.k, accepted)
         seq.append_committed(committed)
         seq.trace.prefill_done()  # idempotent: marks the first token only
+
+    def _emit(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
+        """A finished sequence's last output (it is retired), else its delta if it has one."""
+        outputs: list[RequestOutput] = []
+        for s in batch:
+            if s.seq.finished:
+                outputs.append(self._retire(s.seq))
+            elif s.seq.pending_ids or s.seq.pending_text:
+                outputs.append(self._delta(s.seq))
+        return outputs
 
     def fail(self, seq: Sequence, message: str) -> RequestOutput:
         """Finish one sequence with FinishReason.ERROR and ``message`` (its KV freed)."""
@@ -257,14 +270,6 @@ class LLMEngine:
         seq.trace.finish(seq.finish_reason, seq.num_output, seq.prompt_len)  # spans built off-thread
         return out
 
-    def _observe_recent(self, segment: str, k: int, num_accepted: int) -> None:
-        if k == 0:
-            return
-        w = self._recent_alpha.setdefault(segment, [0.0, 0.0])
-        decay = 0.5 ** (k / RECENT_ALPHA_HALF_LIFE)
-        w[0] = w[0] * decay + num_accepted
-        w[1] = w[1] * decay + k
-
     def _on_preempt(self, seq: Sequence) -> None:
         seq.trace.preempted()
         self._release_draft(seq)
@@ -285,11 +290,7 @@ class LLMEngine:
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            spec_by_segment={k: v.to_dict() for k, v in self.segment_stats.items()},
         )
-        for seg, (acc, drafted) in self._recent_alpha.items():
-            st.spec_by_segment[seg]["recent_acceptance_rate"] = round(acc / drafted, 4) if drafted else 0.0
-            st.spec_by_segment[seg]["recent_draft_tokens"] = int(drafted)
         if self.spec is not None:
             self.spec.fill_stats(st)
         return st

@@ -108,7 +108,11 @@ class SpecStats:
 
     drafts: verification steps that carried at least one draft token.
     draft_tokens: tokens proposed by the drafter. accepted_tokens: draft tokens the target kept.
-    acceptance_rate α = accepted_tokens / draft_tokens.
+    rejections: verification steps that rejected a draft token (accepted < K).
+    alpha α = accepted_tokens / (accepted_tokens + rejections): the per-position acceptance
+    probability, the unit of the cost model and of every gate (``cluster.speculative.acceptance``).
+    acceptance_rate = accepted_tokens / draft_tokens: the share of drafted tokens kept
+    (descriptive; biased low as an estimate of α).
     mean_acceptance_length = tokens committed per verification step (accepted + the one
     recovered or bonus token) = (accepted_tokens + drafts) / drafts.
     """
@@ -116,6 +120,7 @@ class SpecStats:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    rejections: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     k_chosen: list[int] = field(default_factory=list)  # histogram: k_chosen[k] = steps with K=k
@@ -134,6 +139,7 @@ class SpecStats:
         self.drafts += 1
         self.draft_tokens += k
         self.accepted_tokens += num_accepted
+        self.rejections += 1 if num_accepted < k else 0
         while len(self.drafted_per_position) < k:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
@@ -146,6 +152,7 @@ class SpecStats:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
+        self.rejections += other.rejections
         self.forced_tokens += other.forced_tokens
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.drafted_per_position, other.drafted_per_position),
@@ -154,6 +161,11 @@ class SpecStats:
                 mine.append(0)
             for i, v in enumerate(theirs):
                 mine[i] += v
+
+    @property
+    def alpha(self) -> float:
+        trials = self.accepted_tokens + self.rejections
+        return self.accepted_tokens / trials if trials else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -168,6 +180,8 @@ class SpecStats:
             "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "rejections": self.rejections,
+            "alpha": self.alpha,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import statistics
 
-from cluster.bench.spec import expected_committed
 from cluster.mapper.cost_model import GRID, CostModel, PathShape, fit, r_squared
 from cluster.mapper.crossover import bootstrap_crossover
+from cluster.speculative.acceptance import expected_committed
 
 ALPHA_FLOOR_MARGIN = 0.02  # min_alpha this far below the α of the weakest segment that gains
 EXTRAPOLATE_LEVELS = 2.0  # router thresholds trust the cost model up to 2x the highest level run
@@ -80,7 +80,7 @@ def decide(state: dict, app) -> dict:
         if drafters:
             best = max(drafters, key=lambda n: (drafters[n]["speedup"] or 0.0, drafters[n]["predicted_speedup"] or 0.0))
             row = drafters[best]
-            d.update(best_drafter=best, best_k=row["best_k"], alpha=row["acceptance_rate"],
+            d.update(best_drafter=best, best_k=row["best_k"], alpha=row["alpha"],
                      speedup_c1=row["speedup"], predicted_speedup_c1=row["predicted_speedup"])
             served = drafters.get(app.drafter) or row  # the drafter the swept service ran
             shapes[seg] = PathShape(cap_spec, (served["k_mean"] or 0.0) + 1.0,

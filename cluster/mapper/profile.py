@@ -122,9 +122,7 @@ class _ProtocolEngines:
             else:
                 run.verify_steps = steps
             if spec is not None:
-                run.draft_tokens, run.accepted_tokens, run.drafts = spec.draft_tokens, spec.accepted_tokens, spec.drafts
-                run.accepted_per_position = list(spec.accepted_per_position)
-                run.drafted_per_position = list(spec.drafted_per_position)
+                run.take_counters(spec)
             return run
 
         return self.loop.run_until_complete(go())

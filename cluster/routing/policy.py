@@ -2,6 +2,8 @@
 
 Owns: the decision rules of DESIGN.md (mode overrides, MoE gate, live α per
 segment against break-even, in-flight hysteresis on the SpecEngine) and the hysteresis state.
+α is per position everywhere here — the live α, ``min_alpha`` and the SpecEngine's break-even α
+(``cluster.speculative.acceptance``) — so the gate compares like with like.
 Ignores: where in-flight counts and α come from (the Router deployment feeds them) and how a
 request travels (Ray handles, gRPC).
 
@@ -24,8 +26,9 @@ Rule order (first match wins):
    (with at least ``min_alpha_samples`` draft tokens measured) -> plain (BELOW_BREAK_EVEN) —
    except every ``probe_every``-th such request, which goes through the hysteresis rule as a
    probe (PROBE_BELOW_BREAK_EVEN when it speculates), so that the segment's α keeps being
-   measured and a segment that improves comes back. Live α
-   is the engine's recent (decayed) estimate, not a lifetime average.
+   measured and a segment that improves comes back. A segment exactly at ``min_alpha`` is not
+   below it: it goes on to rule 7. Live α is the SpecEngine's recent (decayed) per-position
+   estimate (``live_alpha`` in its stats), not a lifetime average.
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
@@ -117,7 +120,7 @@ def _check_router_knobs(enter: int, exit_: int, min_alpha, where: str) -> None:
 class RouterConfig:
     """enter_threshold: route to spec again once its in-flight count is below this.
     exit_threshold: leave spec once its in-flight count reaches this (> enter_threshold: the gap is
-    the hysteresis band). min_alpha: a segment whose live acceptance rate is below this goes plain;
+    the hysteresis band). min_alpha: a segment whose live α (per position) is below this goes plain;
     "auto" takes the break-even α the SpecEngine derives from its measured draft and verification
     costs (with a cheap verification it is far below the seed's rule of thumb of 0.5, which is
     the fallback while the engine reports none). min_alpha_samples: draft tokens a
@@ -197,9 +200,9 @@ class EngineView:
     moe: bool = False
     moe_gate_open: bool = True  # for every segment (dense target, or validated as a whole)
     moe_open_segments: frozenset[str] = frozenset()  # MoE segments the SpecEngine opened live
-    # segment -> (acceptance rate α, draft tokens measured)
+    # segment -> (live α per position, draft tokens measured)
     alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
-    break_even_alpha: float | None = None  # from the SpecEngine's measured step costs
+    break_even_alpha: float | None = None  # per position, from the SpecEngine's measured step costs
     plain_in_flight: int = 0
     # sequences each side runs at once (max_num_seqs x replicas); None: unknown, no balancing
     spec_capacity: int | None = None
@@ -230,9 +233,10 @@ class EngineView:
 
     @classmethod
     def from_spec_by_segment(cls, spec_by_segment: dict[str, dict], **kw) -> "EngineView":
-        # prefer the engine's recent (decayed) estimate; fall back to lifetime counters
-        rows = tuple((seg, float(d.get("recent_acceptance_rate", d.get("acceptance_rate", 0.0))),
-                      int(d.get("recent_draft_tokens", d.get("draft_tokens", 0))))
+        # the engine's live (decayed) α, else its lifetime one: both per position, never the
+        # accepted / drafted acceptance_rate (a different unit from the break-even α)
+        rows = tuple((seg, float(d.get("live_alpha", d.get("alpha", 0.0))),
+                      int(d.get("live_draft_tokens", d.get("draft_tokens", 0))))
                      for seg, d in sorted(spec_by_segment.items()))
         opened = frozenset(seg for seg, d in spec_by_segment.items() if d.get("moe_gate_open"))
         return cls(alpha_by_segment=rows, moe_open_segments=opened, **kw)

@@ -5,7 +5,10 @@ Vocabulary (arXiv 2211.17192), used everywhere: the drafter proposes K *draft to
 verifies all K+1 positions in one forward pass; the longest agreeing prefix are the *accepted
 tokens*; then one more token comes from the target: the *recovered token* (sampled from the
 residual at the first rejection) or, when all K were accepted, the *bonus token*. The *committed
-length* is the number of tokens (prompt + output) both target and draft KV agree on. The
-*acceptance rate* α = accepted / drafted; the *mean acceptance length* = tokens committed per
+length* is the number of tokens (prompt + output) both target and draft KV agree on. *α* is the
+per-position acceptance probability, estimated as accepted / (accepted + rejections) — a
+*rejection* is a verification step that rejected one of its drafts — the unit of the cost model
+and of every gate; the *acceptance rate* = accepted / drafted is a different, lower number
+(``cluster.speculative.acceptance``). The *mean acceptance length* = tokens committed per
 verification step (accepted + 1).
 """

@@ -1,124 +1,24 @@
 """Adaptive K: how many draft tokens each sequence should get this step (0 = decode plainly).
 
-Owns: the online acceptance estimate α per sequence and per traffic segment
-(``AcceptanceEstimator``), the online step-cost model (``StepCostModel``: draft cost per round,
+Owns: the online step-cost model (``StepCostModel``: draft cost per round,
 target forward time as a linear function of batch tokens), the choice of K for one sequence
 (``choose_k``) and for a whole batch (``AdaptiveK``), plus a deterministic exploration schedule
-so sequences parked at K=0 keep measuring α. Ignores: timing itself (the engine measures and calls
-``observe_*``), the router's segment policy, and fixed-K configurations.
+so sequences parked at K=0 keep measuring α. Ignores: how α is estimated
+(``cluster.speculative.acceptance``: ``AcceptanceEstimator``), timing itself (the engine measures
+and calls ``observe_*``), the router's segment policy, and fixed-K configurations.
 
 Model. α is the per-position probability that the target accepts a draft token (arXiv
 2211.17192), so a step with K drafts commits E(K) = (1 - α^(K+1)) / (1 - α) tokens on average
 (K + 1 when α = 1; 1 when K = 0). A step costs K draft rounds plus one target forward over every
-token in the batch. From a step with K drafts of which ``a`` were accepted we learn ``a``
-acceptances and, when a < K, one rejection (later positions were never tested) — counting
-accepted / drafted instead would bias α low.
+token in the batch. α here is always the per-position probability, never accepted / drafted
+(``cluster.speculative.acceptance`` says why the two differ).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-def expected_committed(alpha: float, k: int) -> float:
-    """Mean tokens committed by a step with k draft tokens at per-position acceptance alpha."""
-    alpha = min(max(alpha, 0.0), 1.0)
-    if k <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-@dataclass(slots=True)
-class _Counts:
-    accepted: float = 0.0  # exponentially weighted acceptances
-    rejected: float = 0.0  # exponentially weighted rejections
-
-    def add(self, decay: float, accepted: int, rejected: int) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.rejected = self.rejected * decay + rejected
-
-    @property
-    def trials(self) -> float:
-        return self.accepted + self.rejected
-
-
-CONTEXT_SEP = "|"  # "<segment or sequence id>|<draft context>", e.g. "chat|n2"
-
-
-def with_context(name: str, context: str) -> str:
-    """A segment (or sequence id) refined by a drafter's draft context: pools under the context."""
-    return f"{name}{CONTEXT_SEP}{context}"
-
-
-@dataclass(slots=True)
-class AcceptanceEstimator:
-    """Three levels, each shrunk towards the one above with pseudo trials:
-    - pooled: every segment of one draft context together (a segment key "chat|n2" pools under
-      "n2"; a plain segment name under "*"), ``prior_weight`` pseudo trials at ``prior_alpha`` —
-      so a new segment starts from what this drafter achieves elsewhere, not from a fixed guess
-      (a useless drafter stops wasting verification on every segment it meets);
-    - segment: its counts plus ``prior_weight`` pseudo trials at the pooled estimate;
-    - sequence: its counts plus ``seq_prior_weight`` pseudo trials at the segment estimate, so a
-      sequence dominates once it has several times that many trials.
-    Counts decay by ``decay`` per update (old behaviour fades; half-life ≈ 0.69 / (1 - decay))."""
-
-    prior_alpha: float = 0.6
-    prior_weight: float = 4.0
-    seq_prior_weight: float = 8.0
-    decay: float = 0.99
-    _segments: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
-    _seqs: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
-    _pools: dict[str, _Counts] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prior_alpha <= 1.0:
-            raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
-        if self.prior_weight <= 0 or self.seq_prior_weight <= 0:
-            raise ValueError("prior weights must be > 0")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-
-    def update(self, seq_id: str, segment: str, k: int, num_accepted: int) -> None:
-        if k <= 0:
-            return  # a plain step tests no draft token
-        if not 0 <= num_accepted <= k:
-            raise ValueError(f"num_accepted {num_accepted} outside [0, {k}]")
-        rejected = 1 if num_accepted < k else 0
-        self._segments.setdefault(segment, _Counts()).add(self.decay, num_accepted, rejected)
-        self._pools.setdefault(self.pool_of(segment), _Counts()).add(self.decay, num_accepted, rejected)
-        self._seqs.setdefault(seq_id, _Counts()).add(self.decay, num_accepted, rejected)
-
-    @staticmethod
-    def pool_of(segment: str) -> str:
-        return segment.rpartition(CONTEXT_SEP)[2] if CONTEXT_SEP in segment else "*"
-
-    def pooled_estimate(self, segment: str) -> float:
-        c = self._pools.get(self.pool_of(segment), _Counts())
-        return (c.accepted + self.prior_weight * self.prior_alpha) / (c.trials + self.prior_weight)
-
-    def segment_estimate(self, segment: str) -> float:
-        c = self._segments.get(segment, _Counts())
-        return (c.accepted + self.prior_weight * self.pooled_estimate(segment)) / (c.trials + self.prior_weight)
-
-    def estimate(self, seq_id: str, segment: str) -> float:
-        seg = self.segment_estimate(segment)
-        c = self._seqs.get(seq_id)
-        if c is None:
-            return seg
-        return (c.accepted + self.seq_prior_weight * seg) / (c.trials + self.seq_prior_weight)
-
-    def seq_trials(self, seq_id: str) -> float:
-        c = self._seqs.get(seq_id)
-        return c.trials if c else 0.0
-
-    def release(self, seq_id: str) -> None:
-        self._seqs.pop(seq_id, None)
-
-    def to_dict(self) -> dict:
-        return {seg: {"alpha": round(self.segment_estimate(seg), 4), "trials": round(c.trials, 2)}
-                for seg, c in self._segments.items()}
+from cluster.speculative.acceptance import AcceptanceEstimator, expected_committed
 
 
 class CostModel(Protocol):
@@ -253,9 +153,11 @@ def choose_k(alpha: float, k_max: int, costs: CostModel, batch_tokens_other: int
 
 
 def break_even_alpha(costs: CostModel, k_max: int, min_gain: float = 0.05, tol: float = 1e-3) -> float:
-    """The lowest acceptance rate at which a lone sequence speculates at all (``choose_k`` > 0)
+    """The lowest per-position α at which a lone sequence speculates at all (``choose_k`` > 0)
     under these costs: below it, the verification of even one draft token costs more than it
-    commits. 1.0 when no α pays (e.g. a draft step dearer than a target step)."""
+    commits; at it and above, speculating pays (``choose_k`` is monotone in α, and the value
+    returned is the upper end of the bisection, so it is itself on the paying side). 1.0 when
+    no α pays (e.g. a draft step dearer than a target step)."""
     if k_max <= 0 or choose_k(1.0 - tol, k_max, costs, min_gain=min_gain) == 0:
         return 1.0
     lo, hi = 0.0, 1.0 - tol  # choose_k(hi) > 0; choose_k is monotone in α

@@ -11,8 +11,12 @@ draft prefix before them, so rejection sampling sees the masked target p'; q of 
 non-negative entries; anything else drops that sequence's drafts for the step — a lossless plain
 step for it — counted as a draft fallback), isolating a drafter exception to the sequence that
 causes it (that sequence decodes plainly from then on), verification with per-sequence faults
-(``cluster.engine.faults``), and speculation statistics. Ignores: scheduling and KV allocation
-(the scheduler reserves the K lookahead slots this controller asks for), model execution.
+(``cluster.engine.faults``), and speculation statistics per traffic segment: lifetime counters
+(``SpecStats``) and the live α the Router gates on (``LiveAlpha``, per-position like the
+break-even α it is compared with; ``cluster.speculative.acceptance``). The step's drafts travel
+as one ``StepDrafts`` (``cluster.engine.drafts``) from ``propose`` to ``verify``. Ignores:
+scheduling and KV allocation (the scheduler reserves the K lookahead slots this controller asks
+for), model execution, per-request counters (the engine's commit records them on the sequence).
 """
 from __future__ import annotations
 
@@ -24,13 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.config import AUTO_K, EngineConfig, SpecConfig
+from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
 from cluster.engine.grammar import apply_masks
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import SpecMode
+from cluster.engine.request import SpecMode, SpecStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel, with_context
+from cluster.speculative.acceptance import LiveAlpha, with_context
+from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_spec
@@ -41,9 +47,6 @@ from cluster.telemetry.engine_spans import kvsync_context
 log = logging.getLogger(__name__)
 
 DRAFT_RETRY_S = 1.0  # back-off after the drafter failed, before speculating again
-
-Drafts = dict[str, tuple[list[int], "torch.Tensor | None"]]  # seq_id -> (draft ids [K], q [K, V] | None)
-Verdict = tuple[list[int], int]  # (committed tokens, number of accepted draft tokens)
 
 
 @dataclass(slots=True)
@@ -83,11 +86,10 @@ class SpecController:
         self._keys: dict[str, tuple[str, str]] = {}
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
         self._no_drafts: set[str] = set()  # sequences whose drafting raised: plain until they finish
-        # constrained sequences this step: seq_id -> allowed [K_i + 1, V] along its (cut) draft
-        self._masks: dict[str, torch.Tensor] = {}
         self.grammar_cut_tokens = 0  # draft tokens cut because the grammar rejects them
-        self.forced: dict[str, int] = {}  # seq_id -> forced tokens drafted this step (jump-forward)
         self.timing = SpecTiming()
+        self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per traffic segment
+        self.live_alpha = LiveAlpha()  # per segment, decayed: what the Router gates on
 
     # -- before scheduling: K per running sequence -----------------------------------------------
     def plan(self, running: list[Sequence]) -> None:
@@ -150,12 +152,13 @@ class SpecController:
         return max(0, min(k, seq.remaining_budget - 1, self.max_model_len - len(seq.token_ids) - 1))
 
     # -- drafting ---------------------------------------------------------------------------------
-    def propose(self, scheduled: list[ScheduledSeq]) -> Drafts:
-        self._masks = {}
-        self.forced = {}
+    def propose(self, scheduled: list[ScheduledSeq]) -> StepDrafts:
+        """Ask the drafter for every sequence with lookahead slots; check each draft (a bad one
+        drops that sequence's drafts for the step) -> the step's drafts."""
+        drafts = StepDrafts()
         asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
         if not asks:
-            return {}
+            return drafts
         inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params)
                   for s in asks]
         t0 = time.perf_counter()
@@ -166,7 +169,7 @@ class SpecController:
                                     not_theirs=(DraftUnavailableError,))
         except DraftUnavailableError as exc:
             self._drafter_unavailable(asks, exc)
-            return {}
+            return drafts
         elapsed = time.perf_counter() - t0
         self.timing.propose_s += elapsed
         self.timing.proposals += 1
@@ -177,43 +180,51 @@ class SpecController:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(max(s.num_lookahead for s in asks), elapsed)
-        drafts = {}
         for s, got in zip(asks, proposals):
             if isinstance(got, SeqFault):  # its drafting raises: no more drafts for it
                 self._no_drafts.add(s.seq.seq_id)
                 self._draft_fallback(s, got.message)
                 continue
-            ids, probs = got
-            problem = self._check_draft(ids, probs)
-            if problem is None and s.seq.grammar is not None:
-                ids, probs = self._forced_first(s, ids, probs)
-            if problem is None and s.seq.grammar is not None and ids:
-                ids, probs, problem = self._under_grammar(s.seq, ids, probs)
+            draft, problem = self._checked(s, *got)
             if problem is not None:
                 self._draft_fallback(s, problem)
-            elif ids:
-                drafts[s.seq.seq_id] = (ids, probs)
+            elif draft is not None:
+                drafts.by_seq[s.seq.seq_id] = draft
         return drafts
+
+    def _checked(self, s: ScheduledSeq, ids: list[int], probs) -> tuple[SeqDraft | None, str | None]:
+        """One sequence's proposal -> (its draft, None), (None, None) when nothing is left to
+        verify, or (None, why it cannot be verified)."""
+        problem = self._check_draft(ids, probs)
+        if problem is not None:
+            return None, problem
+        forced, allowed = 0, None
+        if s.seq.grammar is not None:
+            ids, probs, forced = self._forced_first(s, ids, probs)
+            if ids:
+                ids, probs, allowed, problem = self._under_grammar(s.seq, ids, probs)
+        if problem is not None or not ids:
+            return None, problem
+        return SeqDraft(ids, probs, min(forced, len(ids)), allowed), None
 
     def _forced_first(self, s: ScheduledSeq, ids: list[int], probs):
         """Jump-forward: when the grammar forces the next tokens (its only legal continuation),
         they are the draft — one-hot, accepted by verification under any sampling settings
         since the masked target is one-hot there too, and verified like any draft (lossless
         whatever the grammar engine returns). The drafter's own draft is dropped for the step
-        (it was drafted for the position before the forced tokens)."""
+        (it was drafted for the position before the forced tokens) -> (ids, q, forced count)."""
         try:
             forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_lookahead]
         except Exception:  # noqa: BLE001 (an optimisation: without it the drafter's draft stands)
             log.exception("request %s: computing forced tokens failed", s.seq.seq_id)
-            return ids, probs
+            return ids, probs, 0
         if not forced:
-            return ids, probs
-        self.forced[s.seq.seq_id] = len(forced)
-        return forced, None
+            return ids, probs, 0
+        return forced, None, len(forced)
 
     def _under_grammar(self, seq: Sequence, ids: list[int], probs):
         """Cut a constrained sequence's draft where the grammar rejects it and keep the masks
-        along it for verification -> (ids, q, problem). A deterministic draft (q None, or a
+        along it for verification -> (ids, q, allowed [K + 1, V] | None, problem). A deterministic draft (q None, or a
         greedy / seeded request, whose verification ignores q) is cut before its first illegal
         token; a sampled draft keeps that token (p' = 0 there rejects it and the residual is
         drawn under the mask: cutting it would bias rejection sampling)."""
@@ -222,11 +233,9 @@ class SpecController:
         try:
             k, allowed = seq.grammar.walk(ids, keep_illegal)
         except Exception as exc:  # noqa: BLE001 (its grammar; verification masks it again or fails it)
-            return [], None, f"grammar walk over the draft failed: {type(exc).__name__}: {exc}"
+            return [], None, None, f"grammar walk over the draft failed: {type(exc).__name__}: {exc}"
         self.grammar_cut_tokens += len(ids) - k
-        if k:
-            self._masks[seq.seq_id] = allowed
-        return ids[:k], (probs[:k] if probs is not None else None), None
+        return ids[:k], (probs[:k] if probs is not None else None), (allowed if k else None), None
 
     def _propose_rows(self, inputs: list[ProposeInput], rows: list[int]) -> list[tuple[list, object]]:
         """The proposer on inputs[rows] -> per row (draft ids, q [K_i, V] | None), trimmed to K_i.
@@ -271,51 +280,63 @@ class SpecController:
         log.warning("drafter unavailable, continuing without speculation: %s", exc)
 
     # -- verification -----------------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq], drafts: Drafts,
+    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq], drafts: StepDrafts,
                forward_s: float, num_tokens: int) -> list[Verdict | SeqFault]:
         """logits: [sum(K_i + 1), V] rows of the sampling sequences in order -> per sequence its
         committed tokens and accepted count, or the fault that ended it."""
-        counts = [len(drafts[s.seq.seq_id][0]) if s.seq.seq_id in drafts else 0 for s in sampling]
+        seq_ids = [s.seq.seq_id for s in sampling]
+        counts = drafts.num_draft_tokens(seq_ids)  # [B] K_i
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c + 1)
 
         def run(rows: list[int]) -> list[Verdict]:
-            seqs = [sampling[r] for r in rows]
-            none: tuple[list[int], None] = ([], None)
-            meta = SpecBatchMetadata.from_counts([counts[r] for r in rows])
+            seqs, ids = [sampling[r] for r in rows], [seq_ids[r] for r in rows]
             target_rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
             result = rejection_sample(
-                self._masked(logits[target_rows], seqs, [counts[r] for r in rows]),  # [sum(K_i + 1), V]
-                torch.tensor([t for s in seqs for t in drafts.get(s.seq.seq_id, none)[0]], dtype=torch.int64),
-                [drafts.get(s.seq.seq_id, none)[1] for s in seqs], meta,
+                self._masked(logits[target_rows], seqs, drafts),  # [sum(K_i + 1), V]
+                drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
+                SpecBatchMetadata.from_counts([counts[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
             return [(result.committed(i), int(result.num_accepted[i])) for i in range(len(rows))]
 
-        verdicts = per_row(len(sampling), run, FaultStage.VERIFY, [s.seq.seq_id for s in sampling])
-        ok = [not isinstance(v, SeqFault) for v in verdicts]  # a faulted row says nothing about α
-        self._moe_observe(sampling, [k if o else 0 for k, o in zip(counts, ok)],
-                          [v[1] if o else 0 for v, o in zip(verdicts, ok)])
+        verdicts = per_row(len(sampling), run, FaultStage.VERIFY, seq_ids)
+        self._observe_verdicts(sampling, counts, verdicts, drafts)
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
         self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
-            for s, k, v in zip(sampling, counts, verdicts):
-                if k and not isinstance(v, SeqFault):
-                    sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, s.seq.request.segment))
-                    self.adaptive.observe(sub_id, key, k, v[1])
         return verdicts
 
-    def _masked(self, logits: torch.Tensor, seqs: list[ScheduledSeq], counts: list[int]) -> torch.Tensor:
+    def _observe_verdicts(self, sampling: list[ScheduledSeq], counts: list[int],
+                          verdicts: list[Verdict | SeqFault], drafts: StepDrafts) -> None:
+        """What each verified sequence teaches about α: its segment's counters and live α, the
+        MoE gate, adaptive K. A faulted row says nothing about α."""
+        ok = [not isinstance(v, SeqFault) for v in verdicts]
+        self._moe_observe(sampling, [k if o else 0 for k, o in zip(counts, ok)],
+                          [v[1] if o else 0 for v, o in zip(verdicts, ok)])
+        for s, k, v, o in zip(sampling, counts, verdicts, ok):
+            if not (k and o):
+                continue
+            segment, accepted = s.seq.request.segment, v[1]
+            self.segment_stats.setdefault(segment, SpecStats()).record(k, accepted, drafts.by_seq[s.seq.seq_id].num_forced)
+            self.live_alpha.observe(segment, k, accepted)
+            if self.adaptive is not None:
+                sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, segment))
+                self.adaptive.observe(sub_id, key, k, accepted)
+
+    def _masked(self, logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDrafts) -> torch.Tensor:
         """logits [sum(K_i + 1), V] of seqs with each constrained sequence's rows masked: row j
         by the grammar state after its first j draft tokens (the walk's masks; a sequence
         without drafts gets its committed state's mask)."""
         out = logits
         start = 0
-        for s, k in zip(seqs, counts):
+        for s in seqs:
+            draft = drafts.get(s.seq.seq_id)
+            k = 0 if draft is None else draft.k
             if s.seq.grammar is not None:
-                allowed = self._masks.get(s.seq.seq_id)  # [K_i + 1, V]
+                allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
                 if allowed is None:
                     allowed = s.seq.grammar.allowed()[None, :]  # no drafts: [1, V]
                 if allowed.shape[0] != k + 1:
@@ -354,14 +375,18 @@ class SpecController:
         st.drafter = self.drafter_name
         st.moe = self.moe_gate.moe
         st.moe_gate_open = self.moe_gate.speculation_allowed  # open for every segment
+        st.spec_by_segment = {seg: stats.to_dict() for seg, stats in self.segment_stats.items()}
         for segment, d in st.spec_by_segment.items():  # the Router's per-segment gate
+            live = self.live_alpha.get(segment)
+            if live is not None and live.alpha is not None:  # per position, unrounded: it is gated on
+                d["live_alpha"], d["live_draft_tokens"] = live.alpha, int(live.drafted)
             d["moe_gate_open"] = self.moe_gate.allows(segment)
             if self.moe_gate.moe:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
         st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
-            st.break_even_alpha = round(self.adaptive.break_even_alpha(self.config.k_max), 4)
+            st.break_even_alpha = self.adaptive.break_even_alpha(self.config.k_max)
 
 
 def draft_cost_ratio(proposer, target_runner) -> float | None:

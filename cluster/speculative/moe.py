@@ -2,7 +2,8 @@
 
 Owns: recognising an MoE target from its Hugging Face config (``is_moe_config``) and the gate
 state (``MoeGate``): closed for MoE targets until a measurement with enough draft tokens shows
-α >= threshold, always open for dense targets. The gate is kept per segment from live probe
+α >= threshold (α per position, the unit of the break-even α it is compared with:
+``cluster.speculative.acceptance``), always open for dense targets. The gate is kept per segment from live probe
 traffic (``record`` / ``decide``: each window of ``min_draft_tokens`` probe draft tokens either
 opens the segment or is discarded, so a segment that improves opens on a later window), or for
 the whole target at once (an operator's vouching, ``validate`` with an offline measurement).
@@ -80,6 +81,7 @@ class SegmentGate:
 
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    rejections: int = 0  # probe verifications that rejected a draft token
     open: bool = False
     windows: int = 0  # windows decided so far
     last_alpha: float | None = None
@@ -87,7 +89,8 @@ class SegmentGate:
 
     def to_dict(self) -> dict:
         return {"open": self.open, "window_draft_tokens": self.draft_tokens,
-                "window_accepted_tokens": self.accepted_tokens, "windows": self.windows,
+                "window_accepted_tokens": self.accepted_tokens, "window_rejections": self.rejections,
+                "windows": self.windows,
                 "last_alpha": self.last_alpha, "last_threshold": self.last_threshold}
 
 
@@ -129,16 +132,18 @@ class MoeGate:
         gate = self.segments.get(segment)
         return gate is not None and gate.open
 
-    def record(self, segment: str, draft_tokens: int, accepted_tokens: int) -> bool:
-        """Count one probe verification of a closed segment; True once its window holds
-        ``min_draft_tokens`` draft tokens (call ``decide``). Open segments are not measured here."""
-        if not 0 <= accepted_tokens <= draft_tokens:
-            raise ValueError(f"need 0 <= accepted ({accepted_tokens}) <= drafted ({draft_tokens})")
+    def record(self, segment: str, k: int, num_accepted: int) -> bool:
+        """Count one probe verification (k draft tokens, num_accepted of them accepted) of a
+        closed segment; True once its window holds ``min_draft_tokens`` draft tokens (call
+        ``decide``). Open segments are not measured here."""
+        if not 0 <= num_accepted <= k:
+            raise ValueError(f"need 0 <= accepted ({num_accepted}) <= drafted ({k})")
         if self.allows(segment):
             return False
         gate = self.segments.setdefault(segment, SegmentGate())
-        gate.draft_tokens += draft_tokens
-        gate.accepted_tokens += accepted_tokens
+        gate.draft_tokens += k
+        gate.accepted_tokens += num_accepted
+        gate.rejections += 1 if num_accepted < k else 0
         return gate.draft_tokens >= self.min_draft_tokens
 
     def decide(self, segment: str, threshold: float) -> bool:
@@ -149,11 +154,12 @@ class MoeGate:
         gate = self.segments.setdefault(segment, SegmentGate())
         if gate.open or gate.draft_tokens < self.min_draft_tokens:
             return self.allows(segment)
-        gate.last_alpha = gate.accepted_tokens / gate.draft_tokens
+        trials = gate.accepted_tokens + gate.rejections  # > 0: the window holds draft tokens
+        gate.last_alpha = gate.accepted_tokens / trials
         gate.last_threshold = float(threshold)
         gate.windows += 1
         gate.open = gate.last_alpha >= threshold
-        gate.draft_tokens = gate.accepted_tokens = 0
+        gate.draft_tokens = gate.accepted_tokens = gate.rejections = 0
         return gate.open
 
     def segment_reason(self, segment: str) -> str:
@@ -171,7 +177,7 @@ class MoeGate:
 
     def validate(self, measured_alpha: float, threshold: float = 0.5,
                  num_draft_tokens: int | None = None) -> bool:
-        """Record an acceptance measurement; open the gate iff α >= threshold and the
+        """Record an acceptance measurement (α per position); open the gate iff α >= threshold and the
         measurement covered at least ``min_draft_tokens`` draft tokens (when the count is
         given). Returns whether speculation is now allowed."""
         if not 0.0 <= measured_alpha <= 1.0:

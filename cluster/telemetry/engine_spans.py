@@ -7,7 +7,8 @@ Owns: the span tree an engine replica adds under the router's span::
     ├── specserve.prefill                admitted -> first token sampled
     └── specserve.decode | specserve.speculative_decode
             events: spec.step {step, drafter, K, accepted} ..., draft.fallback, draft.resync
-            attrs:  totals, α, mean acceptance length, full per-step K / accepted arrays
+            attrs:  totals, α (per position) and acceptance rate (accepted / drafted), mean
+                    acceptance length, full per-step K / accepted arrays
             └── KVSync/Propose ...       (CLIENT spans made by grpc_interceptors inside ``kvsync_context``)
 
 Cost model — why a summarised decode span with per-step *events*, not a span per step: the step
@@ -171,11 +172,13 @@ class RequestTrace:
         drafted = sum(ks)
         accepted = sum(acc)
         drafting_steps = sum(1 for k in ks if k > 0)
+        rejections = sum(1 for k, a in zip(ks, acc) if a < k)
         span.set_attributes({
             sc.SPEC_DRAFTER: self._drafter or "",
             sc.SPEC_STEPS: len(ks),
             sc.SPEC_DRAFT_TOKENS: drafted,
             sc.SPEC_ACCEPTED_TOKENS: accepted,
+            sc.SPEC_ALPHA: round(accepted / (accepted + rejections), 4) if accepted + rejections else 0.0,
             sc.SPEC_ACCEPTANCE_RATE: round(accepted / drafted, 4) if drafted else 0.0,
             sc.SPEC_MEAN_ACCEPTANCE_LENGTH: round((accepted + drafting_steps) / drafting_steps, 4)
             if drafting_steps else 0.0,

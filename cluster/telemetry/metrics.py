@@ -1,10 +1,15 @@
 """The ``specserve_*`` metrics and the two calls that feed them.
 
 Owns: metric names, labels and buckets; ``record_request`` (router, once per finished request:
-path/reason counts, TTFT, TPOT, end-to-end latency, tokens, per-request α) and
+path/reason counts, TTFT, TPOT, end-to-end latency, tokens, per-request α and acceptance rate) and
 ``record_engine_stats`` (engine replica, periodically: queue depth, running, KV pool, draft
-fallbacks/resyncs, and per segment: α, acceptance per position, chosen K, drafted/accepted tokens).
+fallbacks/resyncs, break-even α, and per segment: α — lifetime and the live one the Router gates
+on —, acceptance rate, acceptance per position, chosen K, drafted/accepted tokens, rejections).
 Ignores: where the numbers come from and how they are exposed (``metrics_backend``).
+
+Names say which quantity they carry (``cluster.speculative.acceptance``): ``*_alpha`` is α per
+position, accepted / (accepted + rejections), the unit of the cost model and of the Router's and
+MoE gates; ``*_acceptance_rate`` is accepted / drafted (descriptive, biased low as an α).
 
 EngineStats carries cumulative totals; counters are fed the positive difference since the last
 export of the same engine (a drop means the engine restarted: the new total is counted afresh).
@@ -15,14 +20,17 @@ Metric (Prometheus name; inside Ray prefixed ``ray_``)      labels
 specserve_requests_total                                   path, reason, segment, finish_reason, api
 specserve_ttft_seconds / _tpot_seconds / _e2e_seconds      path, segment        (histograms)
 specserve_prompt_tokens_total / _output_tokens_total       path
-specserve_request_acceptance_rate                          segment              (histogram, per request)
+specserve_request_alpha / _request_acceptance_rate        segment              (histograms, per request)
 specserve_inflight                                         path                 (gauge, router)
 specserve_queue_depth / _running_requests                  engine               (gauges)
 specserve_kv_blocks_free / _kv_blocks_capacity / _kv_usage_ratio  engine           (gauges)
 specserve_preemptions_total / _draft_fallbacks_total / _draft_resyncs_total  engine
-specserve_spec_acceptance_rate                             engine, segment      (gauge, α)
+specserve_spec_break_even_alpha                            engine               (gauge, adaptive K)
+specserve_spec_alpha / _spec_live_alpha                    engine, segment      (gauges: lifetime, gated on)
+specserve_spec_acceptance_rate                             engine, segment      (gauge, accepted / drafted)
 specserve_spec_position_acceptance_rate                    engine, segment, position (gauge)
 specserve_spec_draft_tokens_total / _accepted_tokens_total engine, segment
+specserve_spec_rejections_total                            engine, segment      (steps that rejected a draft)
 specserve_spec_position_drafted_total / _accepted_total    engine, segment, position
 specserve_spec_k_chosen_total                              engine, segment, k   (counts per K)
 """
@@ -75,9 +83,12 @@ class SpecserveMetrics:
                                ("path", "segment"), LATENCY_BUCKETS)
         self.prompt_tokens = b.counter("specserve_prompt_tokens", "Prompt tokens", ("path",))
         self.output_tokens = b.counter("specserve_output_tokens", "Generated tokens", ("path",))
-        self.request_alpha = b.histogram("specserve_request_acceptance_rate",
-                                         "Per-request acceptance rate (requests that drafted)", ("segment",),
-                                         RATIO_BUCKETS)
+        self.request_alpha = b.histogram("specserve_request_alpha",
+                                         "Per-request alpha: per-position acceptance probability, accepted / "
+                                         "(accepted + rejections) (requests that drafted)", ("segment",), RATIO_BUCKETS)
+        self.request_acceptance_rate = b.histogram("specserve_request_acceptance_rate",
+                                                   "Per-request acceptance rate: accepted / drafted draft tokens "
+                                                   "(requests that drafted)", ("segment",), RATIO_BUCKETS)
         self.inflight = b.gauge("specserve_inflight", "In-flight requests per route path", ("path",))
         # Engine side.
         self.queue_depth = b.gauge("specserve_queue_depth", "Requests waiting for admission", ("engine",))
@@ -90,15 +101,24 @@ class SpecserveMetrics:
                                    "speculation because the draft side failed", ("engine",))
         self.resyncs = b.counter("specserve_draft_resyncs", "KVSync resyncs (draft lacked the prefix)",
                                  ("engine",))
-        self.alpha = b.gauge("specserve_spec_acceptance_rate", "Acceptance rate alpha (cumulative) per segment",
-                             ("engine", "segment"))
-        self.alpha_pos = b.gauge("specserve_spec_position_acceptance_rate",
-                                 "Acceptance rate of draft position i (cumulative) per segment",
-                                 ("engine", "segment", "position"))
+        self.break_even_alpha = b.gauge("specserve_spec_break_even_alpha",
+                                        "Per-position alpha at which speculating pays under the measured "
+                                        "step costs (the Router's default min_alpha)", ("engine",))
+        self.alpha = b.gauge("specserve_spec_alpha", "Alpha (per-position acceptance probability, "
+                             "cumulative) per segment", ("engine", "segment"))
+        self.live_alpha = b.gauge("specserve_spec_live_alpha", "Live alpha per segment (per position, decayed "
+                                  "by draft tokens): what the Router compares with min_alpha", ("engine", "segment"))
+        self.acceptance_rate = b.gauge("specserve_spec_acceptance_rate", "Acceptance rate: accepted / drafted "
+                                       "draft tokens (cumulative) per segment", ("engine", "segment"))
+        self.position_acceptance_rate = b.gauge(
+            "specserve_spec_position_acceptance_rate", "Share of the steps that drafted position i in which "
+            "positions 0..i were all accepted (cumulative) per segment", ("engine", "segment", "position"))
         self.draft_tokens = b.counter("specserve_spec_draft_tokens", "Draft tokens proposed",
                                       ("engine", "segment"))
         self.accepted_tokens = b.counter("specserve_spec_accepted_tokens", "Draft tokens accepted",
                                          ("engine", "segment"))
+        self.rejections = b.counter("specserve_spec_rejections", "Verification steps that rejected a draft "
+                                    "token (alpha = accepted / (accepted + rejections))", ("engine", "segment"))
         self.pos_drafted = b.counter("specserve_spec_position_drafted", "Draft tokens proposed at position i",
                                      ("engine", "segment", "position"))
         self.pos_accepted = b.counter("specserve_spec_position_accepted", "Draft tokens accepted at position i",
@@ -144,7 +164,8 @@ class SpecserveMetrics:
         self.prompt_tokens.inc(num_prompt_tokens, {"path": p})
         self.output_tokens.inc(num_output_tokens, {"path": p})
         if spec is not None and spec.draft_tokens:
-            self.request_alpha.observe(spec.accepted_tokens / spec.draft_tokens, {"segment": seg})
+            self.request_alpha.observe(spec.alpha, {"segment": seg})
+            self.request_acceptance_rate.observe(spec.acceptance_rate, {"segment": seg})
 
     def record_unfinished(self, *, path: Any, reason: Any, segment: str | None, finish_reason: str,
                           api: str = "grpc") -> None:
@@ -174,18 +195,24 @@ class SpecserveMetrics:
         self._delta(self.preemptions, e, stats.num_preemptions)
         self._delta(self.fallbacks, e, stats.draft_fallbacks)
         self._delta(self.resyncs, e, stats.draft_resyncs)
+        if stats.break_even_alpha is not None:
+            self.break_even_alpha.set(stats.break_even_alpha, e)
         for segment, d in stats.spec_by_segment.items():
             es = {"engine": engine, "segment": self.segment(segment)}
             drafted, accepted = d.get("draft_tokens", 0), d.get("accepted_tokens", 0)
             if drafted:
-                self.alpha.set(accepted / drafted, es)
+                self.alpha.set(d["alpha"], es)
+                self.acceptance_rate.set(accepted / drafted, es)
+            if d.get("live_alpha") is not None:
+                self.live_alpha.set(d["live_alpha"], es)
             raw = (segment,)
             self._delta(self.draft_tokens, es, drafted, raw)
             self._delta(self.accepted_tokens, es, accepted, raw)
+            self._delta(self.rejections, es, d.get("rejections", 0), raw)
             for i, (n_d, n_a) in enumerate(zip(d.get("drafted_per_position", ()), d.get("accepted_per_position", ()))):
                 esp = {**es, "position": str(i)}
                 if n_d:
-                    self.alpha_pos.set(n_a / n_d, esp)
+                    self.position_acceptance_rate.set(n_a / n_d, esp)
                 self._delta(self.pos_drafted, esp, n_d, raw)
                 self._delta(self.pos_accepted, esp, n_a, raw)
             for k, n in enumerate(d.get("k_chosen", ())):

@@ -96,6 +96,7 @@ class RequestSpan:
             self.span.set_attributes({
                 sc.SPEC_DRAFT_TOKENS: spec.draft_tokens,
                 sc.SPEC_ACCEPTED_TOKENS: spec.accepted_tokens,
+                sc.SPEC_ALPHA: round(spec.alpha, 4),
                 sc.SPEC_ACCEPTANCE_RATE: round(spec.acceptance_rate, 4),
                 sc.SPEC_MEAN_ACCEPTANCE_LENGTH: round(spec.mean_acceptance_length, 4),
             })

@@ -8,6 +8,8 @@ import argparse
 import json
 import math
 
+import pytest
+
 from cluster.bench import spec as bench_spec
 from tests.reference import WORKLOADS
 
@@ -47,3 +49,37 @@ def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, cap
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 8 and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
     assert "summarize" in capsys.readouterr().out  # the table was printed
+
+
+def test_prediction_uses_per_position_alpha():
+    """A known per-position α: 0.5, K = 3, c = 0.1, v = 1.2 -> E = (1 - 0.5^4) / 0.5 = 1.875 tokens
+    per verification step at 0.3 + 1.2 plain-step times: 1.25x. Plain steps of the spec run
+    (nothing drafted) count 1 token per plain-step time; steps of other K by their own E."""
+    assert bench_spec.predicted_speedup(0.5, [0, 0, 0, 10], 0.1, 1.2) == pytest.approx(1.25)
+    assert bench_spec.predicted_speedup(0.5, [0, 0, 0, 10], 0.1, 1.2, plain_steps=15) == pytest.approx(
+        (18.75 + 15) / (15 + 15))
+    assert bench_spec.predicted_speedup(0.5, [0, 4, 0, 2], 0.0, 1.0) == pytest.approx((4 * 1.5 + 2 * 1.875) / 6)
+    assert bench_spec.predicted_speedup(0.9, [], 0.1, 1.2) == 1.0  # nothing ran
+
+
+def test_summarize_row_predicts_from_alpha_not_acceptance_rate():
+    """Runs whose steps follow a per-position α of 0.7 at K = 4: the row's α recovers it, the
+    prediction is E(0.7, 4) / v, and accepted/drafted (reported as acceptance_rate, biased low)
+    does not enter it — so "measured >= 0.9 x predicted" can fail when the cost model is wrong."""
+    import random
+
+    rng = random.Random(11)
+    spec = bench_spec.Run(1.0, 0, [], verify_steps=[0.011] * 2000)
+    spec.k_chosen = [0, 0, 0, 0, 2000]
+    for _ in range(2000):
+        a = 0
+        while a < 4 and rng.random() < 0.7:
+            a += 1
+        spec.drafts, spec.draft_tokens, spec.accepted_tokens = spec.drafts + 1, spec.draft_tokens + 4, spec.accepted_tokens + a
+        spec.rejections += a < 4
+    plain = bench_spec.Run(2.0, 0, [], decode_steps=[0.010] * 50)
+    row = bench_spec.summarize_row([plain], [spec], None, None, 4)
+    assert row["alpha"] == pytest.approx(0.7, abs=0.02) and row["acceptance_rate"] < 0.62
+    e = (1 - row["alpha"] ** 5) / (1 - row["alpha"])
+    assert row["predicted_speedup"] == pytest.approx(e / 1.1, rel=1e-3)
+    assert row["speedup"] == 2.0

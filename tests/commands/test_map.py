@@ -70,8 +70,9 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
     assert set(m["traffic"]["shares"]) == {"code", "chat", "default"}  # the row without a segment
 
     # phase 1: α by position from the fake's deterministic acceptance (K=4): code accepts 4 of 4,
-    # chat 1 of 4; the per-position prediction says chat commits 2 tokens a step (≈2x), where
-    # accepted/drafted (0.25) would predict 1.33x
+    # chat 1 of 4; the per-position prediction says chat commits 2 tokens a step (≈2x); one α for
+    # every position (0.5: an acceptance and a rejection a step) says 1.94x, where accepted/drafted
+    # (0.25) would predict 1.33x
     prof = m["profile"]["segments"]
     assert set(prof) == {"code", "chat", "default"}
     for d in ("ngram", "self"):
@@ -79,7 +80,7 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
         chat = prof["chat"]["drafters"][d]
         assert chat["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0] and chat["acceptance_rate"] == 0.25
         assert chat["predicted_speedup"] == pytest.approx(2.0, rel=0.1)
-        assert chat["predicted_speedup_alpha_only"] == pytest.approx(1.33, rel=0.05)
+        assert chat["alpha"] == 0.5 and chat["predicted_speedup_alpha_only"] == pytest.approx(1.94, rel=0.05)
         assert chat["best_k"] == 1  # one draft is as good as four and verifies cheaper
         assert chat["speedup"] > 1.3 and prof["code"]["drafters"][d]["speedup"] > 2.5
     assert prof["code"]["output_tokens"]["p50"] == 24

@@ -40,7 +40,7 @@ OVERFLOW_ARGS = fake_args(
     limits={"max_segments": 4},  # fast, slow and two more (test_segment_labels_are_bounded)
     spec_engine={"num_cpus": 0.1, "max_num_seqs": 8}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 8},
     engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
-                 "options": {"token_delay_s": 0.05, "alpha_by_segment": {"slow": 0.0}}})
+                 "options": {"token_delay_s": 0.05, "acceptance_rate_by_segment": {"slow": 0.0}}})
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def addr():
             limits={"max_tokens": 256, "max_prompt_tokens": 64, "max_message_bytes": 8192, "max_queue": 4},
             spec_engine={"num_cpus": 0.1, "max_num_seqs": 4}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 4},
             engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
-                         "options": {"token_delay_s": 0.02, "alpha_by_segment": {"lowalpha": 0.2}}}),
+                         "options": {"token_delay_s": 0.02, "acceptance_rate_by_segment": {"lowalpha": 0.1}}}),
         "moe": fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                       "options": {"moe": True}}),
         "sep": SEP_ARGS,

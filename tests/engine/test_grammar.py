@@ -245,7 +245,7 @@ def test_greedy_constrained_speculation_equals_plain_token_for_token(tiny, draft
         assert spec[r.request_id]["finish"] is plain[r.request_id]["finish"]
     # jump-forward: the schema's forced text ('{"n":' ...) was drafted without a drafter, all kept
     forced = spec["r2"]["spec"].forced_tokens
-    assert forced > 0 and eng.segment_stats["default"].forced_tokens >= forced
+    assert forced > 0 and eng.spec.segment_stats["default"].forced_tokens >= forced
     if drafter == "oracle":  # the legal prefix of each draft was accepted, the bad token cut
         assert eng.spec.grammar_cut_tokens > 0
         assert sum(spec[r.request_id]["spec"].accepted_tokens for r in batch(params)) > 0

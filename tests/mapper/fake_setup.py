@@ -19,8 +19,8 @@ def fake_serve_config(path: Path, **over) -> Path:
     shipped = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
     cfg = yaml.safe_load(shipped.read_text())
     args = fake_args(spec_engine={**SMALL, "max_num_seqs": 2}, batch_engine={**SMALL, "max_num_seqs": 32},
-                     engine_impl={**FAKE, "options": {"token_delay_s": TOKEN_DELAY_S, "alpha_by_segment": ALPHA,
-                                                      "default_alpha": 0.5}})
+                     engine_impl={**FAKE, "options": {"token_delay_s": TOKEN_DELAY_S, "acceptance_rate_by_segment": ALPHA,
+                                                      "default_acceptance_rate": 0.5}})
     args.update(over)
     cfg["applications"][0]["args"] = args
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

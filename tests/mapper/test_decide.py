@@ -13,7 +13,7 @@ LEVELS = [1, 2, 4, 8, 16]
 
 
 def _row(speedup, alpha, best_k=3, k_mean=4.0, mal=3.0, c=0.05, v=1.2):
-    return {"speedup": speedup, "predicted_speedup": speedup, "acceptance_rate": alpha, "best_k": best_k,
+    return {"speedup": speedup, "predicted_speedup": speedup, "alpha": alpha, "best_k": best_k,
             "k_mean": k_mean, "mean_acceptance_length": mal, "c": c, "v": v}
 
 
@@ -140,14 +140,17 @@ def test_profile_prediction_per_position_and_best_k():
         r = Run(wall, 24, [], decode_steps=[] if dr else [0.01] * steps, verify_steps=[0.0099] * steps if dr else [])
         r.accepted_per_position, r.drafted_per_position = acc, dr
         r.draft_tokens, r.accepted_tokens, r.drafts = sum(dr), 1 * steps, steps
+        r.rejections, r.k_chosen = (steps, [0, 0, 0, 0, steps]) if dr else (0, [])
         return r
 
     plain = [run(0.24, [], [], 24)]
     spec = [run(0.12, [12, 0, 0, 0], [12, 12, 12, 12], 12)]
     row = summarize_pair(plain, spec, 4)
     assert row["acceptance_rate"] == 0.25 and row["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0]
-    assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)  # accepted/drafted would say 1.33
-    assert row["predicted_speedup_alpha_only"] == pytest.approx(1.33, rel=0.02)
+    assert row["alpha"] == 0.5  # 1 acceptance and 1 rejection a step
+    assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)
+    # one α for every position: E(0.5, 4) / v = 1.9375 / 0.99 (accepted/drafted would say 1.33)
+    assert row["predicted_speedup_alpha_only"] == pytest.approx(1.957, rel=0.01)
     assert row["best_k"] == 1  # v < 1 (timing noise) is clamped to 1: extra drafts gain nothing
 
 

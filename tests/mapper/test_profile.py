@@ -19,7 +19,7 @@ def test_profile_on_fake_engine_skips_a_refused_row(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     app = AppConfig(model="fake", engine_impl={**FAKE, "options": {"token_delay_s": 0.001,
-                                                                   "alpha_by_segment": {"code": 0.5, "chat": 0.0}}})
+                                                                   "acceptance_rate_by_segment": {"code": 0.5, "chat": 0.0}}})
     result: dict = {}
     run_profile(app, load_traffic(f), ["ngram"], 2, None, Budget(None, show=False), result)
     assert result["row_errors"] == ["too-long: prompt (3) + max_tokens (5000) exceeds max_model_len 2048"]

@@ -1,4 +1,6 @@
 """Router policy rules and hysteresis, without Ray."""
+import math
+
 import pytest
 
 from cluster.engine.request import SpecMode
@@ -102,8 +104,8 @@ def test_moe_probe_respects_the_spec_engines_load_and_can_be_off():
 
 def test_moe_segment_opened_by_the_engine_follows_the_usual_rules():
     p = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, moe_probe_every=100))
-    stats = {"chat": {"recent_acceptance_rate": 0.7, "recent_draft_tokens": 300, "moe_gate_open": True},
-             "code": {"recent_acceptance_rate": 0.2, "recent_draft_tokens": 300, "moe_gate_open": False}}
+    stats = {"chat": {"live_alpha": 0.7, "live_draft_tokens": 300, "moe_gate_open": True},
+             "code": {"live_alpha": 0.2, "live_draft_tokens": 300, "moe_gate_open": False}}
     view = EngineView.from_spec_by_segment(stats, moe=True, moe_gate_open=False)
     assert view.moe_open_segments == frozenset({"chat"})
 
@@ -116,7 +118,7 @@ def test_moe_segment_opened_by_the_engine_follows_the_usual_rules():
     assert route("code") == MOE_PLAIN  # measured below threshold: still closed
     assert route("new") == MOE_PLAIN  # never probed
     # an opened segment whose α later falls below break-even is gated by rule 6 like any other
-    view = EngineView.from_spec_by_segment({"chat": {**stats["chat"], "recent_acceptance_rate": 0.3}},
+    view = EngineView.from_spec_by_segment({"chat": {**stats["chat"], "live_alpha": 0.3}},
                                            moe=True, moe_gate_open=False)
     assert route("chat") == (PLAIN, RouteReason.BELOW_BREAK_EVEN)
     # a dense target's view never gates on MoE, whatever the per-segment flags say
@@ -161,9 +163,47 @@ def test_gated_segment_is_probed_periodically():
 
 
 def test_engine_view_from_stats():
-    v = EngineView.from_spec_by_segment({"code": {"acceptance_rate": 0.7, "draft_tokens": 40}},
-                                        spec_in_flight=3)
+    """The view carries α per position: the live one when the engine has it, else the lifetime
+    one — never acceptance_rate (accepted / drafted, another unit than the break-even α)."""
+    lifetime = {"acceptance_rate": 0.5, "alpha": 0.7, "draft_tokens": 40}
+    v = EngineView.from_spec_by_segment({"code": lifetime}, spec_in_flight=3)
     assert v.alpha("code") == (0.7, 40) and v.alpha("chat") is None and v.spec_in_flight == 3
+    v = EngineView.from_spec_by_segment({"code": {**lifetime, "live_alpha": 0.6, "live_draft_tokens": 30}})
+    assert v.alpha("code") == (0.6, 30)
+
+
+def test_a_segment_exactly_at_break_even_is_kept_and_just_below_is_gated():
+    """Live α and break-even α are both per position, compared exactly (no rounding on the way
+    from the engine's stats): at break-even the segment is not below it and goes on to the
+    in-flight hysteresis (rule 7); one ulp below it is gated, except every probe_every-th
+    request, which is a probe and itself follows the hysteresis."""
+    from cluster.speculative.adaptive_k import StepCostModel, break_even_alpha
+
+    be = break_even_alpha(StepCostModel(target_a_prior=0.02, slope_prior_ratio=0.05, draft_cost_prior=0.004), 4)
+    assert 0.0 < be < 1.0
+    below = math.nextafter(be, 0.0)
+
+    def route(policy, alpha, in_flight):
+        view = EngineView.from_spec_by_segment({"chat": {"live_alpha": alpha, "live_draft_tokens": 100}},
+                                               break_even_alpha=be, spec_in_flight=in_flight)
+        d = policy.decide(RequestFeatures(segment="chat"), view)
+        return d.path, d.reason
+
+    p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4, min_alpha_samples=10, probe_every=3))
+    # at break-even: kept, and the hysteresis decides (enter / stay / exit / come back)
+    assert [route(p, be, n) for n in (0, 3, 4, 3, 1)] == [
+        (SPEC, RouteReason.BELOW_ENTER_THRESHOLD), (SPEC, RouteReason.HYSTERESIS_SPECULATIVE),
+        (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD), (PLAIN, RouteReason.HYSTERESIS_PLAIN),
+        (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)]
+    # just below: gated; the third is a due probe, speculative while the hysteresis allows it
+    gated, probe = (PLAIN, RouteReason.BELOW_BREAK_EVEN), (SPEC, RouteReason.PROBE_BELOW_BREAK_EVEN)
+    assert [route(p, below, 0) for _ in range(6)] == [gated, gated, probe, gated, gated, probe]
+    assert [route(p, below, 4) for _ in range(3)] == [gated, gated, (PLAIN, RouteReason.ABOVE_EXIT_THRESHOLD)]
+    assert route(p, be, 3) == (PLAIN, RouteReason.HYSTERESIS_PLAIN)  # the probe closed the band
+    # the same at a configured min_alpha, and for a segment with settings of its own
+    fixed = RouterPolicy(RouterConfig(min_alpha=be, min_alpha_samples=10, probe_every=0,
+                                      segments={"chat": {"min_alpha": "auto"}}))
+    assert route(fixed, be, 0)[0] is SPEC and route(fixed, below, 0) == gated
 
 
 @pytest.mark.parametrize("kw", [dict(enter_threshold=0), dict(enter_threshold=5, exit_threshold=4),

@@ -1,21 +1,13 @@
-"""Adaptive K: expected-token formula, the K decision with literal costs, the batch decision,
-online estimation of α and of step costs, and the exploration schedule."""
+"""Adaptive K: the K decision with literal costs, the batch decision, online estimation of step
+costs, and the exploration schedule (α's estimation: test_acceptance.py)."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import pytest
 
-from cluster.speculative.adaptive_k import (
-    AcceptanceEstimator,
-    AdaptiveK,
-    StepCostModel,
-    batch_rate,
-    break_even_alpha,
-    choose_k,
-    expected_committed,
-)
+from cluster.speculative.acceptance import AcceptanceEstimator
+from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel, batch_rate, break_even_alpha, choose_k
 
 
 @dataclass
@@ -28,15 +20,6 @@ class LinearCosts:
 
     def target_time(self, num_tokens: int) -> float:
         return self.a + self.b * num_tokens
-
-
-def test_expected_committed_matches_design_numbers():
-    # DESIGN.md: α=0.6, K=5 gives ~2.4 tokens per target pass, α=0.8 gives ~3.7.
-    assert expected_committed(0.6, 5) == pytest.approx(2.38, abs=0.01)
-    assert expected_committed(0.8, 5) == pytest.approx(3.69, abs=0.01)
-    assert expected_committed(1.0, 4) == 5.0
-    assert expected_committed(0.0, 4) == 1.0
-    assert expected_committed(0.7, 0) == 1.0
 
 
 def test_high_alpha_cheap_draft_speculates_deep():
@@ -116,65 +99,6 @@ def test_batch_choice_drops_low_alpha_sequences():
                                                       slope_prior_ratio=0.01), explore_every=1000)
     ks = ak.choose([("good", "chat"), ("bad", "chat"), ("good2", "chat")], k_max=6)
     assert ks[1] == 0 and ks[0] > 0 and ks[2] > 0
-
-
-def _geometric_step(rng: random.Random, alpha: float, k: int) -> int:
-    accepted = 0
-    while accepted < k and rng.random() < alpha:
-        accepted += 1
-    return accepted
-
-
-@pytest.mark.parametrize("true_alpha", [0.3, 0.7, 0.9])
-def test_estimator_converges_on_bernoulli_stream(true_alpha):
-    rng = random.Random(42)
-    est = AcceptanceEstimator(prior_alpha=0.5)
-    for step in range(3000):
-        est.update(f"seq{step % 5}", "code", 4, _geometric_step(rng, true_alpha, 4))
-    assert est.segment_estimate("code") == pytest.approx(true_alpha, abs=0.05)
-    assert est.estimate("seq0", "code") == pytest.approx(true_alpha, abs=0.07)
-    # Naive accepted / drafted would be biased low (e.g. 0.55 for α=0.7, K=4); we are not.
-    # an untouched segment starts from this drafter's pooled α; an untouched pool from the prior
-    assert est.segment_estimate("other") == pytest.approx(true_alpha, abs=0.05)
-    assert est.segment_estimate("other|n3") == 0.5
-
-
-def test_segments_pool_by_draft_context():
-    """"chat|n1" and "code|n1" share the pool "n1", not "n4": a new segment's 1-token matches
-    start from what 1-token matches achieve elsewhere."""
-    rng = random.Random(3)
-    est = AcceptanceEstimator(prior_alpha=0.6)
-    for _ in range(400):
-        est.update("a", "chat|n1", 2, _geometric_step(rng, 0.1, 2))
-        est.update("b", "chat|n4", 4, _geometric_step(rng, 0.9, 4))
-    assert est.segment_estimate("code|n1") < 0.2 < 0.8 < est.segment_estimate("code|n4")
-    assert est.segment_estimate("code|n2") == 0.6
-
-
-def test_estimator_tracks_change_and_blends_sequence_with_segment():
-    rng = random.Random(7)
-    est = AcceptanceEstimator(prior_alpha=0.5, decay=0.98)
-    for _ in range(500):
-        est.update("a", "summarize", 5, _geometric_step(rng, 0.85, 5))
-    assert est.segment_estimate("summarize") > 0.75
-    # A fresh sequence inherits its segment; it moves toward its own α as evidence grows.
-    assert est.estimate("new", "summarize") == est.segment_estimate("summarize")
-    for _ in range(300):
-        est.update("b", "summarize", 5, _geometric_step(rng, 0.2, 5))
-    assert est.estimate("b", "summarize") < 0.3
-    assert est.estimate("a", "summarize") > 0.7  # sequence a keeps its own history
-    est.release("b")
-    assert est.estimate("b", "summarize") == est.segment_estimate("summarize")
-
-
-def test_estimator_validation():
-    est = AcceptanceEstimator()
-    est.update("s", "x", 0, 0)  # a plain step carries no information
-    assert est.seq_trials("s") == 0
-    with pytest.raises(ValueError):
-        est.update("s", "x", 3, 4)
-    with pytest.raises(ValueError):
-        AcceptanceEstimator(prior_alpha=1.5)
 
 
 def test_cost_model_priors_then_fit():

@@ -97,20 +97,21 @@ def test_gate_validation_errors():
 
 # Live per-segment gate, min_draft_tokens=10. Each row: one probe verification recorded for the
 # segment (drafted, accepted), the threshold decide() gets when the window is full, and then
-# (window full?, segment open?, window draft tokens left, windows decided, last alpha).
+# (window full?, segment open?, window draft tokens left, windows decided, last alpha). α is per
+# position: accepted / (accepted + verifications that rejected a draft), not accepted / drafted.
 LIVE_TABLE = [
     # a window below threshold is decided closed and discarded
-    ("chat", 4, 1, 0.5, False, False, 4, 0, None),
-    ("chat", 4, 2, 0.5, False, False, 8, 0, None),
-    ("chat", 4, 1, 0.5, True, False, 0, 1, 4 / 12),     # 12 drafted, 4 accepted: 0.333 < 0.5
+    ("chat", 4, 0, 0.5, False, False, 4, 0, None),
+    ("chat", 4, 1, 0.5, False, False, 8, 0, None),
+    ("chat", 4, 1, 0.5, True, False, 0, 1, 2 / 5),      # 2 accepted, 3 rejections: 0.4 < 0.5
     # the next window starts afresh: an improved segment opens at threshold exactly
-    ("chat", 6, 3, 0.5, False, False, 6, 1, 4 / 12),
-    ("chat", 4, 2, 0.5, True, True, 0, 2, 0.5),          # 10 drafted, 5 accepted: 0.5 >= 0.5
+    ("chat", 6, 1, 0.5, False, False, 6, 1, 2 / 5),
+    ("chat", 4, 1, 0.5, True, True, 0, 2, 0.5),          # 2 accepted, 2 rejections: 0.5 >= 0.5
     # once open it is no longer measured here (rules 6-9 watch its α from then on)
     ("chat", 5, 0, 0.5, False, True, 0, 2, 0.5),
     # segments are independent: the threshold (the cost model's break-even) decides per window
-    ("code", 10, 3, 0.25, True, True, 0, 1, 0.3),
-    ("json", 10, 3, 0.35, True, False, 0, 1, 0.3),
+    ("code", 10, 3, 0.25, True, True, 0, 1, 0.75),       # 3 accepted, 1 rejection (3 / 10 drafted)
+    ("json", 10, 3, 0.8, True, False, 0, 1, 0.75),
 ]
 
 
@@ -128,7 +129,7 @@ def test_live_gate_per_segment_table():
     assert not gate.speculation_allowed  # the target as a whole stays gated
     assert not gate.allows("never-probed")
     assert gate.segment_reason("chat") == "MoE target: segment 'chat' open, probe alpha 0.500 >= 0.500"
-    assert gate.segment_reason("json") == "MoE target: segment 'json' closed, probe alpha 0.300 < 0.350"
+    assert gate.segment_reason("json") == "MoE target: segment 'json' closed, probe alpha 0.750 < 0.800"
     assert gate.segment_reason("new") == "MoE target: segment 'new' measuring (0/10 probe draft tokens)"
 
 

@@ -75,16 +75,20 @@ def test_requests_latency_and_acceptance_are_scraped(metrics):
     assert _get(s, "specserve_e2e_seconds_count", path="plain", segment="json") == 1
     assert _get(s, "specserve_output_tokens_total", path="speculative") == 32
     assert _get(s, "specserve_prompt_tokens_total", path="plain") == 14
-    # Per-request α: 6/8 = 0.75 and 1/4 = 0.25; plain requests (no drafts) are not observed.
+    # Per-request acceptance rate (accepted / drafted): 6/8 = 0.75 and 1/4 = 0.25; α per position
+    # (accepted / (accepted + rejections)): 6/7 and 1/2. Plain requests (no drafts) are not observed.
     assert _get(s, "specserve_request_acceptance_rate_count", segment="code") == 2
     assert _get(s, "specserve_request_acceptance_rate_bucket", segment="code", le="0.3") == 1
+    assert _get(s, "specserve_request_alpha_count", segment="code") == 2
+    assert _get(s, "specserve_request_alpha_sum", segment="code") == pytest.approx(6 / 7 + 0.5)
     assert _get(s, "specserve_inflight", path="speculative") == 3
 
 
 def _stats(fallbacks, resyncs, segs, free=30, waiting=2):
+    by_segment = {k: {**v.to_dict(), "live_alpha": 0.6, "live_draft_tokens": 8} for k, v in segs.items()}
     return EngineStats(num_running=1, num_waiting=waiting, kv_blocks_total=40, kv_blocks_free=free,
                        num_preemptions=0, spec_enabled=True, drafter="ngram", draft_fallbacks=fallbacks,
-                       draft_resyncs=resyncs, spec_by_segment={k: v.to_dict() for k, v in segs.items()})
+                       draft_resyncs=resyncs, break_even_alpha=0.3, spec_by_segment=by_segment)
 
 
 def test_engine_stats_export_gauges_and_counter_deltas(metrics):
@@ -99,6 +103,10 @@ def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     assert _get(s, "specserve_kv_usage_ratio", engine="spec") == pytest.approx(0.25)
     assert _get(s, "specserve_draft_fallbacks_total", engine="spec") == 1
     assert _get(s, "specserve_spec_acceptance_rate", engine="spec", segment="code") == pytest.approx(0.75)
+    assert _get(s, "specserve_spec_alpha", engine="spec", segment="code") == pytest.approx(6 / 7)  # 1 rejection
+    assert _get(s, "specserve_spec_live_alpha", engine="spec", segment="code") == 0.6
+    assert _get(s, "specserve_spec_break_even_alpha", engine="spec") == 0.3
+    assert _get(s, "specserve_spec_rejections_total", engine="spec", segment="code") == 1
     assert _get(s, "specserve_spec_position_acceptance_rate", engine="spec", segment="code", position="0") == 1.0
     assert _get(s, "specserve_spec_position_acceptance_rate", engine="spec", segment="code", position="2") == 0.5
     assert _get(s, "specserve_spec_k_chosen_total", engine="spec", segment="code", k="4") == 2

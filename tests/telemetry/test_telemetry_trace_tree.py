@@ -112,7 +112,8 @@ def _assert_tree(spans, server_metadata):
     assert d[sc.SPEC_K_PER_STEP] == [k for k, _ in STEPS]
     assert d[sc.SPEC_ACCEPTED_PER_STEP] == [acc for _, acc in STEPS]
     assert d[sc.SPEC_DRAFT_TOKENS] == 16 and d[sc.SPEC_ACCEPTED_TOKENS] == 11
-    assert d[sc.SPEC_ACCEPTANCE_RATE] == round(11 / 16, 4)
+    assert d[sc.SPEC_ACCEPTANCE_RATE] == round(11 / 16, 4)  # accepted / drafted
+    assert d[sc.SPEC_ALPHA] == round(11 / 13, 4)  # per position: 2 steps rejected a draft
     assert d[sc.SPEC_MEAN_ACCEPTANCE_LENGTH] == round((11 + 4) / 4, 4)  # 4 steps drafted (one K=0)
     assert d[sc.SPEC_RESYNCS] == 1 and d[sc.SPEC_FALLBACKS] == 1
     step_events = [e for e in decode.events if e[0] == sc.EVENT_SPEC_STEP]
