@@ -15,7 +15,8 @@ wall-clock / the method's (whole request). tokens/s = tokens / wall summed over 
 accepted / draft tokens (forced tokens included), ``alpha_without_forced`` leaves them out of
 both. mask share = time in the grammar path (mask, draft walk, forced tokens, accept, -inf fill,
 matcher creation) / wall time of the request, median over prompts; ``grammar_us_per_token`` the
-same time per output token.
+same time per output token; ``per_prompt`` each prompt's wall, tokens and grammar seconds (the
+per-prompt ratios can be recomputed from the JSON).
 """
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ def summarize_method(name: str, got: list[dict], reference: list[dict], row_ids:
         "valid_outputs": sum(p is None for p in problems),
         "invalid_outputs": {rid: p for rid, p in zip(row_ids, problems) if p is not None},
         "outputs_equal_constrained_plain": sum(a == r.ids for a, r in zip(plain_ids, runs)) if plain_ids else None,
+        "per_prompt": {rid: {"wall_s": _r(g["run"].wall_s), "tokens": g["run"].tokens, "grammar_s": _r(g["grammar_s"], 5)}
+                       for rid, g in zip(row_ids, got)},
     }
     return row
 

@@ -15,7 +15,7 @@ from tests.reference import WORKLOADS
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 FIELDS = ("speedup", "tokens_per_s", "ms_per_token", "acceptance_rate", "alpha_without_forced", "forced_tokens",
           "mask_share", "grammar_us_per_token", "grammar_ms_by_operation", "valid_outputs", "invalid_outputs",
-          "outputs_equal_constrained_plain")
+          "outputs_equal_constrained_plain", "per_prompt")
 
 
 def _args(*argv):
