@@ -250,7 +250,8 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                     if rpc == "openai":  # its own names, and the pairs against the gRPC stream
                         out["paths"][key] = {k.replace("grpc_", "openai_"): v for k, v in out["paths"][key].items()}
                         out["paths"][key]["over_grpc_stream_paired"] = _median_ratio(got["openai"], got["stream"])
-                    print(f"front door {key:>17}: grpc/direct e2e, median of pair ratios = "
+                    print(f"front door {key:>18}: {'openai' if rpc == 'openai' else 'grpc'}/direct e2e, "
+                          f"median of pair ratios = "
                           f"{out['paths'][key]['e2e_ratio_paired']} (ratio of medians "
                           f"{out['paths'][key]['e2e_ratio']})", file=sys.stderr, flush=True)
             finally:
@@ -298,7 +299,7 @@ def _plan(args) -> dict:
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
     segments = [s for s in args.segments.split(",") if s]
-    apis = ["grpc", "openai"] if getattr(args, "api", "grpc") == "openai" else ["grpc"]
+    apis = ["grpc", "openai"] if args.api == "openai" else ["grpc"]
     if args.quick:
         return {"levels": QUICK["levels"], "segments": segments[: QUICK["segments"]], "policies": policies,
                 "apis": apis,

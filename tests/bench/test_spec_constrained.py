@@ -57,7 +57,7 @@ def test_constrained_bench_json(tmp_path, default_model_dir, capsys):
     p = argparse.ArgumentParser()
     bench_spec.add_arguments(p)
     args = p.parse_args(["--constrained", "--workloads", str(WORKLOADS), "--json", str(out),
-                         "--prompts-per-segment", "1", "--max-tokens", "48", "--threads", "2"])
+                         "--prompts-per-segment", "1", "--max-tokens", "48", "--threads", "1"])
     assert bench_spec.run(args) == 0
     report = json.loads(out.read_text())
     assert report["config"]["segments"] == ["json"] and report["config"]["constrained"]
