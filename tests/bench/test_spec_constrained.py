@@ -8,6 +8,8 @@ import argparse
 import json
 import math
 
+import pytest
+
 from cluster.bench import spec as bench_spec
 from cluster.bench import spec_constrained as bench
 from tests.reference import WORKLOADS
@@ -52,6 +54,7 @@ def test_goals_judge_constrained_rows_only():
     assert not g["mask_share_5pct"]["pass"] and not g["no_invalid_outputs"]["pass"]
 
 
+@pytest.mark.model  # the real default model: ~7 min on the loaded 2-core machine, far less on a quiet one
 def test_constrained_bench_json(tmp_path, default_model_dir, capsys):
     out = tmp_path / "c.json"
     p = argparse.ArgumentParser()
