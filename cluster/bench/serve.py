@@ -8,7 +8,9 @@ mix (table on stdout, JSON file). Streaming calls give TTFT (first chunk with to
 front-door overhead at concurrency 1: the same requests straight through an in-process
 ``AsyncEngine`` built from the same app config (the engine's own latency, tokenization included)
 and through gRPC (proxy -> Router -> engine replica), interleaved request by request; the ratio of
-medians per path (goal <= 1.10). ``--quick`` is a smoke run for a loaded 2-core machine.
+medians per path (goal <= 1.10). ``--api openai`` adds the OpenAI-compatible HTTP front door
+beside gRPC in every cell and in the overhead (``cluster.bench.serve_openai``). ``--quick`` is a
+smoke run for a loaded 2-core machine.
 Ignores: engine-internal timing (``bench spec``/``bench decode``), plots.
 """
 from __future__ import annotations
@@ -55,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--overhead-requests", type=int, default=8,
                    help="request pairs (in-process vs gRPC) per path for the front-door overhead; 0 = skip")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="openai: every cell and the front-door overhead also through the OpenAI-compatible "
+                        "HTTP API (the openai client), side by side with gRPC (cluster/bench/serve_openai.py)")
+    p.add_argument("--http-url", default=None,
+                   help="with --addr and --api openai: the service's OpenAI base URL, e.g. "
+                        "http://127.0.0.1:8000/v1 (a local service: from its config)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: concurrency 1,4,16; first two segments; 4 requests per cell "
                         "(at least the concurrency); 16 tokens; 4 overhead pairs")
@@ -142,12 +150,14 @@ def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
 
 
 def run_requests(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n: int,
-                 max_tokens: int, offset: int = 0) -> tuple[list[dict], float]:
-    """n requests (rows from ``offset`` on, cycling) with ``concurrency`` in flight -> (results, wall)."""
+                 max_tokens: int, offset: int = 0, one=None) -> tuple[list[dict], float]:
+    """n requests (rows from ``offset`` on, cycling) with ``concurrency`` in flight -> (results,
+    wall); ``one(row, mode, max_tokens)`` sends one (default: a gRPC stream)."""
     jobs = [rows[(offset + i) % len(rows)] for i in range(max(n, concurrency))]
+    one = one or (lambda row, m, k: _one(stub, pb2, md, row, m, k))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda r: _one(stub, pb2, md, r, mode, max_tokens), jobs))
+        results = list(pool.map(lambda r: one(r, mode, max_tokens), jobs))
     return results, time.perf_counter() - t0
 
 
@@ -192,12 +202,13 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
 
 
 def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
-                        pairs: int) -> dict:
+                        pairs: int, door=None) -> dict:
     """Per path (speculative / plain): the same requests through an engine stepping in this
     process — ``AsyncEngine`` with the engine config the service's replicas build (the configured
     ``engine_impl`` itself when it is not an ``AsyncEngine``, e.g. FakeEngine) — and through gRPC,
     as ``GenerateStream`` (key ``<path>``) and as unary ``Generate`` (key ``<path>/unary``), the
-    three in ``round_order``, after one warm-up round. With placement ``separate`` the in-process
+    three in ``round_order``, after one warm-up round. With ``door`` (an ``OpenAIDoor``) a fourth
+    side, the OpenAI HTTP stream (key ``<path>/openai``). With placement ``separate`` the in-process
     spec engine drafts locally (no DraftServer in this process)."""
     from cluster.engine.async_engine import AsyncEngine
     from cluster.engine.request import SpecMode
@@ -223,15 +234,24 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                     "direct": lambda row, i: _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}"),
                     "stream": lambda row, i: _one(stub, pb2, md, row, proto_mode, max_tokens),
                     "unary": lambda row, i: _one_unary(stub, pb2, md, row, proto_mode, max_tokens)}
+                if door is not None:
+                    got["openai"] = []
+                    calls["openai"] = lambda row, i: door.one(row, proto_mode, max_tokens)
                 for i in range(pairs + 1):  # round 0 warms all three up and is not counted
                     row = rows[i % len(rows)]
                     res = {side: calls[side](row, i) for side in round_order(list(calls), i)}
-                    if i and res["stream"]["error"] is None and res["unary"]["error"] is None:
+                    if i and all(r.get("error") is None for r in res.values()):
                         for side, r in res.items():
                             got[side].append(r)
-                for rpc, key in (("stream", name), ("unary", f"{name}/unary")):
+                for rpc, key in (("stream", name), ("unary", f"{name}/unary"), ("openai", f"{name}/openai")):
+                    if rpc not in got:
+                        continue
                     out["paths"][key] = _overhead_summary(got["direct"], got[rpc])
-                    print(f"front door {key:>17}: grpc/direct e2e, median of pair ratios = "
+                    if rpc == "openai":  # its own names, and the pairs against the gRPC stream
+                        out["paths"][key] = {k.replace("grpc_", "openai_"): v for k, v in out["paths"][key].items()}
+                        out["paths"][key]["over_grpc_stream_paired"] = _median_ratio(got["openai"], got["stream"])
+                    print(f"front door {key:>18}: {'openai' if rpc == 'openai' else 'grpc'}/direct e2e, "
+                          f"median of pair ratios = "
                           f"{out['paths'][key]['e2e_ratio_paired']} (ratio of medians "
                           f"{out['paths'][key]['e2e_ratio']})", file=sys.stderr, flush=True)
             finally:
@@ -246,6 +266,11 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
     out["worst_e2e_ratio"] = max(ratios) if ratios else None
     out["meets_goal"] = bool(ratios) and max(ratios) <= FRONT_DOOR_GOAL
     return out
+
+
+def _median_ratio(a: list[dict], b: list[dict]) -> float | None:
+    """Median over pairs of a's e2e / b's e2e."""
+    return round(statistics.median(x["e2e"] / y["e2e"] for x, y in zip(a, b)), 4) if a and len(a) == len(b) else None
 
 
 def _overhead_summary(direct: list[dict], grpc_: list[dict]) -> dict:
@@ -274,12 +299,15 @@ def _plan(args) -> dict:
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {list(POLICIES)}")
     segments = [s for s in args.segments.split(",") if s]
+    apis = ["grpc", "openai"] if args.api == "openai" else ["grpc"]
     if args.quick:
         return {"levels": QUICK["levels"], "segments": segments[: QUICK["segments"]], "policies": policies,
+                "apis": apis,
                 "requests": QUICK["requests"], "max_tokens": QUICK["max_tokens"], "rounds": 1,
                 "overhead_requests": min(args.overhead_requests, QUICK["overhead_requests"])}
     return {"levels": [int(x) for x in args.concurrency.split(",") if x], "segments": segments,
-            "policies": policies, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "policies": policies, "apis": apis, "requests": args.requests, "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
             "overhead_requests": args.overhead_requests}
 
 
@@ -307,7 +335,7 @@ def round_order(items: list[str], r: int) -> list[str]:
     return list(orders[r % len(orders)])
 
 
-def _bench(args, addr: str, app: str, app_args: dict) -> dict:
+def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = None) -> dict:
     import grpc
 
     from cluster.api import stubs
@@ -315,6 +343,11 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
     pb2 = stubs.generation_pb2()
     md = [("application", app)] + ([("authorization", f"Bearer {args.token}")] if args.token else [])
     plan = _plan(args)
+    door = None
+    if plan["apis"] != ["grpc"]:
+        from cluster.bench.serve_openai import OpenAIDoor
+
+        door = OpenAIDoor(http_url, args.token)
     cells = []
     t_start = time.perf_counter()
     with grpc.insecure_channel(addr) as channel:
@@ -328,34 +361,46 @@ def _bench(args, addr: str, app: str, app_args: dict) -> dict:
             # from a new one, which would be measured as front-door cost
             rows = [r for rs in seg_rows.values() for r in rs]
             overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
-                                           plan["overhead_requests"])
+                                           plan["overhead_requests"], door)
         for segment, rows in seg_rows.items():
             for c in plan["levels"]:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
                 # stretch of a noisy machine hits every policy alike; every policy gets the same rows
-                per = {p: ([], 0.0) for p in plan["policies"]}
+                per = {(p, api): ([], 0.0) for p in plan["policies"] for api in plan["apis"]}
                 rounds, n_round = round_plan(plan["requests"], c, plan["rounds"])
                 for r in range(rounds):
                     for policy in round_order(plan["policies"], r):
-                        # one short untimed request first: the engine this policy uses may have sat
-                        # idle (its weights out of cache) while another policy ran on the other one
-                        _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
-                        res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
-                                                 plan["max_tokens"], offset=r * n_round)
-                        per[policy] = (per[policy][0] + res, per[policy][1] + wall)
+                        for api in round_order(plan["apis"], r):
+                            # one short untimed request first: the engine this policy uses may have
+                            # sat idle (its weights out of cache) while another policy ran on the other
+                            _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
+                            one = (lambda row, mode, n: door.one(row, mode, n)) if api == "openai" else None
+                            res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
+                                                     plan["max_tokens"], offset=r * n_round, one=one)
+                            per[policy, api] = (per[policy, api][0] + res, per[policy, api][1] + wall)
                 measured = router_latency(stub, pb2, md, segment)
-                for policy in plan["policies"]:
-                    cell = cell_stats(*per[policy])
-                    cell.update(segment=segment, concurrency=c, policy=policy)
+                for (policy, api), got in per.items():
+                    cell = cell_stats(*got)
+                    cell.update(segment=segment, concurrency=c, policy=policy, api=api)
                     if policy == "routed":
                         cell["router_latency"] = measured
                     cells.append(cell)
-                    print(f"{segment:>12} c={c:<3} {policy:<11} e2e_p50={cell['e2e_p50']}s "
+                    print(f"{segment:>12} c={c:<3} {policy:<11} {api:<6} e2e_p50={cell['e2e_p50']}s "
                           f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
                           file=sys.stderr, flush=True)
     return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
-            "cells": cells, "summary": summarize(cells), "front_door": overhead}
+            "cells": cells, "summary": summarize([c for c in cells if c["api"] == "grpc"]),
+            "front_door": overhead, **_api_report(cells, plan, door)}
+
+
+def _api_report(cells: list[dict], plan: dict, door) -> dict:
+    """With ``--api openai``: the OpenAI door's base URL and its overhead over gRPC per cell."""
+    if door is None:
+        return {}
+    from cluster.bench.serve_openai import api_overhead
+
+    return {"http_url": door.base_url, "api_overhead": api_overhead(cells)}
 
 
 def router_latency(stub, pb2, md, segment: str) -> dict[str, dict]:
@@ -442,7 +487,8 @@ def format_report(report: dict) -> str:
     lines = ["latencies in ms", head, "-" * len(head)]
     for c in report["cells"]:
         mix = ", ".join(f"{k}={v}" for k, v in sorted(c["route_mix"].items()))
-        lines.append(f"{c['segment']:<12} {c['concurrency']:>4} {c['policy']:<11} {c['requests']:>3} "
+        policy = c["policy"] + ("/oai" if c.get("api") == "openai" else "")
+        lines.append(f"{c['segment']:<12} {c['concurrency']:>4} {policy:<11} {c['requests']:>3} "
                      f"{sum(c['errors'].values()):>3} {_f(c['ttft_p50'], 1e3):>7} {_f(c['tpot_p50'], 1e3):>7} "
                      f"{_f(c['e2e_p50'], 1e3):>7} {_f(c['e2e_p99'], 1e3):>7} {_f(c['tokens_per_s']):>7} "
                      f"{_f(c['acceptance_rate'], 1, 2):>5}  {mix}")
@@ -463,12 +509,20 @@ def format_report(report: dict) -> str:
     if fd:
         lines += ["", f"front-door overhead at concurrency 1, {fd['pairs']} request pairs "
                       f"(gRPC / in-process AsyncEngine, goal <= {FRONT_DOOR_GOAL}; "
-                      "<path>: GenerateStream, <path>/unary: Generate):"]
+                      "<path>: GenerateStream, <path>/unary: Generate, <path>/openai: the OpenAI "
+                      "HTTP stream over the same in-process side):"]
         for name, p in fd["paths"].items():
-            lines.append(f"  {name:<17} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p['grpc_e2e_p50'], 1e3)} ms "
+            door = "openai" if "openai_e2e_p50" in p else "grpc"
+            lines.append(f"  {name:<17} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p[door + '_e2e_p50'], 1e3)} ms "
                          f"(ratio {p['e2e_ratio']}; per pair: ratio {p['e2e_ratio_paired']}, "
                          f"+{p['e2e_added_ms_p50']} ms); ttft p50 "
-                         f"{_f(p['direct_ttft_p50'], 1e3)} -> {_f(p['grpc_ttft_p50'], 1e3)} ms (ratio {p['ttft_ratio']})")
+                         f"{_f(p['direct_ttft_p50'], 1e3)} -> {_f(p[door + '_ttft_p50'], 1e3)} ms (ratio {p['ttft_ratio']})"
+                         + (f"; OpenAI / gRPC stream per pair {p['over_grpc_stream_paired']}"
+                            if door == "openai" else ""))
+    if report.get("api_overhead") is not None:
+        from cluster.bench.serve_openai import format_api_overhead
+
+        lines += format_api_overhead(report["api_overhead"])
     return "\n".join(lines)
 
 
@@ -497,6 +551,14 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.commands.serve import http_base_url
+
+    if args.http_url and args.api != "openai":
+        print("--http-url is for --api openai", file=sys.stderr)
+        return 2
+    if args.addr and args.api == "openai" and not args.http_url:
+        print("--api openai with --addr needs --http-url (the service's OpenAI base URL)", file=sys.stderr)
+        return 2
     cfg = _local_config(args)
     app_args = cfg["applications"][0].get("args", {})
     if args.addr:
@@ -504,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
             print("front-door overhead skipped: pass --config with the service's Serve config",
                   file=sys.stderr)
             app_args = None
-        report = _bench(args, args.addr, args.app, app_args)
+        report = _bench(args, args.addr, args.app, app_args, args.http_url)
     else:
         from cluster.commands.serve import local_service
 
@@ -512,7 +574,7 @@ def run(args: argparse.Namespace) -> int:
         # instead of leaving its agents behind
         signal.signal(signal.SIGTERM, _interrupt)
         with local_service(cfg) as (addr, app):
-            report = _bench(args, addr, app, app_args)
+            report = _bench(args, addr, app, app_args, http_base_url(cfg))
     print(format_report(report), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

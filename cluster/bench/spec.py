@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every method on each prompt, round-robin; the median-time run counts")
+    p.add_argument("--constrained", action="store_true",
+                   help="structured output instead: each row's json_schema (default segment json), constrained "
+                        "plain vs constrained n-gram speculation, unconstrained beside them "
+                        "(cluster/bench/spec_constrained.py)")
 
 
 # -- one request at a time, timed per step ------------------------------------------------------
@@ -292,6 +296,10 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.constrained:
+        from cluster.bench.spec_constrained import run_constrained
+
+        return run_constrained(args)
     import torch
 
     from cluster.commands.common import prompt_token_ids

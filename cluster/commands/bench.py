@@ -8,8 +8,10 @@ import importlib
 
 BENCHES = {
     "decode": "batch-1 latency vs Hugging Face and the bandwidth floor, verify cost, throughput",
-    "spec": "acceptance and speedup per workload segment and drafter, vs Hugging Face",
-    "serve": "the gRPC front door: fixed-spec, fixed-plain and routed policies per concurrency",
+    "spec": "acceptance and speedup per workload segment and drafter, vs Hugging Face "
+            "(--constrained: structured output, plain vs speculative)",
+    "serve": "the gRPC (and --api openai: OpenAI HTTP) front door: fixed-spec, fixed-plain and routed "
+             "policies per concurrency",
     "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
 }
 
