@@ -25,9 +25,11 @@ class EngineStats:
     moe_gate_open: bool = True  # False: MoE target not yet validated, speculation off
     draft_fallbacks: int = 0
     draft_resyncs: int = 0
-    # lowest acceptance rate at which speculating pays under the measured step costs (adaptive K)
+    # lowest α (per position) at which speculating pays under the measured step costs (adaptive K)
     break_even_alpha: float | None = None
-    # segment -> SpecStats.to_dict()
+    # segment -> SpecStats.to_dict() (lifetime "alpha" and "acceptance_rate"), with the SpecEngine's
+    # "live_alpha" / "live_draft_tokens" (per position, decayed: what the Router gates on) and
+    # "moe_gate_open"
     spec_by_segment: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
