@@ -27,6 +27,8 @@ class EngineStats:
     draft_resyncs: int = 0
     # lowest acceptance rate at which speculating pays under the measured step costs (adaptive K)
     break_even_alpha: float | None = None
+    # portfolio drafter: member -> {steps, draft_tokens, accepted_tokens} of the drafts it produced
+    drafter_steps: dict[str, dict] = field(default_factory=dict)
     # segment -> SpecStats.to_dict()
     spec_by_segment: dict[str, dict] = field(default_factory=dict)
 
