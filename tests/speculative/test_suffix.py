@@ -7,16 +7,13 @@ with HF through a DraftServer. Greedy equality in the shared placement is
 tests/speculative/test_spec_engine.py's concurrent test, parametrized with both drafters."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
 from cluster.engine.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
 from cluster.speculative.suffix import SuffixIndex, SuffixProposer, match_starts, walk
 from cluster.speculative.types import ProposeInput
-
-import numpy as np
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -136,3 +133,108 @@ def test_bad_settings_are_refused():
         SuffixProposer(min_token_prob=1.5)
     with pytest.raises(ValueError):
         SuffixIndex(max_tokens=0)
+
+
+# -- on engines ---------------------------------------------------------------------------------
+
+def _drafter(name: str):
+    from cluster.speculative.portfolio import default_portfolio
+
+    return SuffixProposer() if name == "suffix" else default_portfolio()
+
+
+def _remote(core):
+    from cluster.kvsync.budget import DraftBudget
+    from cluster.kvsync.client import RemoteProposer
+    from cluster.kvsync.server import start_server
+
+    server, port = start_server(core, host="127.0.0.1")
+    # a budget that always waits: these tests are about the output, not the deadline
+    return server, RemoteProposer(f"127.0.0.1:{port}", limits=core.limits,
+                                  budget=DraftBudget(floor_s=30.0, cap_s=30.0))
+
+
+@pytest.mark.parametrize("placement", ["shared", "separate"])
+@pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
+def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placement):
+    """Unseeded sampling, requests of one segment in waves: later waves draft what earlier ones
+    sampled (the index learns their outputs), so drafts are accepted and rejected."""
+    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.request import GenerationRequest
+    from cluster.kvsync.limits import KVSyncLimits
+    from cluster.kvsync.server import DraftServerCore
+    from cluster.models.load import load_model
+    from cluster.speculative.controller import build_spec_controller
+    from tests.engine.helpers import run_to_completion
+    from tests.kvsync.test_client_distribution import BATCH, N, PARAMS, PROMPT, assert_target_pair_distribution
+
+    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=drafter, num_spec_tokens=2),
+                          kv_cache_memory_mb=32, max_num_seqs=BATCH)
+    server = remote = None
+    proposer = None
+    if placement == "separate":
+        limits = KVSyncLimits(max_draft_tokens=2, max_batch=BATCH)
+        server, remote = _remote(DraftServerCore(_drafter(drafter), vocab_size=0, limits=limits))
+        proposer = remote
+    try:
+        target = load_model(str(tiny_llama_dir), config)
+        engine = LLMEngine(config, target, build_spec_controller(config, target, proposer))
+        counts: dict[tuple[int, int], int] = {}
+        drafted = accepted = 0
+        for start in range(0, N, BATCH):
+            reqs = [GenerationRequest(f"r{i}", list(PROMPT), PARAMS, segment="wave")
+                    for i in range(start, min(N, start + BATCH))]
+            for r in run_to_completion(engine, reqs).values():
+                counts[tuple(r["ids"][:2])] = counts.get(tuple(r["ids"][:2]), 0) + 1
+                drafted += r["spec"].draft_tokens
+                accepted += r["spec"].accepted_tokens
+        assert engine.stats().draft_fallbacks == 0
+    finally:
+        if remote is not None:
+            remote.close()
+            server.stop(0)
+    assert drafted >= N and 0 < accepted < drafted, (drafted, accepted)
+    pvalue = assert_target_pair_distribution(counts, tiny_llama_dir)
+    print(f"{drafter}/{placement}: α = {accepted}/{drafted}; chi-square p = {pvalue:.3f}")
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
+def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, drafter):
+    """Placement separate: the drafter in a DraftServer core behind KVSync; the segment travels
+    with each sequence, and a repeated prompt is drafted from what its first run taught."""
+    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.request import GenerationRequest, SpecMode
+    from cluster.kvsync.server import DraftServerCore
+    from cluster.speculative.controller import build_spec_controller
+    from tests.engine.helpers import prompt_ids, run_to_completion
+    from tests.reference import check_greedy_match, workload_rows
+
+    max_tokens = 20
+    rows = [r for r in workload_rows(per_segment=2) if r["segment"] in ("code", "chat", "json")]
+    core = DraftServerCore(_drafter(drafter), vocab_size=0, drafter=drafter)
+    server, remote = _remote(core)
+    try:
+        config = EngineConfig(spec=SpecConfig(drafter=drafter, num_spec_tokens=4), kv_cache_memory_mb=128)
+        m = default_model.with_fresh_kv(config)
+        eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
+        tok = default_model.tokenizer
+        reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=max_tokens),
+                                  segment=r["segment"]) for r in rows]
+        reqs[0].mode = SpecMode.PLAIN  # a K = 0 row in the same steps
+        first = run_to_completion(eng, reqs)
+        again = [GenerationRequest(r.request_id + "-again", r.prompt_token_ids, r.params, segment=r.segment)
+                 for r in reqs]
+        second = run_to_completion(eng, again)
+        for r in reqs + again:
+            got = (first | second)[r.request_id]["ids"]
+            check_greedy_match(got, hf_reference.greedy(r.prompt_token_ids, max_tokens))
+        drafted = sum(second[r.request_id]["spec"].draft_tokens for r in again)
+        accepted = sum(second[r.request_id]["spec"].accepted_tokens for r in again)
+        # the second run repeats outputs the index learnt: most drafts are right
+        assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+    finally:
+        remote.close()
+        server.stop(0)
