@@ -194,7 +194,8 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placeme
         if remote is not None:
             remote.close()
             server.stop(0)
-    assert drafted >= N and 0 < accepted < drafted, (drafted, accepted)
+    # drafted where a match was found (most later steps), accepted and rejected
+    assert drafted >= N // 4 and 0 < accepted < drafted, (drafted, accepted)
     pvalue = assert_target_pair_distribution(counts, tiny_llama_dir)
     print(f"{drafter}/{placement}: α = {accepted}/{drafted}; chi-square p = {pvalue:.3f}")
 
