@@ -183,7 +183,7 @@ class EngineImpl(_Strict):
 class AppConfig(_Strict):
     model: str = "default"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    drafter: str = "ngram"  # ngram | self | self:L | a draft model spec | none
+    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | a draft model spec | none
     num_spec_tokens: int | Literal["auto"] = "auto"
     force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED

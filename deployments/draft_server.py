@@ -41,6 +41,14 @@ def build_proposer(app: AppConfig):
         from cluster.speculative.ngram import NgramProposer
 
         return NgramProposer(), 0
+    if spec.kind is DrafterKind.SUFFIX:  # learns from the segments of every caller (one target model)
+        from cluster.speculative.suffix import SuffixProposer
+
+        return SuffixProposer(), 0
+    if spec.kind is DrafterKind.PORTFOLIO:
+        from cluster.speculative.portfolio import default_portfolio
+
+        return default_portfolio(), 0
     # Model drafters: an independent draft model (vocabulary checked against the target's
     # tokenizer), or the target's first L layers as a draft model with this replica's own KV.
     from cluster.kvsync.drafters import build_remote_proposer

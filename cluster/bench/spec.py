@@ -2,7 +2,9 @@
 against our own plain decoding and against Hugging Face's assisted generation on the same prompts.
 
 Owns: building engines that share one loaded target (plain; ngram, self:L and draft model, each
-with a fixed K and with ``auto`` K), deriving the draft model (first L target layers, see
+with a fixed K and with ``auto`` K; suffix and portfolio with ``auto`` K, on request — one engine
+per method for the whole run, so they learn from the segment's earlier prompts as a service
+would), deriving the draft model (first L target layers, see
 ``cluster.models.derive``), picking L by a quick measurement, driving one request at a time with
 per-step timing, the HF peers (plain ``generate``, ``prompt_lookup_num_tokens``,
 ``assistant_model``, ``assistant_early_exit``), the cost model, the goals, the table and the JSON.
@@ -38,7 +40,8 @@ from cluster.speculative.acceptance import expected_committed
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
-DRAFTER_KINDS = ("ngram", "self", "draft")
+DRAFTER_KINDS = ("ngram", "self", "draft", "suffix", "portfolio")
+DEFAULT_DRAFTERS = ("ngram", "self", "draft")
 SELF_CANDIDATES = (4, 8, 15, 22)
 AUTO_SLOWDOWN_LIMIT = 0.97  # auto K: no segment more than 3% slower than plain
 GOAL_NGRAM = 2.0
@@ -51,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     p.add_argument("--json", type=Path, required=True, help="output JSON file")
     p.add_argument("--segments", default=",".join(SEGMENTS), help="comma-separated segment names")
-    p.add_argument("--drafters", default=",".join(DRAFTER_KINDS), help="comma-separated: ngram, self, draft")
+    p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
+                   help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows)")
     p.add_argument("--prompts-per-segment", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
     p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
@@ -342,6 +346,9 @@ def run(args: argparse.Namespace) -> int:
     if "ngram" in kinds:
         methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens=args.ngram_k)), args.ngram_k)
         methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens="auto")), "auto")
+    for name in ("suffix", "portfolio"):  # model-free, learning from the prompts run before
+        if name in kinds:
+            methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_spec_tokens="auto")), "auto")
     if "self" in kinds:
         for k in (args.model_k, "auto"):
             methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (

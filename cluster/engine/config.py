@@ -25,7 +25,7 @@ AUTO_K = "auto"
 
 @dataclass(slots=True)
 class SpecConfig:
-    """Speculative decoding. drafter: "ngram", "self" / "self:L" (first L target layers), or a model
+    """Speculative decoding. drafter: "ngram", "suffix", "portfolio", "self" / "self:L" (first L target layers), or a model
     spec sharing the target vocabulary. num_spec_tokens: fixed K, or "auto" (adaptive K in [0, k_max])."""
 
     drafter: str = "ngram"
@@ -43,7 +43,7 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if not self.drafter:
-            raise ValueError("spec.drafter must be set (ngram, self[:L] or a draft model)")
+            raise ValueError("spec.drafter must be set (ngram, suffix, portfolio, self[:L] or a draft model)")
         if isinstance(self.num_spec_tokens, str):
             if self.num_spec_tokens != AUTO_K:
                 try:

@@ -226,7 +226,7 @@ class RemoteProposer:
             params.seed = p.seed
         return pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new,
                               num_draft_tokens=min(inp.num_draft_tokens, self.limits.max_draft_tokens),
-                              params=params)
+                              params=params, segment=inp.segment)
 
     def _call(self, inputs: list[ProposeInput], full: bool, deadline: float, releases=()):
         pb2 = stubs.kvsync_pb2()

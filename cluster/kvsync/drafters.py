@@ -10,7 +10,7 @@ target's own cached K/V; a DraftServer has none, so it hosts the target's first 
 independent draft model with its own L-layer KV pool (``first_layers``), wrapped in
 ``DraftModelProposer``. Greedy drafts are the tokens the shared layer-skip drafter proposes:
 layers < L compute the same K/V from the same committed tokens.
-Ignores: ``NGRAM`` (no model; the DraftServer deployment builds it), serving
+Ignores: the model-free drafters (``NGRAM``, ``SUFFIX``, ``PORTFOLIO``: the DraftServer deployment builds them), serving
 (``cluster.kvsync.server``), verification, K.
 """
 from __future__ import annotations

@@ -148,6 +148,8 @@ class DraftServerCore:
         for s in request.seqs:
             if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
                 raise ServiceError(_INVALID, f"seq_id must be 1-{MAX_SEQ_ID_CHARS} characters")
+            if len(s.segment) > MAX_SEQ_ID_CHARS:
+                raise ServiceError(_INVALID, f"segment must be at most {MAX_SEQ_ID_CHARS} characters")
             if s.num_draft_tokens > lim.max_draft_tokens:
                 raise ServiceError(_INVALID, f"num_draft_tokens {s.num_draft_tokens} for {s.seq_id!r} "
                                              f"exceeds this server's limit of {lim.max_draft_tokens}")
@@ -238,7 +240,7 @@ class DraftServerCore:
                     key = self._key(caller, s.seq_id)
                     inputs.append(ProposeInput(seq_id=key, token_ids=list(held),
                                                num_draft_tokens=int(s.num_draft_tokens), params=p,
-                                               generator=self._generator(key, p)))
+                                               generator=self._generator(key, p), segment=s.segment))
                     rows.append(i)
             if inputs:
                 self._busy_since = time.monotonic()

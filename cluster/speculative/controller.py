@@ -39,7 +39,7 @@ from cluster.speculative.acceptance import LiveAlpha, with_context
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
-from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_spec
+from cluster.speculative.proposer import MODEL_FREE, DrafterKind, Proposer, parse_drafter_spec
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
 from cluster.telemetry.engine_spans import kvsync_context
@@ -137,7 +137,7 @@ class SpecController:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible]
         kept, keys = [], []
         for s in eligible:
-            ctx = context(s.seq_id, s.token_ids)
+            ctx = context(s.seq_id, s.token_ids, s.request.segment)
             if ctx is None:
                 continue
             sub_id = with_context(s.seq_id, ctx)
@@ -159,8 +159,8 @@ class SpecController:
         asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
         if not asks:
             return drafts
-        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params)
-                  for s in asks]
+        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params,
+                               segment=s.seq.request.segment) for s in asks]
         t0 = time.perf_counter()
         try:
             with kvsync_context(s.seq.trace for s in asks):  # KVSync spans under these requests
@@ -385,16 +385,19 @@ class SpecController:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
         st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
+        per_drafter = getattr(self.proposer, "drafter_stats", None)  # a portfolio's members
+        if per_drafter is not None:
+            st.drafter_steps = per_drafter()
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
             st.break_even_alpha = self.adaptive.break_even_alpha(self.config.k_max)
 
 
 def draft_cost_ratio(proposer, target_runner) -> float | None:
     """Prior for one draft round relative to a target decode step, before any is timed: ngram
-    ~0; self:L and local draft models their share of the weights a decode step reads (decoder
+    (and suffix, and the model-free portfolio) ~0; self:L and local draft models their share of the weights a decode step reads (decoder
     layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
     kind = getattr(proposer, "kind", None)
-    if kind is DrafterKind.NGRAM:
+    if kind in MODEL_FREE:
         return 0.0
     runner = getattr(proposer, "runner", None)
     arch = getattr(getattr(runner, "model", None), "arch", None)
@@ -436,6 +439,14 @@ def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> 
         from cluster.speculative.ngram import NgramProposer
 
         return NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+    if spec.kind is DrafterKind.SUFFIX:
+        from cluster.speculative.suffix import SuffixProposer
+
+        return SuffixProposer()
+    if spec.kind is DrafterKind.PORTFOLIO:
+        from cluster.speculative.portfolio import default_portfolio
+
+        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.k_max)
     if spec.kind is DrafterKind.SELF:
         from cluster.engine.runner import ModelRunner
         from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers

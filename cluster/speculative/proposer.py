@@ -19,6 +19,8 @@ class DrafterKind(enum.Enum):
     NGRAM = "ngram"  # prompt lookup: copy what followed the latest matching n-gram
     SELF = "self"  # layer skip: the first L target layers + the target LM head
     REMOTE = "remote"  # a draft model living in a DraftServer, reached over KVSync
+    SUFFIX = "suffix"  # continuations learnt from the segment's earlier prompts and outputs
+    PORTFOLIO = "portfolio"  # per sequence and step, the drafter expected to commit most per cost
 
 
 @runtime_checkable
@@ -35,8 +37,9 @@ class Proposer(Protocol):
       ``token_ids`` exactly before proposing.
     - ``release`` frees per-sequence state when a sequence finishes or is preempted; releasing an
       unknown seq_id is a no-op.
-    - Optional ``draft_context(seq_id, token_ids) -> str | None``: a label for what the next draft
-      would rest on (adaptive K estimates acceptance per label); None: nothing to draft now.
+    - Optional ``draft_context(seq_id, token_ids, segment) -> str | None``: a label for what the
+      next draft would rest on (adaptive K estimates acceptance per label); None: nothing to
+      draft now.
     """
 
     kind: DrafterKind
@@ -62,8 +65,12 @@ class DrafterSpec:
             raise ValueError(f"a {self.kind.value} drafter needs a model spec")
 
 
+MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # vocabulary-agnostic
+
+
 def parse_drafter_spec(s: str | None) -> DrafterSpec | None:
-    """"ngram" | "self" | "self:L" | "none" / "" (no speculation) | anything else: a draft model.
+    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "none" / "" (no speculation) |
+    anything else: a draft model.
 
     >>> parse_drafter_spec("self:4")
     DrafterSpec(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
@@ -74,6 +81,10 @@ def parse_drafter_spec(s: str | None) -> DrafterSpec | None:
         return None
     if low == "ngram":
         return DrafterSpec(DrafterKind.NGRAM)
+    if low == "suffix":
+        return DrafterSpec(DrafterKind.SUFFIX)
+    if low == "portfolio":
+        return DrafterSpec(DrafterKind.PORTFOLIO)
     if low == "self":
         return DrafterSpec(DrafterKind.SELF)
     if low.startswith("self:"):

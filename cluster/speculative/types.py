@@ -55,6 +55,8 @@ class ProposeInput:
 
     token_ids: every committed token (prompt + output) — the proposer may assume its own state
     for this seq_id holds a prefix of it and must roll back or extend to match exactly.
+    segment: the request's traffic segment (a drafter that learns from traffic keeps what it
+    learns per segment; the others ignore it).
     """
 
     seq_id: str
@@ -62,6 +64,7 @@ class ProposeInput:
     num_draft_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    segment: str = ""
 
 
 @dataclass(slots=True)

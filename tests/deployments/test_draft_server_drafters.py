@@ -1,13 +1,17 @@
 """The DraftServer deployment's drafter factory: every drafter kind builds for placement
 ``separate`` from the app config (no Ray needed: the factory is plain code)."""
+import pytest
+
 from cluster.speculative.proposer import DrafterKind
 from deployments.app_config import AppConfig
 from deployments.draft_server import build_proposer
 
 
-def test_ngram_is_vocabulary_agnostic():
-    proposer, vocab = build_proposer(AppConfig(drafter="ngram", placement="separate"))
-    assert proposer.kind is DrafterKind.NGRAM and vocab == 0
+@pytest.mark.parametrize("drafter,kind", [("ngram", DrafterKind.NGRAM), ("suffix", DrafterKind.SUFFIX),
+                                          ("portfolio", DrafterKind.PORTFOLIO)])
+def test_model_free_drafters_are_vocabulary_agnostic(drafter, kind):
+    proposer, vocab = build_proposer(AppConfig(drafter=drafter, placement="separate"))
+    assert proposer.kind is kind and vocab == 0
 
 
 def test_self_layers_run_as_a_draft_model_with_their_own_kv():

@@ -36,7 +36,8 @@ def draft_proposer(default_model):
     return DraftModelProposer(ModelRunner(default_model.runner.model, None, 16, 256))
 
 
-@pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto")])
+@pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto"),
+                                       ("suffix", 4), ("portfolio", "auto")])
 def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k):
     proposer = draft_proposer if drafter == "draft-model" else None
     eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
@@ -60,6 +61,10 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
         keys = set(eng.spec.adaptive.estimator.to_dict())
         assert keys and all("|n" in key for key in keys), keys
         assert not eng.spec._derived and not eng.spec.adaptive.estimator._seqs
+    if drafter == "portfolio":  # every step's drafts named by the member that made them
+        members = eng.stats().drafter_steps
+        assert set(members) == {"ngram", "suffix"} and sum(m["draft_tokens"] for m in members.values()) == drafted
+        assert not eng.spec.proposer._pending
 
 
 def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):

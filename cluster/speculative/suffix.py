@@ -1,0 +1,294 @@
+"""Suffix drafting: no model, continuations learnt from this segment's earlier traffic.
+
+Owns: ``SuffixIndex`` (per segment, the prompt + output token lists of finished sequences, least
+recently used segment evicted first, a bound on the tokens held in all) and ``SuffixProposer``
+(DrafterKind.SUFFIX). For each sequence it matches the longest recent suffix of its committed
+tokens (up to ``max_depth`` tokens) against its own history and its segment's index, and walks
+the continuation greedily: at each depth the most frequent next token among the occurrences still
+on the path (ties: the most recent occurrence), with the empirical probability
+count(child) / count(parent). The draft stops where the running product of those probabilities
+falls below ``min_token_prob``, after ``max_spec_factor * m + max_spec_offset`` tokens for a
+match of m tokens, or at K. Each match length with its own set of occurrences is scored (sum of
+the draft tokens' probabilities = expected accepted tokens under the empirical model); the best
+wins, ties to the longer match. A sequence's tokens are learnt when it is released (the last
+token list it was seen with, in ``propose`` or ``draft_context``; a sequence released again
+after a preemption replaces its earlier entry, it is not counted twice).
+
+Drafts are deterministic, so draft_probs are None (one-hot q), as for n-gram: the rejection
+sampler accepts a one-hot draft token x with probability p(x), lossless for every sampling mode.
+
+Ignores: which model the tokens came from — one proposer serves one target model (an engine's,
+or the one DraftServer app's), so an index never crosses models; tenants (no isolation needed:
+a draft is only a guess, the target verifies every token).
+
+Cost: the index is the token lists themselves (int32, 4 bytes a token: the default 1M-token
+bound is 4 MB); a match is one vectorized comparison over the segment's tokens for the last
+token, then narrowing those hits one token further back per match length, then a walk over at
+most ``max_candidates`` most recent occurrences.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.speculative.proposer import DrafterKind
+from cluster.speculative.types import DraftProposal, ProposeInput
+
+SEPARATOR = -1  # between documents in a segment's flat buffer: never matched, ends a continuation
+
+
+@dataclass(slots=True)
+class SuffixDraft:
+    """The walk's result for one sequence: draft tokens [k], their running probabilities [k],
+    and the match length m they rest on (0: no match, no draft)."""
+
+    tokens: list[int]
+    probs: list[float]
+    match_len: int
+
+    @property
+    def score(self) -> float:
+        return float(sum(self.probs))
+
+
+NO_DRAFT = SuffixDraft([], [], 0)
+
+
+@dataclass(slots=True)
+class _Segment:
+    docs: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict)  # key -> [L] int32
+    num_tokens: int = 0
+    flat: np.ndarray | None = None  # docs joined by SEPARATOR, rebuilt after a change
+
+    def buffer(self) -> np.ndarray:
+        if self.flat is None:
+            parts = []
+            for doc in self.docs.values():
+                parts.append(doc)
+                parts.append(np.array([SEPARATOR], dtype=np.int32))
+            self.flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+        return self.flat
+
+
+@dataclass(slots=True)
+class SuffixIndex:
+    """Finished sequences' tokens per segment, bounded: at most ``max_tokens`` tokens and
+    ``max_segments`` segments in all. Past the bound the least recently used segment (used =
+    learnt into or matched against) loses its oldest documents first."""
+
+    max_tokens: int = 1 << 20
+    max_segments: int = 256
+    _segments: OrderedDict[str, _Segment] = field(default_factory=OrderedDict, init=False, repr=False)
+    num_tokens: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.max_segments < 1:
+            raise ValueError(f"max_tokens and max_segments must be >= 1, got {self.max_tokens}, {self.max_segments}")
+
+    @property
+    def segments(self) -> list[str]:
+        """Segments held, least recently used first."""
+        return list(self._segments)
+
+    def documents(self, segment: str) -> int:
+        seg = self._segments.get(segment)
+        return 0 if seg is None else len(seg.docs)
+
+    def add(self, segment: str, key: str, tokens: list[int] | np.ndarray) -> None:
+        """Learn ``tokens`` (prompt + output of one sequence) under ``key``, replacing what that
+        key held before (a longer list of the same sequence after a preemption)."""
+        doc = np.asarray(tokens, dtype=np.int32)[-self.max_tokens:]
+        seg = self._touch(segment, create=True)
+        old = seg.docs.pop(key, None)
+        if old is not None:
+            seg.num_tokens -= old.shape[0]
+            self.num_tokens -= old.shape[0]
+        if doc.shape[0]:
+            seg.docs[key] = doc
+            seg.num_tokens += doc.shape[0]
+            self.num_tokens += doc.shape[0]
+        seg.flat = None
+        self._evict(keep=segment)
+
+    def buffer(self, segment: str) -> np.ndarray | None:
+        """The segment's documents joined by SEPARATOR [T] int32 (marks the segment used), or
+        None for a segment with nothing learnt."""
+        seg = self._touch(segment, create=False)
+        return None if seg is None or not seg.docs else seg.buffer()
+
+    def _touch(self, segment: str, create: bool) -> _Segment | None:
+        seg = self._segments.get(segment)
+        if seg is None:
+            if not create:
+                return None
+            seg = self._segments[segment] = _Segment()
+        self._segments.move_to_end(segment)
+        return seg
+
+    def _evict(self, keep: str) -> None:
+        while len(self._segments) > self.max_segments:
+            self._drop_segment(next(iter(self._segments)))
+        while self.num_tokens > self.max_tokens:
+            # the least recently used segment gives up its oldest document; the segment just
+            # learnt into goes last (its newest document always stays: it fits the bound)
+            name = next(iter(self._segments))
+            seg = self._segments[name]
+            if name == keep and len(self._segments) > 1:
+                self._segments.move_to_end(name)
+                continue
+            _, doc = seg.docs.popitem(last=False)
+            seg.num_tokens -= doc.shape[0]
+            self.num_tokens -= doc.shape[0]
+            seg.flat = None
+            if not seg.docs:
+                del self._segments[name]
+
+    def _drop_segment(self, name: str) -> None:
+        seg = self._segments.pop(name)
+        self.num_tokens -= seg.num_tokens
+
+
+def match_starts(buf: np.ndarray, tail: np.ndarray, max_depth: int, own: bool) -> list[np.ndarray]:
+    """buf [T], tail [L] (the sequence's latest tokens) -> per match length m = 1.. (index m-1)
+    the positions in buf where a continuation of tail's last m tokens starts, ascending; the list
+    ends at the first m with none. own: buf ends with tail itself (the sequence's history), so
+    the trivial match at its end, which has no continuation, is left out."""
+    end = buf.shape[0] - 1 if own else buf.shape[0]
+    if end <= 0 or tail.shape[0] == 0:
+        return []
+    starts = np.flatnonzero(buf[:end] == tail[-1]) + 1
+    out = []
+    for m in range(1, min(max_depth, tail.shape[0]) + 1):
+        if m > 1:
+            starts = starts[starts >= m]
+            starts = starts[buf[starts - m] == tail[-m]]
+        if starts.size == 0:
+            break
+        out.append(starts)
+    return out
+
+
+def walk(sources: list[tuple[np.ndarray, np.ndarray]], max_len: int, min_token_prob: float) -> tuple[list[int], list[float]]:
+    """sources: (buf [T], continuation starts [n]) -> the greedy continuation and the running
+    probability of each of its tokens. Ties go to the most recent occurrence (later sources and
+    later positions are more recent)."""
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    live = [(buf, starts) for buf, starts in sources if starts.size]
+    for depth in range(max_len):
+        nexts, ranks, keep = [], [], []
+        offset = 0
+        for buf, starts in live:
+            at = starts + depth
+            ok = at < buf.shape[0]
+            at = at[ok]
+            tok = buf[at]
+            real = tok != SEPARATOR
+            nexts.append(tok[real])
+            ranks.append(at[real].astype(np.int64) + offset)
+            keep.append((buf, starts[ok][real]))
+            offset += buf.shape[0] + 1
+        if not nexts:
+            break
+        tok = np.concatenate(nexts)
+        if tok.size == 0:
+            break
+        values, inverse, counts = np.unique(tok, return_inverse=True, return_counts=True)
+        recent = np.zeros(values.shape[0], dtype=np.int64)
+        np.maximum.at(recent, inverse, np.concatenate(ranks))
+        best = int(np.lexsort((recent, counts))[-1])  # most frequent, then most recent
+        prob *= counts[best] / tok.size
+        if prob < min_token_prob:
+            break
+        t = int(values[best])
+        tokens.append(t)
+        probs.append(float(prob))
+        live = [(buf, starts[buf[starts + depth] == t]) for buf, starts in keep]
+    return tokens, probs
+
+
+@dataclass(slots=True)
+class _Seen:
+    tokens: list[int]
+    segment: str
+    draft: SuffixDraft | None = None  # the proposal for exactly ``tokens``, once computed
+
+
+@dataclass(slots=True)
+class SuffixProposer:
+    max_depth: int = 16  # longest suffix matched
+    max_spec_tokens: int = 16  # longest draft (K caps it too)
+    min_token_prob: float = 0.1  # stop once the running empirical probability falls below
+    max_spec_factor: float = 2.0  # a match of m tokens drafts at most factor * m + offset tokens
+    max_spec_offset: float = 1.0
+    max_candidates: int = 256  # most recent occurrences walked per source
+    index: SuffixIndex = field(default_factory=SuffixIndex)
+    kind: DrafterKind = field(default=DrafterKind.SUFFIX, init=False)
+    _seen: dict[str, _Seen] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1 or self.max_spec_tokens < 1 or self.max_candidates < 1:
+            raise ValueError("max_depth, max_spec_tokens and max_candidates must be >= 1")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.max_spec_factor < 0 or self.max_spec_offset < 0:
+            raise ValueError("max_spec_factor and max_spec_offset must be >= 0")
+
+    def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
+        drafts = []
+        for inp in inputs:
+            d = self._draft(inp.seq_id, inp.token_ids, inp.segment) if inp.num_draft_tokens > 0 else NO_DRAFT
+            drafts.append(d.tokens[: inp.num_draft_tokens])
+        return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
+
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
+        """"m<length>" of the match the next draft rests on (4 and longer pooled), or None when
+        nothing matches: adaptive K keeps acceptance per context."""
+        d = self._draft(seq_id, token_ids, segment)
+        return f"m{min(d.match_len, 4)}" if d.tokens else None
+
+    def release(self, seq_id: str) -> None:
+        """The sequence is done (or preempted): learn its last seen tokens into its segment."""
+        seen = self._seen.pop(seq_id, None)
+        if seen is not None and len(seen.tokens) > 1:
+            self.index.add(seen.segment, seq_id, seen.tokens)
+
+    def proposal(self, seq_id: str, token_ids: list[int], segment: str = "") -> SuffixDraft:
+        """The full draft (up to max_spec_tokens) with its probabilities and match length."""
+        return self._draft(seq_id, token_ids, segment)
+
+    def _draft(self, seq_id: str, token_ids: list[int], segment: str) -> SuffixDraft:
+        seen = self._seen.get(seq_id)
+        if seen is None or seen.segment != segment or len(seen.tokens) != len(token_ids) \
+                or (token_ids and seen.tokens[-1] != token_ids[-1]):
+            seen = self._seen[seq_id] = _Seen(list(token_ids), segment)
+        if seen.draft is None:
+            seen.draft = self._search(np.asarray(token_ids, dtype=np.int32), segment)
+        return seen.draft
+
+    def _search(self, history: np.ndarray, segment: str) -> SuffixDraft:
+        """history [L] int32 -> the best-scoring draft over all match lengths."""
+        if history.shape[0] < 1:
+            return NO_DRAFT
+        tail = history[-self.max_depth:]
+        learnt = self.index.buffer(segment)
+        per_source = [(history, match_starts(history, tail, self.max_depth, own=True))]
+        if learnt is not None:
+            per_source.insert(0, (learnt, match_starts(learnt, tail, self.max_depth, own=False)))
+        longest = max(len(m) for _, m in per_source)
+        best = NO_DRAFT
+        previous = None
+        for m in range(longest, 0, -1):
+            sizes = tuple(ms[m - 1].size if len(ms) >= m else 0 for _, ms in per_source)
+            if sizes == previous:
+                continue  # the same occurrences as the longer match: the same walk, lower rank
+            previous = sizes
+            sources = [(buf, ms[m - 1][-self.max_candidates:]) for buf, ms in per_source if len(ms) >= m]
+            cap = min(self.max_spec_tokens, int(self.max_spec_factor * m + self.max_spec_offset))
+            tokens, probs = walk(sources, cap, self.min_token_prob)
+            if tokens and sum(probs) > best.score:
+                best = SuffixDraft(tokens, probs, m)
+        return best

@@ -1,0 +1,241 @@
+"""Suffix drafter: the index (bounded tokens, LRU eviction by segment, learning a released
+sequence, replacing rather than double-counting a re-released one), the draft (a continuation seen
+before, none on a miss, the most frequent continuation, a length from its empirical probability),
+and, on engines, lossless sampling (chi-square of the first two sampled tokens against Hugging
+Face's exact probabilities) for suffix and portfolio in both placements, plus greedy equality
+with HF through a DraftServer. Greedy equality in the shared placement is
+tests/speculative/test_spec_engine.py's concurrent test, parametrized with both drafters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.engine.request import SamplingParams
+from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
+from cluster.speculative.suffix import SuffixIndex, SuffixProposer, match_starts, walk
+from cluster.speculative.types import ProposeInput
+
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def ask(p, seq_id, tokens, k=4, segment="s"):
+    return p.propose([ProposeInput(seq_id, list(tokens), k, GREEDY, segment=segment)]).draft_token_ids[0]
+
+
+def learn(p, seq_id, tokens, segment="s"):
+    ask(p, seq_id, tokens, segment=segment)  # the proposer learns the tokens it was last shown
+    p.release(seq_id)
+
+
+def test_spec_strings_select_suffix_and_portfolio():
+    assert parse_drafter_spec("suffix").kind is DrafterKind.SUFFIX
+    assert parse_drafter_spec(" Portfolio ").kind is DrafterKind.PORTFOLIO
+    assert SuffixProposer().kind is DrafterKind.SUFFIX
+
+
+def test_a_released_sequence_is_learnt_and_its_continuation_proposed():
+    p = SuffixProposer()
+    learn(p, "a", [10, 11, 12, 13, 14, 15, 16])
+    assert p.index.segments == ["s"] and p.index.num_tokens == 7
+    # a new sequence that ends like "11 12" continues as the learnt one did
+    assert ask(p, "b", [99, 98, 11, 12], k=4) == [13, 14, 15, 16]
+    assert ask(p, "b", [99, 98, 11, 12], k=2) == [13, 14]  # capped by K
+    d = p.proposal("b", [99, 98, 11, 12], "s")
+    assert d.match_len == 2 and d.probs == [1.0] * 4
+
+
+def test_no_proposal_on_a_miss_or_in_another_segment():
+    p = SuffixProposer()
+    learn(p, "a", [10, 11, 12, 13])
+    assert ask(p, "b", [50, 51, 52]) == []  # 52 was never seen
+    assert p.draft_context("b", [50, 51, 52], "s") is None
+    assert ask(p, "c", [50, 11, 12], segment="other") == []  # segments never share an index
+    assert ask(p, "d", [50, 11, 12], k=0) == []
+
+
+def test_own_history_is_matched_before_anything_is_learnt():
+    p = SuffixProposer()
+    assert ask(p, "a", [7, 1, 2, 3, 7, 1], k=3) == [2, 3, 7]
+    assert p.draft_context("a", [7, 1, 2, 3, 7, 1], "s") == "m2"
+
+
+def test_the_most_frequent_continuation_wins_and_length_follows_its_probability():
+    p = SuffixProposer(min_token_prob=0.5, max_spec_factor=8.0)
+    for i in range(3):
+        learn(p, f"x{i}", [5, 6, 7, 8, 9])
+    learn(p, "y", [5, 6, 7, 40, 41])
+    d = p.proposal("q", [1, 6, 7], "s")
+    # after "6 7": 8 three times in four, then 9 always; a 1-in-4 branch is not drafted
+    assert d.tokens == [8, 9] and d.probs == [0.75, 0.75]
+    p2 = SuffixProposer(min_token_prob=0.8)
+    for i in range(3):
+        learn(p2, f"x{i}", [5, 6, 7, 8, 9])
+    learn(p2, "y", [5, 6, 7, 40, 41])
+    assert p2.proposal("q", [1, 6, 7], "s").tokens == []  # 0.75 < 0.8: nothing worth drafting
+
+
+def test_a_longer_match_with_a_surer_continuation_beats_a_shorter_one():
+    p = SuffixProposer(max_spec_factor=8.0)
+    learn(p, "a", [1, 2, 3, 4, 5])
+    for i in range(5):
+        learn(p, f"b{i}", [9, 3, 7])
+    # "3" alone is followed by 7 five times in six (score 5/6); "2 3" only by "4 5" (score 2)
+    d = p.proposal("q", [0, 2, 3], "s")
+    assert d.tokens == [4, 5] and d.match_len == 2
+    # the score is the expected number of accepted tokens: a long likely run beats a short sure one
+    for i in range(5):
+        learn(p, f"c{i}", [9, 3, 7, 7, 7, 7])
+    d = p.proposal("r", [0, 2, 3], "s")
+    assert d.tokens[0] == 7 and d.match_len == 1 and d.score > 2
+
+
+def test_index_stays_within_its_token_bound_evicting_the_least_recently_used_segment():
+    index = SuffixIndex(max_tokens=20)
+    index.add("a", "a1", list(range(8)))
+    index.add("b", "b1", list(range(100, 108)))
+    assert index.buffer("a") is not None  # "a" used: "b" is now the least recently used
+    index.add("c", "c1", list(range(200, 208)))
+    assert index.num_tokens <= 20 and index.segments == ["a", "c"]
+    assert index.documents("b") == 0 and index.buffer("b") is None
+    index.add("c", "c2", list(range(300, 318)))  # 18 tokens: a's and c's oldest go
+    assert index.num_tokens == 18 and index.segments == ["c"] and index.documents("c") == 1
+    index.add("c", "c3", list(range(50)))  # longer than the bound: its newest tokens stay
+    assert index.num_tokens == 20 and index.buffer("c").tolist()[:20] == list(range(30, 50))
+
+
+def test_index_bounds_the_number_of_segments():
+    index = SuffixIndex(max_segments=2)
+    for name in ("a", "b", "c"):
+        index.add(name, name, [1, 2, 3])
+    assert index.segments == ["b", "c"] and index.num_tokens == 6
+
+
+def test_a_preempted_then_finished_sequence_replaces_its_entry():
+    p = SuffixProposer()
+    learn(p, "a", [1, 2, 3, 4])
+    learn(p, "a", [1, 2, 3, 4, 5, 6])  # resumed after a preemption and finished: one document
+    assert p.index.documents("s") == 1 and p.index.num_tokens == 6
+
+
+def test_match_starts_and_walk_on_literal_buffers():
+    buf = np.array([1, 2, 3, -1, 1, 2, 4, -1, 2, 3], dtype=np.int32)
+    starts = match_starts(buf, np.array([1, 2], dtype=np.int32), 8, own=False)
+    assert [s.tolist() for s in starts] == [[2, 6, 9], [2, 6]]
+    tokens, probs = walk([(buf, starts[1])], 4, 0.1)
+    assert tokens == [4] and probs == [0.5]  # 3 and 4 tie once each: the more recent (4) wins
+    # own history: the trailing occurrence of the tail itself has no continuation
+    own = np.array([5, 6, 5, 6], dtype=np.int32)
+    assert [s.tolist() for s in match_starts(own, own[-2:], 8, own=True)] == [[2], [2]]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        SuffixProposer(min_token_prob=1.5)
+    with pytest.raises(ValueError):
+        SuffixIndex(max_tokens=0)
+
+
+# -- on engines ---------------------------------------------------------------------------------
+
+def _drafter(name: str):
+    from cluster.speculative.portfolio import default_portfolio
+
+    return SuffixProposer() if name == "suffix" else default_portfolio()
+
+
+def _remote(core):
+    from cluster.kvsync.budget import DraftBudget
+    from cluster.kvsync.client import RemoteProposer
+    from cluster.kvsync.server import start_server
+
+    server, port = start_server(core, host="127.0.0.1")
+    # a budget that always waits: these tests are about the output, not the deadline
+    return server, RemoteProposer(f"127.0.0.1:{port}", limits=core.limits,
+                                  budget=DraftBudget(floor_s=30.0, cap_s=30.0))
+
+
+@pytest.mark.parametrize("placement", ["shared", "separate"])
+@pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
+def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placement):
+    """Unseeded sampling, requests of one segment in waves: later waves draft what earlier ones
+    sampled (the index learns their outputs), so drafts are accepted and rejected."""
+    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.request import GenerationRequest
+    from cluster.kvsync.limits import KVSyncLimits
+    from cluster.kvsync.server import DraftServerCore
+    from cluster.models.load import load_model
+    from cluster.speculative.controller import build_spec_controller
+    from tests.engine.helpers import run_to_completion
+    from tests.kvsync.test_client_distribution import BATCH, N, PARAMS, PROMPT, assert_target_pair_distribution
+
+    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=drafter, num_spec_tokens=2),
+                          kv_cache_memory_mb=32, max_num_seqs=BATCH)
+    server = remote = None
+    proposer = None
+    if placement == "separate":
+        limits = KVSyncLimits(max_draft_tokens=2, max_batch=BATCH)
+        server, remote = _remote(DraftServerCore(_drafter(drafter), vocab_size=0, limits=limits))
+        proposer = remote
+    try:
+        target = load_model(str(tiny_llama_dir), config)
+        engine = LLMEngine(config, target, build_spec_controller(config, target, proposer))
+        counts: dict[tuple[int, int], int] = {}
+        drafted = accepted = 0
+        for start in range(0, N, BATCH):
+            reqs = [GenerationRequest(f"r{i}", list(PROMPT), PARAMS, segment="wave")
+                    for i in range(start, min(N, start + BATCH))]
+            for r in run_to_completion(engine, reqs).values():
+                counts[tuple(r["ids"][:2])] = counts.get(tuple(r["ids"][:2]), 0) + 1
+                drafted += r["spec"].draft_tokens
+                accepted += r["spec"].accepted_tokens
+        assert engine.stats().draft_fallbacks == 0
+    finally:
+        if remote is not None:
+            remote.close()
+            server.stop(0)
+    # drafted where a match was found (most later steps), accepted and rejected
+    assert drafted >= N // 4 and 0 < accepted < drafted, (drafted, accepted)
+    pvalue = assert_target_pair_distribution(counts, tiny_llama_dir)
+    print(f"{drafter}/{placement}: α = {accepted}/{drafted}; chi-square p = {pvalue:.3f}")
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
+def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, drafter):
+    """Placement separate: the drafter in a DraftServer core behind KVSync; the segment travels
+    with each sequence, and a repeated prompt is drafted from what its first run taught."""
+    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.request import GenerationRequest, SpecMode
+    from cluster.kvsync.server import DraftServerCore
+    from cluster.speculative.controller import build_spec_controller
+    from tests.engine.helpers import prompt_ids, run_to_completion
+    from tests.reference import check_greedy_match, workload_rows
+
+    max_tokens = 20
+    rows = [r for r in workload_rows(per_segment=2) if r["segment"] in ("code", "chat", "json")]
+    core = DraftServerCore(_drafter(drafter), vocab_size=0, drafter=drafter)
+    server, remote = _remote(core)
+    try:
+        config = EngineConfig(spec=SpecConfig(drafter=drafter, num_spec_tokens=4), kv_cache_memory_mb=128)
+        m = default_model.with_fresh_kv(config)
+        eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
+        tok = default_model.tokenizer
+        reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=max_tokens),
+                                  segment=r["segment"]) for r in rows]
+        reqs[0].mode = SpecMode.PLAIN  # a K = 0 row in the same steps
+        first = run_to_completion(eng, reqs)
+        again = [GenerationRequest(r.request_id + "-again", r.prompt_token_ids, r.params, segment=r.segment)
+                 for r in reqs]
+        second = run_to_completion(eng, again)
+        for r in reqs + again:
+            got = (first | second)[r.request_id]["ids"]
+            check_greedy_match(got, hf_reference.greedy(r.prompt_token_ids, max_tokens))
+        drafted = sum(second[r.request_id]["spec"].draft_tokens for r in again)
+        accepted = sum(second[r.request_id]["spec"].accepted_tokens for r in again)
+        # the second run repeats outputs the index learnt: most drafts are right
+        assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+    finally:
+        remote.close()
+        server.stop(0)
