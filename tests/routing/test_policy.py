@@ -1,9 +1,8 @@
 """Router policy rules and hysteresis, without Ray."""
 import pytest
 
-from cluster.engine.request import SpecMode
-from cluster.routing.policy import (EngineView, Path, RequestFeatures, RouteReason, RouterConfig,
-                                    RouterPolicy)
+from cluster.common.request import SpecMode
+from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteReason, RouterConfig, RouterPolicy
 
 SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
 
