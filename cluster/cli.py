@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one clear error line, not a traceback, for user errors
-        from cluster.errors import is_user_facing
+        from cluster.common.errors import is_user_facing
 
         if is_user_facing(exc):
             print(f"specserve: error: {exc}", file=sys.stderr)

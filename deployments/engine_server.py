@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from cluster.api.requests import ValidatedRequest, to_generation_request
 from cluster.api.status import EngineFailure, FailureKind
-from cluster.engine.request import RequestOutput, merge_outputs
+from cluster.common.request import RequestOutput, merge_outputs
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig

@@ -42,18 +42,19 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
-from cluster.api.requests import (RequestFields, ValidatedRequest, check_constraint, fields_from_proto,
-                                  request_label, validate_fields)
+from cluster.api.requests import (
+    RequestFields, ValidatedRequest, check_constraint, fields_from_proto, request_label, validate_fields,
+)
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
-from cluster.engine.request import FinishReason, SpecMode
+from cluster.common.request import FinishReason, SpecMode
+from cluster.common.segments import SegmentLabels
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouteReason, RouterPolicy
-from cluster.routing.segments import SegmentLabels
-from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import API_GRPC, RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section
+from deployments.app_config import PROXY_MAX_MESSAGE_ENV, AppConfig
 
 log = logging.getLogger("specserve.router")
 _POLL_S = 0.5

@@ -31,7 +31,7 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def default_model(default_model_dir):
     """The default model loaded once; engines built on it share the weights."""
-    from cluster.engine.config import EngineConfig
+    from cluster.common.config import EngineConfig
     from cluster.models.load import load_model
 
     return load_model("default", EngineConfig())

@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from cluster.engine.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, RequestOutput, SpecStats
 from cluster.routing.policy import RouteDecision
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",

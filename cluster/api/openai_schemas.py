@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.api.requests import RequestFields
 from cluster.api.status import ServiceError, invalid
-from cluster.engine.request import SpecMode
+from cluster.common.request import SpecMode
 
 # response_format json_object: any JSON object (the grammar engine enforces it like a schema)
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})

@@ -21,8 +21,8 @@ import warnings
 from dataclasses import dataclass
 
 from cluster.api.status import ServiceError, invalid
-from cluster.engine.request import (Constraint, ConstraintKind, GenerationRequest,
-                                    InvalidRequestError, SamplingParams, SpecMode)
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams, SpecMode
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.api import stubs
-from cluster.engine.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, RequestOutput, SpecStats
 from cluster.routing.policy import Path, RouteDecision
 
 _FINISH = {FinishReason.LENGTH: 1, FinishReason.STOP: 2, FinishReason.EOS: 3,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.engine.request import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
+from cluster.common.errors import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
 
 
 class FailureKind(enum.Enum):

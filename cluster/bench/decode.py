@@ -52,7 +52,7 @@ def _engine(model, config):
 
 def ours_ms_per_token(engine, prompt_ids: list[int], n: int) -> float:
     """Time the decode steps only (prefill step excluded)."""
-    from cluster.engine.request import GenerationRequest, SamplingParams
+    from cluster.common.request import GenerationRequest, SamplingParams
 
     engine.add_request(GenerationRequest(f"b{time.monotonic_ns()}", prompt_ids,
                                          SamplingParams(max_tokens=n + 1, ignore_eos=True)))
@@ -80,7 +80,7 @@ def hf_ms_per_token(hf, prompt_ids: list[int], n: int) -> float:
 
 
 def verify_cost_ratio(runner, prompt_ids: list[int], reps: int, q: int = 6) -> float:
-    from cluster.engine.runner import SeqChunk
+    from cluster.models.runner import SeqChunk
 
     sid = "verify-bench"
     runner.forward([SeqChunk(sid, prompt_ids, 0, 1)])
@@ -97,7 +97,7 @@ def verify_cost_ratio(runner, prompt_ids: list[int], reps: int, q: int = 6) -> f
 
 
 def throughput(engine, prompt_ids: list[int], concurrency: int, n: int) -> float:
-    from cluster.engine.request import GenerationRequest, SamplingParams
+    from cluster.common.request import GenerationRequest, SamplingParams
 
     for i in range(concurrency):
         engine.add_request(GenerationRequest(f"t{concurrency}-{i}-{time.monotonic_ns()}", prompt_ids,
@@ -113,7 +113,7 @@ def throughput(engine, prompt_ids: list[int], concurrency: int, n: int) -> float
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.config import EngineConfig
+    from cluster.common.config import EngineConfig
     from cluster.models.load import load_model
 
     if args.threads:

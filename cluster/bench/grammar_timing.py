@@ -92,7 +92,7 @@ def timed_grammar(engines):
     are kept) and time ``apply_masks`` where the engine and the controller call it; yields the
     clock. Restored on exit."""
     import cluster.engine.llm_engine as llm_engine
-    import cluster.speculative.controller as controller
+    import cluster.engine.speculation as controller
 
     clock = GrammarClock()
     saved = [(e, e.grammars) for e in engines]

@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.commands.common import read_prompt_rows
+from cluster.common.prompt_rows import read_prompt_rows
 
 POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
 PATH_NAMES = {1: "speculative", 2: "plain"}  # proto RoutePath
@@ -78,7 +78,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 def load_prompts(workloads: Path, segment: str, limit: int) -> list[dict]:
     path = workloads / f"{segment}.jsonl"
     if not path.is_file():
-        from cluster.errors import UserFacingError
+        from cluster.common.errors import UserFacingError
 
         raise UserFacingError(f"no workload {segment!r}: {path} not found")
     return read_prompt_rows(path, limit)
@@ -181,7 +181,7 @@ def cell_stats(results: list[dict], wall: float) -> dict:
 
 # -- front-door overhead: in-process AsyncEngine vs gRPC, concurrency 1 ------------------------
 def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dict:
-    from cluster.engine.request import GenerationRequest, SamplingParams
+    from cluster.common.request import GenerationRequest, SamplingParams
 
     async def go() -> dict:
         t0 = time.perf_counter()
@@ -210,8 +210,8 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
     three in ``round_order``, after one warm-up round. With ``door`` (an ``OpenAIDoor``) a fourth
     side, the OpenAI HTTP stream (key ``<path>/openai``). With placement ``separate`` the in-process
     spec engine drafts locally (no DraftServer in this process)."""
+    from cluster.common.request import SpecMode
     from cluster.engine.async_engine import AsyncEngine
-    from cluster.engine.request import SpecMode
     from deployments.app_config import AppConfig
 
     app = AppConfig(**app_args)
@@ -536,7 +536,7 @@ def _free_port() -> int:
 
 def _local_config(args) -> dict:
     """The Serve config; a local service gets free loopback ports (others may run one too)."""
-    from cluster.commands.serve import DEFAULT_CONFIG, load_config
+    from deployments.local import DEFAULT_CONFIG, load_config
 
     ns = argparse.Namespace(config=args.config or DEFAULT_CONFIG, model=None, drafter=None,
                             placement=None, port=None if args.addr else _free_port())
@@ -551,7 +551,7 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import http_base_url
+    from deployments.local import http_base_url
 
     if args.http_url and args.api != "openai":
         print("--http-url is for --api openai", file=sys.stderr)
@@ -568,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
             app_args = None
         report = _bench(args, args.addr, args.app, app_args, args.http_url)
     else:
-        from cluster.commands.serve import local_service
+        from deployments.local import local_service
 
         # SIGTERM (e.g. `timeout`, a CI runner) unwinds like Ctrl-C, so the local Ray is shut down
         # instead of leaving its agents behind

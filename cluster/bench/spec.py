@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.commands.common import read_prompt_rows
+from cluster.common.prompt_rows import read_prompt_rows
 from cluster.speculative.acceptance import expected_committed
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
@@ -152,9 +152,9 @@ def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) 
 
 # -- engines ---------------------------------------------------------------------------------------
 def _engine(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
-    from cluster.engine.config import EngineConfig
+    from cluster.common.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
-    from cluster.speculative.controller import build_spec_controller
+    from cluster.engine.speculation import build_spec_controller
 
     config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb)
     m = target.with_fresh_kv(config)
@@ -163,7 +163,7 @@ def _engine(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
 
 
 def _request(rid: str, ids: list[int], max_tokens: int, segment: str):
-    from cluster.engine.request import GenerationRequest, SamplingParams
+    from cluster.common.request import GenerationRequest, SamplingParams
 
     return GenerationRequest(rid, list(ids), SamplingParams(max_tokens=max_tokens), segment=segment)
 
@@ -199,7 +199,7 @@ def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_to
                        candidates=SELF_CANDIDATES) -> tuple[int, dict]:
     """Quick measurement: for each L, run a few prompts with self:L at K=k and predict the speedup
     from the measured α, c and v (less noisy than timing whole requests); pick the best L."""
-    from cluster.engine.config import SpecConfig
+    from cluster.common.config import SpecConfig
 
     plain = _engine(target)
     n = target.runner.model.arch.num_layers
@@ -306,14 +306,14 @@ def run(args: argparse.Namespace) -> int:
         return run_constrained(args)
     import torch
 
-    from cluster.commands.common import prompt_token_ids
-    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.common.cache_dir import cache_root
+    from cluster.common.config import EngineConfig, SpecConfig
     from cluster.models.derive import derive_truncated_draft
     from cluster.models.load import load_model
-    from cluster.models.loader import cache_root
+    from cluster.models.runner import ModelRunner
+    from cluster.models.tokenizer import prompt_token_ids
     from cluster.speculative.draft_model import DraftModelProposer
     from cluster.speculative.vocab_check import require_vocab_compatible
-    from cluster.engine.runner import ModelRunner
 
     if args.threads:
         torch.set_num_threads(args.threads)

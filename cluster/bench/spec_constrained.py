@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from cluster.bench.spec import DRAFTER_KINDS, SEGMENTS, _engine, _med, _r, run_ours
-from cluster.commands.common import read_prompt_rows
+from cluster.common.prompt_rows import read_prompt_rows
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
 GOAL_MASK_SHARE = 0.05  # grammar path <= 5% of a decode step
@@ -42,7 +42,7 @@ def _log(msg: str) -> None:
 
 def _methods(args) -> list[tuple[str, object, bool]]:
     """(name, SpecConfig | None, constrained) for every method, in run order."""
-    from cluster.engine.config import SpecConfig
+    from cluster.common.config import SpecConfig
 
     k = args.ngram_k
     return [("plain", None, False),
@@ -83,7 +83,7 @@ def validate_output(text: str, schema: dict) -> str | None:
 
 
 def _request(rid: str, ids: list[int], max_tokens: int, segment: str, schema: dict | None):
-    from cluster.engine.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams
+    from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams
 
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)) if schema is not None else None
     return GenerationRequest(rid, list(ids), SamplingParams(max_tokens=max_tokens), segment=segment,
@@ -92,7 +92,7 @@ def _request(rid: str, ids: list[int], max_tokens: int, segment: str, schema: di
 
 def _one(engine, clock, rid, ids, max_tokens, segment, schema) -> dict:
     """One request through ``engine`` -> its Run plus the grammar time and forced tokens."""
-    from cluster.engine.request import SpecStats
+    from cluster.common.request import SpecStats
 
     before = clock.snapshot()
     forced0 = engine.segment_stats.get(segment, SpecStats()).forced_tokens
@@ -162,8 +162,8 @@ def run_constrained(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.bench.grammar_timing import timed_grammar
-    from cluster.commands.common import prompt_token_ids
-    from cluster.engine.config import EngineConfig
+    from cluster.models.tokenizer import prompt_token_ids
+    from cluster.common.config import EngineConfig
     from cluster.models.load import load_model
 
     problem = check_options(args)

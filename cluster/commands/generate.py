@@ -9,8 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.commands.common import add_engine_args, engine_config, prompt_token_ids, read_prompt_rows
-from cluster.engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from cluster.commands.common import add_engine_args, engine_config
+from cluster.common.errors import InvalidRequestError
+from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.request import GenerationRequest, SamplingParams
+from cluster.models.tokenizer import prompt_token_ids
 
 
 def add_parser(sub) -> None:

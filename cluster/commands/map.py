@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cluster.engine.request import InvalidRequestError
+from cluster.common.errors import InvalidRequestError
 
 
 def _ints(text: str) -> list[int]:

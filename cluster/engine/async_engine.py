@@ -15,11 +15,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.errors import EngineOverloadedError, InvalidRequestError
+from cluster.common.request import GenerationRequest, RequestOutput, merge_outputs
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import (
-    EngineOverloadedError, GenerationRequest, InvalidRequestError, RequestOutput, merge_outputs,
-)
 from cluster.engine.step_loop import Delivery, StepLoop
 
 if TYPE_CHECKING:  # the model code loads only where the engine steps (a ProcessEngine's core)
@@ -38,7 +37,7 @@ def build_engine(config: EngineConfig, proposer=None) -> "LLMEngine":
     model = load_model(config.model, config)
     spec = None
     if config.spec is not None:
-        from cluster.speculative.controller import build_spec_controller
+        from cluster.engine.speculation import build_spec_controller
 
         spec = build_spec_controller(config, model, proposer)
     return LLMEngine(config, model, spec)

@@ -4,7 +4,7 @@ Owns: ``SeqDraft`` (one sequence's checked draft: K_i draft token ids, the draft
 the tokens its grammar forced, the grammar masks along it) and ``StepDrafts`` (every drafting
 sequence of the step, in a dict keyed by sequence id; empty = a plain step), with the views the
 verifier needs in batch order. ``Verdict``: what verification (or plain sampling) decides for
-one sequence. Ignores: how drafts are asked for and checked (``cluster.speculative.controller``
+one sequence. Ignores: how drafts are asked for and checked (``cluster.engine.speculation``
 turns a proposer's ``DraftProposal`` into this) and the ragged-batch metadata of the rejection
 sampler (``cluster.speculative.types``).
 """

@@ -1,15 +1,12 @@
 """Engine core process: the step loop with a Python interpreter (and GIL) of its own.
 
 ``python -m cluster.engine.engine_core FD`` is started by ``ProcessEngine`` with one end of a
-socket pair as FD. Messages (pickled, ``multiprocessing.connection`` framing):
+socket pair as FD. Messages (pickled, ``multiprocessing.connection`` framing) are the dataclasses
+of ``cluster.engine.core_messages``:
 
-  parent -> core: ("init", EngineConfig, proposer | None, TelemetryConfig | None) once, then
-                  ("add", GenerationRequest), ("abort", request id), ("draft_address", str | None),
-                  ("stop",)
-  core -> parent: ("ready", {summary, limits, tokenizer_path, stats}) or ("failed", message)
-                  once, then
-                  ("out", [(request id, RequestOutput | exception | None), ...]) per step,
-                  ("stats", EngineStats, draft status dict | None), and ("stopped",) last.
+  parent -> core: ``Init`` once, then ``Add``, ``Abort``, ``SetDraftAddress``, ``Stop``.
+  core -> parent: ``Ready`` or ``Failed`` once, then ``Outputs`` per step, ``Stats`` per
+                  snapshot, and ``Stopped`` last.
 
 Owns: building the engine from the parent's config (tracing configured as in the replica),
 reading requests on a thread of its own while the main thread steps, sending each step's outputs
@@ -25,14 +22,18 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from cluster.engine.request import EngineOverloadedError, InvalidRequestError
+from cluster.common.errors import EngineOverloadedError, InvalidRequestError
+from cluster.engine.core_messages import (
+    Abort, Add, Failed, FromCore, Init, Outputs, Ready, SetDraftAddress, Stats, Stop, Stopped,
+)
+from cluster.speculative.proposer import DraftStatus
 
 log = logging.getLogger("specserve.engine_core")
 
 
 def draft_status(proposer) -> dict | None:
     """What the replica shows about a KVSync proposer that lives here (SpecEngine stats)."""
-    if proposer is None or not hasattr(proposer, "tracked"):
+    if not isinstance(proposer, DraftStatus):
         return None
     return {"address": proposer.address, "tracked": proposer.tracked(),
             "epoch_changes": proposer.num_epoch_changes, "resyncs": proposer.num_resyncs}
@@ -52,7 +53,7 @@ class _Sender:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def __call__(self, msg: tuple) -> None:
+    def __call__(self, msg: FromCore) -> None:
         with self._lock:
             try:
                 self._conn.send(msg)
@@ -67,15 +68,18 @@ def _read(conn: Connection, loop, proposer) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             break
-        kind = msg[0]
-        if kind == "add":
-            loop.submit(msg[1])
-        elif kind == "abort":
-            loop.abort(msg[1])
-        elif kind == "draft_address" and proposer is not None:
-            proposer.set_address(msg[1])
-        elif kind == "stop":
-            break
+        match msg:
+            case Add(request):
+                loop.submit(request)
+            case Abort(request_id):
+                loop.abort(request_id)
+            case SetDraftAddress(address):
+                if proposer is not None:
+                    proposer.set_address(address)
+            case Stop():
+                break
+            case _:
+                log.error("unexpected message from the replica: %r", msg)
     loop.stop()
 
 
@@ -84,7 +88,10 @@ def serve(conn: Connection) -> None:
     from cluster.engine.step_loop import StepLoop
     from cluster.telemetry.tracing import configure_tracing, shutdown_tracing
 
-    _, config, proposer, telemetry = conn.recv()
+    init = conn.recv()
+    if not isinstance(init, Init):
+        raise TypeError(f"engine core: expected Init first, got {init!r}")
+    config, proposer, telemetry = init.config, init.proposer, init.telemetry
     send = _Sender(conn)
     try:
         if telemetry is not None:
@@ -92,20 +99,20 @@ def serve(conn: Connection) -> None:
         engine = build_engine(config, proposer)
     except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
         log.exception("engine failed to load")
-        send(("failed", f"{type(exc).__name__}: {exc}"))
+        send(Failed(f"{type(exc).__name__}: {exc}"))
         return
     loop = StepLoop(engine,
-                    lambda items: send(("out", [(rid, _portable(it)) for rid, it in items])),
-                    lambda stats: send(("stats", stats, draft_status(proposer))))
-    send(("ready", {"summary": model_summary(engine), "limits": engine.limits,
-                    "tokenizer_path": str(engine.model.path), "stats": engine.stats()}))
+                    lambda items: send(Outputs([(rid, _portable(it)) for rid, it in items])),
+                    lambda stats: send(Stats(stats, draft_status(proposer))))
+    send(Ready(summary=model_summary(engine), limits=engine.limits,
+               tokenizer_path=str(engine.model.path), stats=engine.stats()))
     threading.Thread(target=_read, args=(conn, loop, proposer), name="engine-core-reader",
                      daemon=True).start()
     try:
         loop.run()
     finally:
         shutdown_tracing()
-        send(("stopped",))
+        send(Stopped())
 
 
 def main(argv: list[str]) -> None:

@@ -27,10 +27,11 @@ import os
 import time
 from typing import AsyncIterator
 
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.errors import EngineOverloadedError, InvalidRequestError
+from cluster.common.request import FinishReason, GenerationRequest, RequestOutput, SpecStats
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import (EngineOverloadedError, FinishReason, GenerationRequest,
-                                    InvalidRequestError, RequestOutput, SpecStats)
+from cluster.speculative.proposer import RemoteDraft
 
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); byte b is token b + 3
 EOS_ID = 2
@@ -190,8 +191,7 @@ class FakeEngine:
             accepted = min(k, int(rate * k + 0.5))
             stats.record(k, accepted)
             return [target(pos + i) for i in range(accepted + 1)]
-        from cluster.kvsync.client import DraftUnavailableError
-        from cluster.speculative.types import ProposeInput
+        from cluster.speculative.types import DraftUnavailableError, ProposeInput
 
         inp = ProposeInput(seq_id=req.request_id, token_ids=prompt + out, num_draft_tokens=k,
                            params=req.params)
@@ -224,7 +224,7 @@ class FakeEngine:
             drafter=(self.config.spec.drafter if self.config.spec else None),
             moe=self.moe, moe_gate_open=(not self.moe) or bool(self.config.spec and self.config.spec.moe_validated),
             draft_fallbacks=self._fallbacks,
-            draft_resyncs=getattr(self.proposer, "num_resyncs", 0),
+            draft_resyncs=self.proposer.num_resyncs if isinstance(self.proposer, RemoteDraft) else 0,
             spec_by_segment={s: st.to_dict() for s, st in self._spec_by_segment.items()})
 
     def model_info(self) -> dict:

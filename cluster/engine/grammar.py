@@ -6,7 +6,7 @@ and unsupported features, refused with a message naming them), ``GrammarCompiler
 engine: the tokenizer's token trie built once, a bounded LRU cache of checked grammars, a compile
 time limit), ``GrammarMatcher`` (one per sequence, single owner: the grammar state after the
 sequence's committed output tokens, masks, draft walks with rollback) and ``apply_masks`` (allowed
-[N, V] -> -inf on the logits). Ignores: sampling (``cluster.engine.sampler`` sees masked logits)
+[N, V] -> -inf on the logits). Ignores: sampling (``cluster.sampling.sampler`` sees masked logits)
 and verification (``cluster.speculative``).
 
 Engine: llguidance (chosen over xgrammar because it refuses unimplemented JSON Schema keywords and
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine.request import Constraint, ConstraintKind, InvalidRequestError
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import Constraint, ConstraintKind
 
 MAX_CACHED_GRAMMARS = 256
 COMPILE_TIME_LIMIT_S = 2.0  # checking + first mask of one constraint; over it -> INVALID_ARGUMENT

@@ -10,7 +10,7 @@ forward pass that raises fails the sequences it carried (``cluster.engine.faults
 request (json_schema / regex) gets its grammar matcher at admission (``cluster.engine.grammar``,
 compiled on the step thread) and samples under its mask on the plain path; a matcher error is
 that sequence's fault. Speculation is
-delegated to a ``SpecController`` (``cluster.speculative.controller``) when configured — it owns
+delegated to a ``SpecController`` (``cluster.engine.speculation``) when configured — it owns
 K, the drafts (one ``StepDrafts`` from propose to verify), verification and the per-segment
 speculation statistics (α); without one every sequence decodes plainly. Ignores: threads and
 asyncio (``cluster.engine.async_engine``).
@@ -23,42 +23,22 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import (
+    FinishReason, GenerationRequest, ModelLimits, RequestOutput, SpecMode, SpecStats,
+)
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
 from cluster.engine.grammar import GrammarCompiler, apply_masks
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import (
-    FinishReason, GenerationRequest, InvalidRequestError, ModelLimits, RequestOutput, SpecMode,
-)
-from cluster.engine.runner import SeqChunk
-from cluster.engine.sampler import sample
 from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
+from cluster.models.load import LoadedModel
+from cluster.models.runner import SeqChunk
+from cluster.sampling.sampler import sample
 from cluster.telemetry.engine_spans import start_request_trace
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """What engines and drafters share about one loaded target model."""
-
-    name: str
-    path: object  # pathlib.Path of the HF directory
-    runner: object  # ModelRunner or HFRunner
-    tokenizer: object
-    eos_token_ids: frozenset[int]
-    hf_config: dict
-    dtype: str
-
-    def with_fresh_kv(self, config: EngineConfig, num_blocks: int | None = None) -> "LoadedModel":
-        """The same weights behind a new native runner with its own KV pool (several engines,
-        e.g. plain and speculative side by side, on one loaded model)."""
-        from cluster.engine.runner import ModelRunner
-
-        runner = ModelRunner(self.runner.model, num_blocks, config.block_size, config.kv_cache_memory_mb)
-        return LoadedModel(self.name, self.path, runner, self.tokenizer, self.eos_token_ids,
-                           self.hf_config, self.dtype)
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,12 +28,14 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from cluster.common.config import EngineConfig
+from cluster.common.errors import EngineOverloadedError, EngineUnavailableError
+from cluster.common.request import GenerationRequest, ModelLimits
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.config import EngineConfig
-from cluster.engine.protocol import EngineStats
-from cluster.engine.request import (
-    EngineOverloadedError, EngineUnavailableError, GenerationRequest, ModelLimits,
+from cluster.engine.core_messages import (
+    Abort, Add, Failed, Init, Outputs, Ready, SetDraftAddress, Stats, Stop, Stopped, ToCore,
 )
+from cluster.engine.protocol import EngineStats
 
 log = logging.getLogger(__name__)
 DEFAULT_START_TIMEOUT_S = 900.0  # first start converts the default GGUF (~35 s here); hub models take longer
@@ -54,7 +56,7 @@ class DraftStandIn:
     def set_address(self, address: str | None) -> None:
         if address != self._address:
             self._address = address
-            self._engine._send(("draft_address", address))
+            self._engine._send(SetDraftAddress(address))
 
     def tracked(self) -> dict[str, int]:
         return dict(self.status.get("tracked", {}))
@@ -124,7 +126,7 @@ class ProcessEngine(AsyncEngine):
         with self._send_lock:  # init goes first: a draft address change waits or rides along
             if self._draft is not None:
                 self._proposer.set_address(self._draft.address)
-            conn.send(("init", self.config, self._proposer, current_config()))
+            conn.send(Init(self.config, self._proposer, current_config()))
             self._conn = conn
         deadline = time.monotonic() + self.start_timeout_s
         msg = None
@@ -133,20 +135,20 @@ class ProcessEngine(AsyncEngine):
                 try:
                     msg = self._conn.recv()
                 except (EOFError, OSError):
-                    msg = ("failed", f"engine process exited with code {self._proc.wait()}")
+                    msg = Failed(f"engine process exited with code {self._proc.wait()}")
             elif self._proc.poll() is not None:
-                msg = ("failed", f"engine process exited with code {self._proc.returncode}")
+                msg = Failed(f"engine process exited with code {self._proc.returncode}")
             elif time.monotonic() > deadline:
                 self._proc.kill()
-                msg = ("failed", f"engine process did not load its model in {self.start_timeout_s:.0f} s")
-        if msg[0] != "ready":
+                msg = Failed(f"engine process did not load its model in {self.start_timeout_s:.0f} s")
+        if not isinstance(msg, Ready):
             self._gone = True
-            raise EngineUnavailableError(msg[1])
-        info = msg[1]
+            raise EngineUnavailableError(msg.message if isinstance(msg, Failed)
+                                         else f"engine process: unexpected first message {msg!r}")
         from cluster.models.tokenizer import load_tokenizer
 
-        self._tokenizer = load_tokenizer(info["tokenizer_path"])
-        self._limits, self._summary, self._snapshot = info["limits"], info["summary"], info["stats"]
+        self._tokenizer = load_tokenizer(msg.tokenizer_path)
+        self._limits, self._summary, self._snapshot = msg.limits, msg.summary, msg.stats
         self._reader = threading.Thread(target=self._read, name="specserve-engine-reader", daemon=True)
         self._reader.start()
         self._ready = True
@@ -159,7 +161,7 @@ class ProcessEngine(AsyncEngine):
         self._stopping = True
         if self._proc is None:
             return
-        self._send(("stop",))
+        self._send(Stop())
         loop = asyncio.get_running_loop()
         if self._reader is not None:
             await loop.run_in_executor(None, self._reader.join, 10)
@@ -185,12 +187,12 @@ class ProcessEngine(AsyncEngine):
         if gone:  # the core died after _admit: fail this request like the others
             self._deliver([(request.request_id, self._gone_error())])
         else:
-            self._send(("add", request))
+            self._send(Add(request))
 
     def _submit_abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(Abort(request_id))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: ToCore) -> None:
         with self._send_lock:  # checked under the lock: start_sync sets _conn after init
             if self._conn is None:  # not started: the init message will carry the state
                 return
@@ -217,19 +219,20 @@ class ProcessEngine(AsyncEngine):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "out":
-                items = msg[1]
-                with self._routes_lock:
-                    for rid, _ in items:
-                        self._unstarted.discard(rid)
-                self._deliver(items)
-            elif kind == "stats":
-                self._snapshot = msg[1]
-                if self._draft is not None and msg[2] is not None:
-                    self._draft.status = msg[2]
-            elif kind == "stopped":
-                break
+            match msg:
+                case Outputs(items):
+                    with self._routes_lock:
+                        for rid, _ in items:
+                            self._unstarted.discard(rid)
+                    self._deliver(items)
+                case Stats(stats, draft):
+                    self._snapshot = stats
+                    if self._draft is not None and draft is not None:
+                        self._draft.status = draft
+                case Stopped():
+                    break
+                case _:
+                    log.error("engine process sent an unexpected message: %r", msg)
         with self._routes_lock:
             self._gone = True
             open_ids = list(self._queues)

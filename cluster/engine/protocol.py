@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
-from cluster.engine.request import GenerationRequest, RequestOutput
+from cluster.common.request import GenerationRequest, RequestOutput
 
 
 @dataclass(slots=True)

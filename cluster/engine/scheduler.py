@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.engine.kv_cache import KVCacheManager
 from cluster.engine.sequence import Sequence, SeqStatus
+from cluster.models.kv_cache import KVCacheManager
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.common.request import FinishReason, GenerationRequest, SpecStats
 from cluster.engine.detokenizer import Detokenizer
-from cluster.engine.request import FinishReason, GenerationRequest, SpecStats
 from cluster.telemetry.engine_spans import NOOP_TRACE
 
 

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from cluster.common.request import FinishReason, GenerationRequest, RequestOutput
 from cluster.engine.faults import FaultStage, fault
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import FinishReason, GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
     from cluster.engine.llm_engine import LLMEngine

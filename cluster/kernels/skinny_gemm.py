@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from cluster.common.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -43,8 +45,6 @@ def _cpu_signature() -> str:
 
 
 def library_path() -> Path:
-    from cluster.models.loader import cache_root
-
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(FLAGS),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"skinny_gemm-{key}.so"

@@ -29,13 +29,13 @@ import grpc
 
 from cluster.api import stubs
 from cluster.api.auth import bearer_metadata
-from cluster.errors import VocabularyMismatchError
+from cluster.common.errors import VocabularyMismatchError
 from cluster.kvsync.budget import DraftBudget
-from cluster.kvsync.server import CALLER_METADATA
 from cluster.kvsync.limits import KVSyncLimits
+from cluster.kvsync.server import CALLER_METADATA
 from cluster.kvsync.tls import KVSyncTLS
 from cluster.speculative.proposer import DrafterKind
-from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput  # noqa: F401 (re-exported)
+from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput
 from cluster.telemetry.grpc_interceptors import client_interceptors
 from cluster.telemetry.tracing import tracing_enabled
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from cluster.engine.config import EngineConfig
-from cluster.engine.runner import ModelRunner
-from cluster.errors import ModelLoadError
+from cluster.common.config import EngineConfig
+from cluster.common.errors import ModelLoadError
 from cluster.models.llama import LlamaModel
+from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
 from cluster.speculative.layer_skip import default_self_layers
 from cluster.speculative.proposer import DrafterKind, DrafterSpec, Proposer

@@ -33,7 +33,7 @@ import grpc
 from cluster.api import stubs
 from cluster.api.auth import BearerAuthInterceptor
 from cluster.api.status import ServiceError
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 from cluster.kvsync.limits import MAX_SEQ_ID_CHARS, KVSyncLimits
 from cluster.kvsync.tls import KVSyncTLS
 from cluster.speculative.proposer import Proposer

@@ -26,7 +26,7 @@ import statistics
 import time
 
 from cluster.bench.spec import Run, summarize_row
-from cluster.engine.request import InvalidRequestError
+from cluster.common.errors import InvalidRequestError
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic, sampling_params
 
@@ -41,7 +41,7 @@ class _RealEngines:
         import torch
 
         from cluster.bench.spec import _engine
-        from cluster.engine.config import SpecConfig
+        from cluster.common.config import SpecConfig
         from cluster.models.load import load_model
 
         torch.set_num_threads(app.torch_threads)  # what each engine replica of the service gets
@@ -56,8 +56,7 @@ class _RealEngines:
                 self.errors[d] = f"{type(exc).__name__}: {exc}"
 
     def ids(self, row: dict) -> list[int]:
-        from cluster.commands.common import prompt_token_ids
-        from cluster.models.tokenizer import chat_token_ids
+        from cluster.models.tokenizer import prompt_token_ids, chat_token_ids
 
         if "messages" in row:
             return chat_token_ids(self.tokenizer, row["messages"])
@@ -65,7 +64,7 @@ class _RealEngines:
 
     def run(self, drafter: str | None, rid: str, ids: list[int], params, segment: str) -> Run:
         from cluster.bench.spec import run_ours
-        from cluster.engine.request import GenerationRequest
+        from cluster.common.request import GenerationRequest
 
         engine = self.plain if drafter is None else self.spec[drafter]
         return run_ours(engine, GenerationRequest(rid, list(ids), params, segment=segment))
@@ -79,7 +78,7 @@ class _ProtocolEngines:
     step time is the gap between streamed deltas."""
 
     def __init__(self, app, engine_cls, options: dict, drafters: list[str], k: int) -> None:
-        from cluster.engine.config import SpecConfig
+        from cluster.common.config import SpecConfig
 
         self.loop = asyncio.new_event_loop()
         base = app.engine_config(False)
@@ -99,7 +98,7 @@ class _ProtocolEngines:
         return self.plain.tokenize(row["prompt"])
 
     def run(self, drafter: str | None, rid: str, ids: list[int], params, segment: str) -> Run:
-        from cluster.engine.request import GenerationRequest, SpecMode
+        from cluster.common.request import GenerationRequest, SpecMode
 
         engine = self.plain if drafter is None else self.spec[drafter]
         mode = SpecMode.PLAIN if drafter is None else SpecMode.SPECULATIVE

@@ -44,7 +44,7 @@ class MapPlan:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from cluster.engine.request import InvalidRequestError
+        from cluster.common.errors import InvalidRequestError
 
         if self.quick:
             self.rows_per_segment = min(self.rows_per_segment, QUICK_ROWS)
@@ -71,7 +71,7 @@ def _log(msg: str) -> None:
 
 
 def _base_config(plan: MapPlan) -> dict:
-    from cluster.commands.serve import DEFAULT_CONFIG, load_config
+    from deployments.local import DEFAULT_CONFIG, load_config
 
     return load_config(argparse.Namespace(config=plan.config or DEFAULT_CONFIG, model=None, drafter=None,
                                           placement=None, port=None))
@@ -127,7 +127,7 @@ def map_workload(plan: MapPlan) -> dict:
                       state["sweep"], plan.token)
         else:
             cfg = _local_config(argparse.Namespace(config=plan.config, addr=None))
-            from cluster.commands.serve import local_service
+            from deployments.local import local_service
 
             _log("starting a local service from the config for phase 2 ...")
             # the replicas' access logs would drown the progress bar (they stay in Ray's log files)

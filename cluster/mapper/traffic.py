@@ -14,9 +14,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.commands.common import parse_prompt_row
-from cluster.engine.request import InvalidRequestError, SamplingParams
-from cluster.errors import UserFacingError
+from cluster.common.errors import InvalidRequestError, UserFacingError
+from cluster.common.prompt_rows import parse_prompt_row
+from cluster.common.request import SamplingParams
 
 DEFAULT_SEGMENT = "default"  # rows without a segment are one segment
 DEFAULT_MAX_TOKENS = 128

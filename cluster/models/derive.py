@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cluster.errors import ModelLoadError
+from cluster.common.errors import ModelLoadError
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -1,5 +1,5 @@
 """Fallback runner on Hugging Face ``transformers`` models, for architectures outside our Llama
-family (MoE targets included). Same interface as ``cluster.engine.runner.ModelRunner``.
+family (MoE targets included). Same interface as ``cluster.models.runner.ModelRunner``.
 
 Owns: one HF ``DynamicCache`` per sequence, kept in step with the same ``KVCacheManager`` block
 accounting the scheduler uses (so memory pressure and preemption behave the same), rollback by
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.kv_cache import KVCacheManager, sizing_num_blocks
-from cluster.engine.runner import SeqChunk
+from cluster.models.kv_cache import KVCacheManager, sizing_num_blocks
+from cluster.models.runner import SeqChunk
 
 
 class HFRunner:

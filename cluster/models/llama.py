@@ -5,7 +5,7 @@ Owns: weights (fused QKV and gate/up projections), RoPE, RMSNorm, grouped-query 
 ragged batch whose K/V live in flat paged storage, logits for the positions asked for, and the
 layer-skip entry (run the first L layers + LM head) used by self-speculation.
 Ignores: which sequences are in the batch and where their blocks are (``ForwardBatch`` is built
-by ``cluster.engine.runner``), sampling, and architectures outside the family (HF fallback).
+by ``cluster.models.runner``), sampling, and architectures outside the family (HF fallback).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cluster.errors import ModelLoadError
+from cluster.common.errors import ModelLoadError
 from cluster.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})

@@ -1,19 +1,41 @@
 """Load a model spec into a runnable ``LoadedModel``: our native runner for the Llama family, the
 Hugging Face fallback runner for everything else (MoE included).
 
-Owns: the choice of runner, dtype, KV pool sizing inputs, tokenizer and EOS ids. Ignores: the
-spec grammar (``cluster.models.loader``) and the forward passes themselves.
+Owns: ``LoadedModel`` (what engines and drafters share about one loaded model), the choice of
+runner, dtype, KV pool sizing inputs, tokenizer and EOS ids. Ignores: the spec grammar
+(``cluster.models.loader``) and the forward passes themselves.
 """
 from __future__ import annotations
 
-from cluster.engine.config import DType, EngineConfig
-from cluster.engine.llm_engine import LoadedModel
-from cluster.engine.runner import ModelRunner
-from cluster.errors import ModelLoadError
+from dataclasses import dataclass
+
+from cluster.common.config import DType, EngineConfig
+from cluster.common.errors import ModelLoadError
 from cluster.models.hf_runner import HFRunner
 from cluster.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel
 from cluster.models.loader import resolve_model
+from cluster.models.runner import ModelRunner
 from cluster.models.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What engines and drafters share about one loaded target model."""
+
+    name: str
+    path: object  # pathlib.Path of the HF directory
+    runner: object  # ModelRunner or HFRunner
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    hf_config: dict
+    dtype: str
+
+    def with_fresh_kv(self, config: EngineConfig, num_blocks: int | None = None) -> "LoadedModel":
+        """The same weights behind a new native runner with its own KV pool (several engines,
+        e.g. plain and speculative side by side, on one loaded model)."""
+        runner = ModelRunner(self.runner.model, num_blocks, config.block_size, config.kv_cache_memory_mb)
+        return LoadedModel(self.name, self.path, runner, self.tokenizer, self.eos_token_ids,
+                           self.hf_config, self.dtype)
 
 
 def load_model(spec: str, config: EngineConfig, *, num_blocks: int | None = None) -> LoadedModel:

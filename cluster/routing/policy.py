@@ -12,7 +12,7 @@ Rule order (first match wins):
 2. constrained (json_schema / regex) -> plain (CONSTRAINED) only when ``grammar_speculation`` is
    off. By default constrained requests route like any other: the SpecEngine speculates under the
    grammar (drafts cut where the grammar rejects them, verification under the grammar's masks:
-   lossless, ``cluster.speculative.controller``), and its α counts in the segment's α.
+   lossless, ``cluster.engine.speculation``), and its α counts in the segment's α.
 3. speculative path not available (no drafter, SpecEngine not ready) -> plain (SPEC_UNAVAILABLE).
 4. MoE target whose gate is closed for the request's segment -> plain (MOE_UNVALIDATED) — except
    every ``moe_probe_every``-th such request, which goes through the hysteresis rule as a probe
@@ -61,7 +61,7 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
-from cluster.engine.request import SpecMode
+from cluster.common.request import SpecMode
 from cluster.routing.load_latency import Joining, LoadLatencyModel
 
 

@@ -19,8 +19,8 @@ adaptive K's estimator (``AcceptanceEstimator``: sequence, segment and draft-con
 shrunk towards the level above); the live per-segment α the Router gates on (``LiveAlpha``:
 raw, decayed by draft tokens, with its sample count). Ignores: step costs and the choice of K
 (``cluster.speculative.adaptive_k``), per-request lifetime counters (``SpecStats`` in
-``cluster.engine.request``, whose ``alpha`` follows the same rule), and who feeds the counts
-(``cluster.speculative.controller``).
+``cluster.common.request``, whose ``alpha`` follows the same rule), and who feeds the counts
+(``cluster.engine.speculation``).
 """
 from __future__ import annotations
 

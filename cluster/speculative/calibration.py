@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from cluster.engine.runner import SeqChunk
+from cluster.models.runner import SeqChunk
 
 _SEQ = "__specserve_calibration__"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.runner import ModelRunner, SeqChunk
+from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.drafting import draft_rounds
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput

@@ -10,7 +10,7 @@ token i), per-sequence drop-out when its K is reached, and how each draft token 
   noise makes draft and target agree whenever their argmax under the noise does (far more often
   than an independent draw, which agrees with probability sum_x p(x) q(x)). The noise is a pure
   function of (seed, position): drafting consumes nothing the verification draws from, and the
-  output does not depend on the drafts at all (``cluster.engine.sampler``);
+  output does not depend on the drafts at all (``cluster.sampling.sampler``);
 - other sampling requests: a draw from q = ``logits_to_probs`` under the request's sampling
   params (so p and q are processed the same way) with the input's generator (None: global RNG).
 Ignores: where K/V live (the caller's ``forward`` closure).
@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from cluster.engine.runner import SeqChunk
-from cluster.engine.sampler import coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
+from cluster.models.runner import SeqChunk
+from cluster.sampling.sampler import coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
 from cluster.speculative.types import DraftProposal, ProposeInput
 
 # forward(chunks) -> logits [len(chunks), V] for the last position of each chunk

@@ -9,7 +9,7 @@ Owns: the round inputs for that scheme. Ignores: acceptance (rejection sampler),
 """
 from __future__ import annotations
 
-from cluster.engine.runner import ModelRunner
+from cluster.models.runner import ModelRunner
 from cluster.speculative.drafting import draft_rounds
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput

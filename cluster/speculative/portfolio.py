@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
 

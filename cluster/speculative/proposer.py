@@ -1,17 +1,20 @@
 """The one interface every drafter implements, and the parsing of a drafter spec string.
 
 Owns: ``DrafterKind`` (which family of drafter), the ``Proposer`` protocol the engine calls once
-per step for all speculating sequences, and ``parse_drafter_spec`` (the ``--drafter`` /
-``SpecConfig.drafter`` string -> typed ``DrafterSpec``). Ignores: building drafters (the engine
-does that from the spec), loading models, and verification (``rejection_sampler``).
+per step for all speculating sequences, the optional capabilities a drafter may add
+(``ContextualProposer``, ``LocalModelProposer``, ``RemoteDraft``, ``DraftStatus``), and
+``parse_drafter_spec`` (the ``--drafter`` / ``SpecConfig.drafter`` string -> typed
+``DrafterSpec``). Ignores: building drafters (the engine does that from the spec), loading
+models, and verification (``rejection_sampler``).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cluster.speculative.types import DraftProposal, ProposeInput
+if TYPE_CHECKING:  # annotations only: the protocols load without torch (the fake engine reads them)
+    from cluster.speculative.types import DraftProposal, ProposeInput
 
 
 class DrafterKind(enum.Enum):
@@ -31,15 +34,15 @@ class Proposer(Protocol):
     - ``propose`` returns one entry per input, in order; entry i has at most
       ``inputs[i].num_draft_tokens`` draft tokens (fewer, even zero, is allowed: the engine then
       verifies what it got, or decodes plainly). ``draft_probs[i]`` is q [K_i, V] float32,
-      processed with ``cluster.engine.sampler.logits_to_probs`` under the sequence's sampling
+      processed with ``cluster.sampling.sampler.logits_to_probs`` under the sequence's sampling
       params, or None for a deterministic (one-hot) draft.
     - A stateful drafter (own KV cache) must roll back or extend its state so that it matches
       ``token_ids`` exactly before proposing.
     - ``release`` frees per-sequence state when a sequence finishes or is preempted; releasing an
       unknown seq_id is a no-op.
-    - Optional ``draft_context(seq_id, token_ids, segment) -> str | None``: a label for what the
-      next draft would rest on (adaptive K estimates acceptance per label); None: nothing to
-      draft now.
+    - A drafter may also offer the optional capabilities below (``ContextualProposer``,
+      ``LocalModelProposer``, ``RemoteDraft``, ``MemberStatsProposer``); the engine asks with
+      ``isinstance``.
     """
 
     kind: DrafterKind
@@ -47,6 +50,59 @@ class Proposer(Protocol):
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal: ...
 
     def release(self, seq_id: str) -> None: ...
+
+
+@runtime_checkable
+class ContextualProposer(Protocol):
+    """A drafter that labels what its next draft would rest on (n-gram: the match length), so
+    that adaptive K estimates acceptance per label."""
+
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
+        """The label of the next draft for this sequence (of ``segment``); None: nothing to draft now."""
+
+
+@runtime_checkable
+class LocalModelProposer(Protocol):
+    """A drafter that runs a model in this process (draft model, layer skip): its runner sizes
+    what a draft round costs before any round is timed."""
+
+    runner: Any  # ModelRunner (None where a wrapper has no model behind it)
+
+
+@runtime_checkable
+class MemberStatsProposer(Protocol):
+    """A drafter made of member drafters (the portfolio): the drafts each member produced."""
+
+    def drafter_stats(self) -> dict[str, dict]:
+        """member -> {steps, draft_tokens, accepted_tokens}."""
+
+
+@runtime_checkable
+class RemoteDraft(Protocol):
+    """A drafter in another process, kept in step over KVSync (``cluster.kvsync.client``): the
+    engine tells it the target's vocabulary and step time and reads which sequences it resynced."""
+
+    expected_vocab_size: int | None  # None until the engine sets the target's
+    last_resynced: set[str]  # seq ids whose whole prefix the last propose() resent
+    num_resyncs: int
+
+    def observe_target_step(self, forward_s: float) -> None:
+        """One target forward took ``forward_s``: the draft deadline follows the step time."""
+
+
+@runtime_checkable
+class DraftStatus(Protocol):
+    """What a replica shows of its remote drafter: the KVSync proposer itself, or the stand-in
+    a ``ProcessEngine`` keeps for the one that runs in its engine core process."""
+
+    address: str | None
+    num_resyncs: int
+    num_epoch_changes: int
+
+    def set_address(self, address: str | None) -> None: ...
+
+    def tracked(self) -> dict[str, int]:
+        """seq id -> committed length the draft side holds."""
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ accept while x_j == argmax p_j, then commit the target argmax at the first misma
 or at position K_i + 1 (bonus) — the output equals plain greedy decoding token for token.
 
 Seeded requests (``SamplingParams.coupled``) are verified by coupling instead: the target token
-at each verified position is the Gumbel-max token of ``cluster.engine.sampler`` (noise from
+at each verified position is the Gumbel-max token of ``cluster.sampling.sampler`` (noise from
 (seed, absolute position)), draft token x_j is accepted iff it equals the target token at its
 position given the accepted prefix, and the target token at the first mismatch (recovered) or
 at K_i + 1 (bonus) is committed. The committed tokens are then exactly the tokens plain seeded
@@ -29,8 +29,8 @@ from collections import defaultdict
 
 import torch
 
-from cluster.engine.request import SamplingParams
-from cluster.engine.sampler import (
+from cluster.common.request import SamplingParams
+from cluster.sampling.sampler import (
     NonFiniteScoresError, check_finite, coupled_tokens, filtered_logits, logits_to_probs,
 )
 from cluster.speculative.types import PLACEHOLDER_TOKEN_ID, RejectionResult, SpecBatchMetadata

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
 

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.errors import VocabularyMismatchError
+from cluster.common.errors import VocabularyMismatchError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ MoE gates; ``*_acceptance_rate`` is accepted / drafted (descriptive, biased low 
 EngineStats carries cumulative totals; counters are fed the positive difference since the last
 export of the same engine (a drop means the engine restarted: the new total is counted afresh).
 Segments are a client-supplied label: at most ``max_segments`` distinct values are kept, the rest
-report as ``other`` (bounded Prometheus cardinality; ``cluster.routing.segments``).
+report as ``other`` (bounded Prometheus cardinality; ``cluster.common.segments``).
 
 Metric (Prometheus name; inside Ray prefixed ``ray_``)      labels
 specserve_requests_total                                   path, reason, segment, finish_reason, api
@@ -41,7 +41,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from cluster.routing.segments import SegmentLabels
+from cluster.common.segments import SegmentLabels
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 

@@ -9,9 +9,9 @@ import pytest
 from cluster.api import stubs
 from cluster.api.requests import Limits, check_constraint, to_generation_request, validate_request
 from cluster.api.status import ServiceError
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.request import Constraint, ConstraintKind
 from cluster.engine.fake_engine import FakeEngine
-from cluster.engine.request import Constraint, ConstraintKind
 
 pb2 = stubs.generation_pb2()
 LIMITS = Limits()

@@ -7,7 +7,7 @@ import pytest
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.status import ServiceError, http_status
-from cluster.engine.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, RequestOutput, SpecStats
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 DECISION = RouteDecision(Path.SPECULATIVE, RouteReason.BELOW_ENTER_THRESHOLD)

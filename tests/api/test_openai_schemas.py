@@ -5,11 +5,12 @@ import grpc
 import pytest
 
 from cluster.api import stubs
-from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
-                                        completion_fields, parse_body)
+from cluster.api.openai_schemas import (
+    ChatCompletionRequest, CompletionRequest, chat_fields, completion_fields, parse_body,
+)
 from cluster.api.requests import Limits, validate_fields, validate_request
 from cluster.api.status import ServiceError
-from cluster.engine.request import SpecMode
+from cluster.common.request import SpecMode
 
 LIMITS = Limits(max_tokens=64, default_max_tokens=16, max_message_bytes=4096, max_stop_strings=3)
 pb2 = stubs.generation_pb2()

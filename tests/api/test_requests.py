@@ -7,14 +7,15 @@ import pytest
 
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
-from cluster.api.requests import (Limits, check_constraint, request_label, to_generation_request,
-                                  validate_request)
+from cluster.api.requests import (
+    Limits, check_constraint, request_label, to_generation_request, validate_request,
+)
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, FailureKind, ServiceError
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.errors import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
+from cluster.common.request import FinishReason, RequestOutput, SpecMode, SpecStats
 from cluster.engine.fake_engine import FakeEngine
-from cluster.engine.request import (EngineOverloadedError, EngineUnavailableError, FinishReason,
-                                    InvalidRequestError, RequestOutput, SpecMode, SpecStats)
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 pb2 = stubs.generation_pb2()

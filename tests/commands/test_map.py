@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.commands.serve import load_config
+from deployments.local import load_config
 from deployments.app_config import AppConfig
 from tests.mapper.fake_setup import fake_serve_config, traffic_file
 

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
+from cluster.kvsync.client import RemoteProposer
 from cluster.kvsync.server import DraftServerCore, start_server
 from cluster.speculative.ngram import NgramProposer
-from cluster.kvsync.client import DraftUnavailableError, RemoteProposer
-from cluster.speculative.types import ProposeInput
+from cluster.speculative.types import DraftUnavailableError, ProposeInput
 from deployments import draft_server as ds
 from deployments.app_config import AppConfig
 

@@ -15,8 +15,8 @@ import requests
 import openai
 import pytest
 
+from cluster.common.config import EngineConfig
 from cluster.engine.fake_engine import FakeEngine
-from cluster.engine.config import EngineConfig
 from tests.deployments.harness import SMALL, Client, fake_args, serve_apps_at
 from tests.deployments.test_service_fake import engine_stats, wait_for
 

@@ -1,11 +1,11 @@
 """Drive a synchronous engine to completion and collect per-request results."""
 from __future__ import annotations
 
-from cluster.engine.request import GenerationRequest, SamplingParams
+from cluster.common.request import GenerationRequest, SamplingParams
 
 
 def prompt_ids(tokenizer, row: dict) -> list[int]:
-    from cluster.commands.common import prompt_token_ids
+    from cluster.models.tokenizer import prompt_token_ids
 
     return prompt_token_ids(tokenizer, row)
 

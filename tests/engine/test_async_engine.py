@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 
+from cluster.common.errors import EngineOverloadedError, InvalidRequestError
+from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.request import (
-    EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams,
-)
 from tests.engine.helpers import (
     assert_streams_match, consume_stream, run_to_completion, wait_pool_full,
 )

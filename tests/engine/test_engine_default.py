@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import LLMEngine, LoadedModel
-from cluster.engine.request import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
+from cluster.common.config import EngineConfig
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import FinishReason, GenerationRequest, SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.models.load import LoadedModel
 from tests.engine.helpers import greedy_requests, prompt_ids, run_to_completion
 from tests.reference import check_greedy_match, workload_rows
 
@@ -86,7 +88,7 @@ def test_bad_input_is_rejected_and_engine_stays_healthy(default_model):
         SamplingParams(top_p=1.5)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         eng.add_request(GenerationRequest("v", [10**6], SamplingParams()))
-    from cluster.errors import ModelLoadError
+    from cluster.common.errors import ModelLoadError
     from cluster.models.loader import resolve_model
 
     with pytest.raises(ModelLoadError, match="unknown model"):

@@ -1,9 +1,9 @@
 """The fake engine's own contract: the deterministic target and the hold marker tests lean on."""
 import asyncio
 
-from cluster.engine.config import EngineConfig
+from cluster.common.config import EngineConfig
+from cluster.common.request import FinishReason, GenerationRequest, SamplingParams
 from cluster.engine.fake_engine import HOLD_MARKER, FakeEngine
-from cluster.engine.request import FinishReason, GenerationRequest, SamplingParams
 
 
 def _request(engine: FakeEngine, rid: str, prompt: str, n: int) -> GenerationRequest:

@@ -10,13 +10,14 @@ import re
 import pytest
 import torch
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import Constraint, ConstraintKind, FinishReason, GenerationRequest, SamplingParams
 from cluster.engine.grammar import GrammarCompiler, GrammarError, apply_masks, check_grammar
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import (Constraint, ConstraintKind, FinishReason, GenerationRequest,
-                                    InvalidRequestError, SamplingParams)
-from cluster.engine.sampler import sample
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
+from cluster.sampling.sampler import sample
+from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, SpecBatchMetadata
 from tests.engine.helpers import run_to_completion
@@ -210,6 +211,8 @@ class OracleWithBadTokens:
     """Drafts the reference output of each sequence (accepted under the grammar) with an illegal
     token spliced in at draft position 2: the grammar must cut it before verification."""
 
+    kind = DrafterKind.DRAFT_MODEL
+
     def __init__(self, reference: dict[str, list[int]], prompts: dict[str, int], bad: int) -> None:
         self.reference, self.prompts, self.bad = reference, prompts, bad
         self.seen = {}
@@ -264,7 +267,7 @@ def test_seeded_constrained_speculation_equals_plain(tiny):
 def test_sampled_model_drafts_under_the_grammar_stay_valid(tiny):
     """A model drafter's q is not grammar-aware: its illegal draft tokens are verified (and
     rejected) under the mask; every output still matches."""
-    from cluster.engine.runner import ModelRunner
+    from cluster.models.runner import ModelRunner
     from cluster.speculative.draft_model import DraftModelProposer
 
     params = SamplingParams(max_tokens=60, temperature=1.0)

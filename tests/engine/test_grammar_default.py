@@ -12,10 +12,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import Constraint, ConstraintKind, FinishReason, GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import Constraint, ConstraintKind, FinishReason, GenerationRequest, SamplingParams
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
 from tests.engine.helpers import prompt_ids, run_to_completion
 
 

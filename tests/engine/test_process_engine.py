@@ -10,12 +10,10 @@ import signal
 
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.errors import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
+from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.process_engine import ProcessEngine
-from cluster.engine.request import (
-    EngineOverloadedError, EngineUnavailableError, GenerationRequest, InvalidRequestError,
-    SamplingParams,
-)
 from cluster.kvsync.client import RemoteProposer
 from tests.engine.helpers import (
     assert_streams_match, consume_stream, run_to_completion, wait_pool_full,

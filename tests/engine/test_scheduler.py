@@ -2,10 +2,10 @@
 chunked prefill of long prompts, and recompute preemption when the KV pool runs out."""
 from __future__ import annotations
 
-from cluster.engine.kv_cache import KVCacheManager
-from cluster.engine.request import GenerationRequest, SamplingParams
+from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence, SeqStatus
+from cluster.models.kv_cache import KVCacheManager
 
 
 class _NoDetok:

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
-from cluster.models.load import load_model
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
 from cluster.kvsync.budget import DraftBudget
+from cluster.kvsync.client import RemoteProposer
 from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.models.load import load_model
 from cluster.speculative.ngram import NgramProposer
-from cluster.kvsync.client import DraftUnavailableError, RemoteProposer
-from cluster.speculative.types import ProposeInput
+from cluster.speculative.types import DraftUnavailableError, ProposeInput
 from tests.engine.helpers import run_to_completion
 
 SLACK_S = 0.5  # RPC + thread scheduling on a 2-core machine shared by many test runs

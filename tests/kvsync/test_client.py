@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-from cluster.engine.request import SamplingParams
-from cluster.errors import VocabularyMismatchError
-from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.common.errors import VocabularyMismatchError
+from cluster.common.request import SamplingParams
+from cluster.kvsync.client import RemoteProposer
 from cluster.kvsync.limits import KVSyncLimits
+from cluster.kvsync.server import DraftServerCore, start_server
 from cluster.speculative.ngram import NgramProposer
-from cluster.kvsync.client import DraftUnavailableError, RemoteProposer
-from cluster.speculative.types import ProposeInput
+from cluster.speculative.types import DraftUnavailableError, ProposeInput
 
 GREEDY = SamplingParams(max_tokens=8)
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import GenerationRequest, SamplingParams
-from cluster.engine.sampler import logits_to_probs
-from cluster.models.load import load_model
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
 from cluster.kvsync.budget import DraftBudget
-from cluster.speculative.draft_model import DraftModelProposer
-from cluster.kvsync.server import DraftServerCore, start_server
-from cluster.kvsync.limits import KVSyncLimits
 from cluster.kvsync.client import RemoteProposer
+from cluster.kvsync.limits import KVSyncLimits
+from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.models.load import load_model
+from cluster.sampling.sampler import logits_to_probs
+from cluster.speculative.draft_model import DraftModelProposer
 from tests.engine.helpers import run_to_completion
 
 ALPHA = 1e-3  # false-alarm rate of the chi-square test

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.errors import VocabularyMismatchError
+from cluster.common.request import FinishReason, GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import FinishReason, GenerationRequest, SamplingParams
-from cluster.errors import VocabularyMismatchError
-from cluster.models.load import load_model
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
 from cluster.kvsync.budget import DraftBudget
+from cluster.kvsync.client import RemoteProposer, RemoteVocabularyMismatchError
 from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.models.load import load_model
 from cluster.speculative.ngram import NgramProposer
-from cluster.speculative.types import DraftProposal
-from cluster.kvsync.client import DraftUnavailableError, RemoteProposer, RemoteVocabularyMismatchError
+from cluster.speculative.types import DraftProposal, DraftUnavailableError
 from tests.engine.helpers import run_to_completion
 
 

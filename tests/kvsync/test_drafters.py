@@ -8,16 +8,17 @@ import time
 
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
-from cluster.engine.llm_engine import LLMEngine, LoadedModel
-from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
-from cluster.engine.runner import ModelRunner
-from cluster.speculative.controller import build_spec_controller
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
 from cluster.kvsync.budget import DraftBudget
-from cluster.kvsync.server import DraftServerCore, start_server
-from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
 from cluster.kvsync.client import RemoteProposer
 from cluster.kvsync.drafters import build_remote_proposer, first_layers
+from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.models.load import LoadedModel
+from cluster.models.runner import ModelRunner
+from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
 from tests.engine.helpers import prompt_ids, run_to_completion
 from tests.reference import workload_rows
 
@@ -101,7 +102,7 @@ def test_remote_draft_model_vocabulary_is_checked(tmp_path, default_model):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from cluster.errors import VocabularyMismatchError
+    from cluster.common.errors import VocabularyMismatchError
     from tests.conftest import make_tiny_model_dir
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from cluster.api import stubs
-from cluster.engine.request import SamplingParams
-from cluster.kvsync.server import CALLER_METADATA, DraftServerCore, draft_seed, start_server
+from cluster.common.request import SamplingParams
+from cluster.kvsync.client import RemoteProposer
 from cluster.kvsync.limits import KVSyncLimits
+from cluster.kvsync.server import CALLER_METADATA, DraftServerCore, draft_seed, start_server
 from cluster.kvsync.tls import KVSyncTLS
 from cluster.speculative.ngram import NgramProposer
-from cluster.kvsync.client import DraftUnavailableError, RemoteProposer
-from cluster.speculative.types import DraftProposal, ProposeInput
+from cluster.speculative.types import DraftUnavailableError, DraftProposal, ProposeInput
 from tests.kvsync.certs import self_signed
 
 pb2 = stubs.kvsync_pb2()

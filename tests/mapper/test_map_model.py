@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cluster.cli import main
-from cluster.commands.serve import load_config
+from deployments.local import load_config
 from deployments.app_config import AppConfig
 
 ARTICLE = ("The city council met on Tuesday to discuss the new library. The library will open in "

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.errors import UserFacingError
+from cluster.common.errors import UserFacingError
 from cluster.mapper.traffic import DEFAULT_SEGMENT, load_traffic
 
 

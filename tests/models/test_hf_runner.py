@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import GenerationRequest, SamplingParams
+from cluster.engine.speculation import build_spec_controller
 from cluster.models.hf_runner import HFRunner
 from cluster.models.load import load_model
-from cluster.speculative.controller import build_spec_controller
 from tests.engine.helpers import run_to_completion
 
 
@@ -56,7 +56,7 @@ def test_moe_target_runs_on_fallback_and_matches_hf(tmp_path, default_model_dir)
 
 
 def test_fallback_rollback_recomputes_exactly(tmp_path, default_model_dir):
-    from cluster.engine.runner import SeqChunk
+    from cluster.models.runner import SeqChunk
 
     path = _tiny_mixtral(tmp_path / "moe", default_model_dir)
     runner = load_model(str(path), EngineConfig(model=str(path))).runner

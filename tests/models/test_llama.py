@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.runner import ModelRunner, SeqChunk
 from cluster.models.llama import LlamaArch, LlamaModel
+from cluster.models.runner import ModelRunner, SeqChunk
 from tests.conftest import make_tiny_model_dir
 
 
@@ -71,7 +71,7 @@ def test_rollback_then_recompute_is_exact(tmp_path):
 
 
 def test_unsupported_family_is_refused():
-    from cluster.errors import ModelLoadError
+    from cluster.common.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="not in our Llama family"):
         LlamaArch.from_hf_config({"model_type": "gpt2"})

@@ -3,9 +3,8 @@ import math
 
 import pytest
 
-from cluster.engine.request import SpecMode
-from cluster.routing.policy import (EngineView, Path, RequestFeatures, RouteReason, RouterConfig,
-                                    RouterPolicy)
+from cluster.common.request import SpecMode
+from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteReason, RouterConfig, RouterPolicy
 
 SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.engine.request import SpecStats
+from cluster.common.request import SpecStats
 from cluster.speculative.acceptance import AcceptanceEstimator, AlphaCounts, LiveAlpha, expected_committed
 
 

@@ -1,8 +1,8 @@
 """Start-up step-cost calibration: real timings of the target, KV left untouched."""
 import torch
 
-from cluster.engine.runner import ModelRunner
 from cluster.models.llama import LlamaModel
+from cluster.models.runner import ModelRunner
 from cluster.speculative.calibration import measure_step_costs
 from tests.conftest import make_tiny_model_dir
 
@@ -15,9 +15,9 @@ def test_measures_decode_and_slope_and_frees_kv(tmp_path):
 
 
 def test_adaptive_controller_is_seeded_with_measured_costs(tmp_path):
-    from cluster.engine.config import EngineConfig, SpecConfig
-    from cluster.engine.llm_engine import LoadedModel
-    from cluster.speculative.controller import build_spec_controller
+    from cluster.common.config import EngineConfig, SpecConfig
+    from cluster.engine.speculation import build_spec_controller
+    from cluster.models.load import LoadedModel
 
     path = make_tiny_model_dir(tmp_path, "llama")
     runner = ModelRunner(LlamaModel.load(path, torch.float32), 32, 4)

@@ -13,11 +13,11 @@ import asyncio
 import pytest
 import torch
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import FinishReason, GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import FinishReason, GenerationRequest, SamplingParams
-from cluster.engine.runner import ModelRunner
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
+from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer
 from cluster.speculative.types import DraftProposal
 from tests.engine.helpers import run_to_completion

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
-from cluster.engine.runner import ModelRunner
-from cluster.speculative.controller import build_spec_controller
+from cluster.engine.speculation import build_spec_controller
+from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer
 from cluster.speculative.moe import MoeGate
+from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal
 from tests.engine.helpers import run_to_completion
 
@@ -24,6 +25,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300, 400], [42] * 9, [7, 300, 12, 99,
 
 class ShiftedDraft:
     """The target's own greedy draft with every token moved by one: the target never accepts."""
+
+    kind = DrafterKind.DRAFT_MODEL
 
     def __init__(self, inner: DraftModelProposer, vocab_size: int) -> None:
         self.inner, self.vocab_size = inner, vocab_size

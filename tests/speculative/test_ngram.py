@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 from cluster.speculative.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
 from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_spec
 from cluster.speculative.types import ProposeInput

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 from cluster.speculative.portfolio import Member, PortfolioProposer, default_portfolio
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput

@@ -9,11 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cluster.engine.request import SamplingParams
-from cluster.engine.sampler import coupled_tokens, filtered_logits, logits_to_probs
+from cluster.common.request import SamplingParams
+from cluster.sampling.sampler import coupled_tokens, filtered_logits, logits_to_probs
 from cluster.speculative.rejection_sampler import rejection_sample
-from cluster.speculative.types import PLACEHOLDER_TOKEN_ID as PH
-from cluster.speculative.types import SpecBatchMetadata
+from cluster.speculative.types import PLACEHOLDER_TOKEN_ID as PH, SpecBatchMetadata
 
 torch.set_num_threads(1)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.config import EngineConfig, SpecConfig
-from cluster.engine.llm_engine import LLMEngine, LoadedModel
-from cluster.engine.request import GenerationRequest, SamplingParams, SpecMode
-from cluster.engine.runner import ModelRunner
-from cluster.speculative.controller import build_spec_controller
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
+from cluster.models.load import LoadedModel
+from cluster.models.runner import ModelRunner
 from tests.engine.helpers import greedy_requests, prompt_ids, run_to_completion
 from tests.reference import check_greedy_match, workload_rows
 
@@ -117,8 +118,8 @@ def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from cluster.errors import VocabularyMismatchError
-    from cluster.speculative.controller import build_draft_model_proposer
+    from cluster.common.errors import VocabularyMismatchError
+    from cluster.engine.speculation import build_draft_model_proposer
     from tests.conftest import make_tiny_model_dir
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -171,7 +172,7 @@ def _clone_model(model):
 
 def proposer_drafted(proposer) -> list[int]:
     """The draft tokens the proposer produces for a fresh probe sequence (then released)."""
-    from cluster.engine.request import SamplingParams as SP
+    from cluster.common.request import SamplingParams as SP
     from cluster.speculative.types import ProposeInput
 
     out = proposer.propose([ProposeInput("probe", list(range(300, 340)), 5, SP())])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
 from cluster.speculative.suffix import SuffixIndex, SuffixProposer, match_starts, walk
 from cluster.speculative.types import ProposeInput
@@ -159,13 +159,13 @@ def _remote(core):
 def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placement):
     """Unseeded sampling, requests of one segment in waves: later waves draft what earlier ones
     sampled (the index learns their outputs), so drafts are accepted and rejected."""
-    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.common.config import EngineConfig, SpecConfig
     from cluster.engine.llm_engine import LLMEngine
-    from cluster.engine.request import GenerationRequest
+    from cluster.common.request import GenerationRequest
     from cluster.kvsync.limits import KVSyncLimits
     from cluster.kvsync.server import DraftServerCore
     from cluster.models.load import load_model
-    from cluster.speculative.controller import build_spec_controller
+    from cluster.engine.speculation import build_spec_controller
     from tests.engine.helpers import run_to_completion
     from tests.kvsync.test_client_distribution import BATCH, N, PARAMS, PROMPT, assert_target_pair_distribution
 
@@ -204,11 +204,11 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placeme
 def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, drafter):
     """Placement separate: the drafter in a DraftServer core behind KVSync; the segment travels
     with each sequence, and a repeated prompt is drafted from what its first run taught."""
-    from cluster.engine.config import EngineConfig, SpecConfig
+    from cluster.common.config import EngineConfig, SpecConfig
     from cluster.engine.llm_engine import LLMEngine
-    from cluster.engine.request import GenerationRequest, SpecMode
+    from cluster.common.request import GenerationRequest, SpecMode
     from cluster.kvsync.server import DraftServerCore
-    from cluster.speculative.controller import build_spec_controller
+    from cluster.engine.speculation import build_spec_controller
     from tests.engine.helpers import prompt_ids, run_to_completion
     from tests.reference import check_greedy_match, workload_rows
 

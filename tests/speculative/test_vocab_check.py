@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from cluster.errors import VocabularyMismatchError
+from cluster.common.errors import VocabularyMismatchError
 from cluster.speculative.vocab_check import check_vocab_compatible, require_vocab_compatible
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]

@@ -6,8 +6,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.common.request import FinishReason, RequestOutput, SpecStats
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import FinishReason, RequestOutput, SpecStats
 from cluster.telemetry.metrics import MetricsConfig, SpecserveMetrics
 
 

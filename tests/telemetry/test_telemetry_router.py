@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.common.request import FinishReason, RequestOutput, SamplingParams, SpecMode, SpecStats
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import FinishReason, RequestOutput, SamplingParams, SpecMode, SpecStats
-from cluster.telemetry import semconv as sc
-from cluster.telemetry import tracing
+from cluster.telemetry import semconv as sc, tracing
 from cluster.telemetry.engine_spans import start_request_trace
 from cluster.telemetry.metrics import MetricsConfig, SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry

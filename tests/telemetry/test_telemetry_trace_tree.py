@@ -9,9 +9,8 @@ import threading
 
 import grpc
 
-from cluster.engine.request import FinishReason, RequestOutput, SpecStats
-from cluster.telemetry import semconv as sc
-from cluster.telemetry import tracing
+from cluster.common.request import FinishReason, RequestOutput, SpecStats
+from cluster.telemetry import semconv as sc, tracing
 from cluster.telemetry.engine_spans import kvsync_context, start_request_trace
 from cluster.telemetry.grpc_interceptors import aio_client_interceptors, client_interceptors
 from cluster.telemetry.request_span import request_span

@@ -54,7 +54,7 @@ def split_workloads(workloads: Path, segments: list[str], out: Path) -> tuple[Pa
     for seg in segments:
         src = workloads / f"{seg}.jsonl"
         if not src.is_file():
-            from cluster.errors import UserFacingError
+            from cluster.common.errors import UserFacingError
 
             raise UserFacingError(f"no workload {seg!r}: {src} not found")
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
@@ -62,7 +62,7 @@ def split_workloads(workloads: Path, segments: list[str], out: Path) -> tuple[Pa
             row.setdefault("segment", seg)
         sides = (rows[0::2], rows[1::2])
         if not sides[1]:
-            from cluster.errors import UserFacingError
+            from cluster.common.errors import UserFacingError
 
             raise UserFacingError(f"workload {seg!r} has {len(rows)} row(s): nothing would be held out")
         for side, d in zip(sides, (sample, held)):
@@ -172,7 +172,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import DEFAULT_CONFIG
+    from deployments.local import DEFAULT_CONFIG
     from cluster.mapper.run import MapPlan, map_workload
 
     args.concurrency = args.concurrency or (QUICK["levels"] if args.quick else "1,2,4,8,16")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.kv_cache import KVCacheManager, sizing_num_blocks
+from cluster.models.kv_cache import KVCacheManager, sizing_num_blocks
 from cluster.models.llama import AttentionGroup, ForwardBatch, LlamaModel
 
 # Chunks with more new tokens than this get their own attention group, so that one long prefill

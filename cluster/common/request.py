@@ -1,7 +1,8 @@
 """Request-level types shared by the engine, the speculative core and the service glue.
 
 Owns: sampling parameters and their validation, finish reasons, the per-step output a caller
-iterates, and the error raised for bad input. Ignores: tokenization and transport.
+iterates, speculation counters, and the limits a request is checked against. Ignores:
+tokenization, transport, and the errors themselves (``cluster.common.errors``).
 """
 from __future__ import annotations
 
@@ -12,18 +13,7 @@ import numbers
 import operator
 from dataclasses import dataclass, field
 
-
-class InvalidRequestError(ValueError):
-    """Bad user input. The message says what is wrong; the service maps it to INVALID_ARGUMENT."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The bounded waiting queue is full (RESOURCE_EXHAUSTED at the service)."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot serve (its core process failed to start or exited): UNAVAILABLE at the
-    service, so clients may retry on a replica Serve has replaced."""
+from cluster.common.errors import InvalidRequestError
 
 
 class FinishReason(enum.Enum):
@@ -98,7 +88,7 @@ class SamplingParams:
     @property
     def coupled(self) -> bool:
         """Seeded sampling: each token is Gumbel-max with noise from (seed, position)
-        (``cluster.engine.sampler``), so the output is the same on every path and K."""
+        (``cluster.sampling.sampler``), so the output is the same on every path and K."""
         return self.seed is not None and not self.greedy
 
 

@@ -27,19 +27,22 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.config import AUTO_K, EngineConfig, SpecConfig
+from cluster.common.config import AUTO_K, EngineConfig, SpecConfig
+from cluster.common.request import SpecMode, SpecStats
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
 from cluster.engine.grammar import apply_masks
 from cluster.engine.protocol import EngineStats
-from cluster.engine.request import SpecMode, SpecStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
 from cluster.speculative.acceptance import LiveAlpha, with_context
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
-from cluster.speculative.proposer import MODEL_FREE, DrafterKind, Proposer, parse_drafter_spec
+from cluster.speculative.proposer import (
+    MODEL_FREE, ContextualProposer, DrafterKind, LocalModelProposer, MemberStatsProposer, Proposer,
+    RemoteDraft, parse_drafter_spec,
+)
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
 from cluster.telemetry.engine_spans import kvsync_context
@@ -132,7 +135,7 @@ class SpecController:
         """(sequence, segment) keys for adaptive K. A drafter with a draft context (ngram: the
         match length) splits both by it, so acceptance is learnt per context; sequences it has
         nothing to draft for are left out (K = 0, no probe wasted on them)."""
-        context = getattr(self.proposer, "draft_context", None)
+        context = self.proposer.draft_context if isinstance(self.proposer, ContextualProposer) else None
         if context is None:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible]
         kept, keys = [], []
@@ -174,7 +177,7 @@ class SpecController:
         self.timing.propose_s += elapsed
         self.timing.proposals += 1
         self.timing.draft_rounds += max(s.num_lookahead for s in asks)
-        resynced = getattr(self.proposer, "last_resynced", ())
+        resynced = self.proposer.last_resynced if isinstance(self.proposer, RemoteDraft) else ()
         for s in asks:
             if s.seq.seq_id in resynced:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
@@ -355,9 +358,8 @@ class SpecController:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
 
     def _observe_target_step(self, forward_s: float) -> None:
-        observe = getattr(self.proposer, "observe_target_step", None)
-        if observe is not None:  # a remote drafter's deadline follows the measured step time
-            observe(forward_s)
+        if isinstance(self.proposer, RemoteDraft):  # a remote drafter's deadline follows the step time
+            self.proposer.observe_target_step(forward_s)
 
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
@@ -384,10 +386,9 @@ class SpecController:
             if self.moe_gate.moe:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
-        st.draft_resyncs = int(getattr(self.proposer, "num_resyncs", 0))  # RemoteProposer's counter
-        per_drafter = getattr(self.proposer, "drafter_stats", None)  # a portfolio's members
-        if per_drafter is not None:
-            st.drafter_steps = per_drafter()
+        st.draft_resyncs = int(self.proposer.num_resyncs) if isinstance(self.proposer, RemoteDraft) else 0
+        if isinstance(self.proposer, MemberStatsProposer):  # a portfolio's members
+            st.drafter_steps = self.proposer.drafter_stats()
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
             st.break_even_alpha = self.adaptive.break_even_alpha(self.config.k_max)
 
@@ -396,10 +397,10 @@ def draft_cost_ratio(proposer, target_runner) -> float | None:
     """Prior for one draft round relative to a target decode step, before any is timed: ngram
     (and suffix, and the model-free portfolio) ~0; self:L and local draft models their share of the weights a decode step reads (decoder
     layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
-    kind = getattr(proposer, "kind", None)
+    kind = proposer.kind
     if kind in MODEL_FREE:
         return 0.0
-    runner = getattr(proposer, "runner", None)
+    runner = proposer.runner if isinstance(proposer, LocalModelProposer) else None
     arch = getattr(getattr(runner, "model", None), "arch", None)
     if arch is None or kind not in (DrafterKind.SELF, DrafterKind.DRAFT_MODEL):
         return None
@@ -425,7 +426,7 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     name = spec_cfg.drafter
     if proposer is None:
         proposer = _build_proposer(spec, spec_cfg, config, model)
-    elif getattr(proposer, "expected_vocab_size", 0) is None:  # a remote draft: q must be this wide
+    elif isinstance(proposer, RemoteDraft) and proposer.expected_vocab_size is None:  # q must be this wide
         proposer.expected_vocab_size = model.runner.vocab_size
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)
@@ -448,11 +449,11 @@ def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> 
 
         return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.k_max)
     if spec.kind is DrafterKind.SELF:
-        from cluster.engine.runner import ModelRunner
+        from cluster.models.runner import ModelRunner
         from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers
 
         if not isinstance(model.runner, ModelRunner):
-            from cluster.errors import ModelLoadError
+            from cluster.common.errors import ModelLoadError
 
             raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
         n = model.runner.model.arch.num_layers

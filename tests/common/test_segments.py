@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from cluster.routing.segments import OTHER_SEGMENT, SegmentLabels
+from cluster.common.segments import OTHER_SEGMENT, SegmentLabels
 
 
 def test_first_labels_kept_then_folded():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.bench.mapped import crossover_check, judge, split_workloads
+from cluster.mapper.heldout import crossover_check, judge, split_workloads
 from cluster.cli import main
 from tests.mapper.fake_setup import ALPHA, fake_serve_config
 

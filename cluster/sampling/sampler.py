@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from cluster.engine.request import SamplingParams
+from cluster.common.request import SamplingParams
 
 
 class NonFiniteScoresError(ValueError):

@@ -1,7 +1,7 @@
 """Block KV cache bookkeeping: reserve, truncate (rollback), free, slot addressing."""
 import pytest
 
-from cluster.engine.kv_cache import KVCacheFullError, KVCacheManager
+from cluster.models.kv_cache import KVCacheFullError, KVCacheManager
 
 
 def test_reserve_slots_truncate_free():

@@ -8,8 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cluster.engine.request import GREEDY_TEMPERATURE_EPS, InvalidRequestError, SamplingParams
-from cluster.engine.sampler import NonFiniteScoresError, gumbel_noise, logits_to_probs, sample
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import GREEDY_TEMPERATURE_EPS, SamplingParams
+from cluster.sampling.sampler import NonFiniteScoresError, gumbel_noise, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_argmax():
