@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.spec import DRAFTER_KINDS, SEGMENTS, _engine, _med, _r, run_ours
+from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, run_ours
 from cluster.common.prompt_rows import read_prompt_rows
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
@@ -57,7 +57,7 @@ def check_options(args: argparse.Namespace) -> str | None:
     n-gram (the default list of every drafter means the n-gram one here; model drafters draft
     without the grammar mask yet) and the options of the model-drafter and HF rows."""
     kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    if kinds not in (list(DRAFTER_KINDS), ["ngram"]):
+    if kinds not in (list(DEFAULT_DRAFTERS), ["ngram"]):
         return f"--constrained runs the n-gram drafter only; got --drafters {args.drafters}"
     given = [opt for opt, on in (("--self-layers", args.self_layers is not None),
                                  ("--draft-layers", args.draft_layers is not None),
