@@ -90,15 +90,21 @@ def _request(rid: str, ids: list[int], max_tokens: int, segment: str, schema: di
                              constraint=constraint)
 
 
-def _one(engine, clock, rid, ids, max_tokens, segment, schema) -> dict:
-    """One request through ``engine`` -> its Run plus the grammar time and forced tokens."""
+def _forced_tokens(engine, segment: str) -> int:
+    """Jump-forward tokens the engine's speculation counted for ``segment`` (0 without speculation)."""
     from cluster.common.request import SpecStats
 
+    spec = engine.spec
+    return 0 if spec is None else spec.segment_stats.get(segment, SpecStats()).forced_tokens
+
+
+def _one(engine, clock, rid, ids, max_tokens, segment, schema) -> dict:
+    """One request through ``engine`` -> its Run plus the grammar time and forced tokens."""
     before = clock.snapshot()
-    forced0 = engine.segment_stats.get(segment, SpecStats()).forced_tokens
+    forced0 = _forced_tokens(engine, segment)
     run = run_ours(engine, _request(rid, ids, max_tokens, segment, schema))
     spent = clock.since(before)
-    forced = engine.segment_stats.get(segment, SpecStats()).forced_tokens - forced0
+    forced = _forced_tokens(engine, segment) - forced0
     return {"run": run, "grammar_s": sum(spent["seconds"].values()), "grammar": spent, "forced": forced}
 
 
