@@ -26,6 +26,13 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"KVSync TLS {what} {path!r} cannot be read: {exc.strerror or exc}") from None
 
 
+def _read_first(*candidates: tuple[str, str | None]) -> bytes:
+    """The first configured file of ``(option name, path)`` candidates (a default falls back to
+    the next), read; the name is what an unreadable file's error says."""
+    what, path = next((w, p) for w, p in candidates if p is not None)
+    return _read(path, what)
+
+
 @dataclass(frozen=True)
 class KVSyncTLS:
     cert_file: str | None = None  # the DraftServer's certificate chain (PEM); None: no TLS
@@ -60,23 +67,18 @@ class KVSyncTLS:
         pair = [(_read(self.key_file, "key_file"), _read(self.cert_file, "cert_file"))]
         if not self.mutual:
             return grpc.ssl_server_credentials(pair)
-        what, path = next((w, p) for w, p in (("client_ca_file", self.client_ca_file),
-                                               ("ca_file", self.ca_file), ("cert_file", self.cert_file))
-                          if p is not None)
-        return grpc.ssl_server_credentials(pair, root_certificates=_read(path, what),
-                                           require_client_auth=True)
+        clients_ca = _read_first(("client_ca_file", self.client_ca_file), ("ca_file", self.ca_file),
+                                 ("cert_file", self.cert_file))
+        return grpc.ssl_server_credentials(pair, root_certificates=clients_ca, require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        root = self.ca_file or self.cert_file
-        roots = _read(root, "ca_file" if self.ca_file else "cert_file")
+        roots = _read_first(("ca_file", self.ca_file), ("cert_file", self.cert_file))
         if not self.mutual:
             return grpc.ssl_channel_credentials(root_certificates=roots)
-        own = self.client_cert_file is not None
         return grpc.ssl_channel_credentials(
             root_certificates=roots,
-            private_key=_read(self.client_key_file if own else self.key_file, "client_key_file" if own else "key_file"),
-            certificate_chain=_read(self.client_cert_file if own else self.cert_file,
-                                    "client_cert_file" if own else "cert_file"))
+            private_key=_read_first(("client_key_file", self.client_key_file), ("key_file", self.key_file)),
+            certificate_chain=_read_first(("client_cert_file", self.client_cert_file), ("cert_file", self.cert_file)))
 
     def open_channel(self, address: str, options: list | tuple = ()) -> grpc.Channel:
         """A client channel to ``address``: TLS (verifying the server) when enabled."""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from cluster.bench.serve import DEFAULT_WORKLOADS, _pct, ratio_interval
+from cluster.common.errors import UserFacingError
 
 MAPPED_GOAL = 1.0  # routed p50 with the mapped config <= the better fixed policy's
 QUICK = {"levels": "1,4,16", "requests": 4, "max_tokens": 16, "rows_per_segment": 4}
@@ -54,16 +55,12 @@ def split_workloads(workloads: Path, segments: list[str], out: Path) -> tuple[Pa
     for seg in segments:
         src = workloads / f"{seg}.jsonl"
         if not src.is_file():
-            from cluster.common.errors import UserFacingError
-
             raise UserFacingError(f"no workload {seg!r}: {src} not found")
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
         for row in rows:
             row.setdefault("segment", seg)
         sides = (rows[0::2], rows[1::2])
         if not sides[1]:
-            from cluster.common.errors import UserFacingError
-
             raise UserFacingError(f"workload {seg!r} has {len(rows)} row(s): nothing would be held out")
         for side, d in zip(sides, (sample, held)):
             (d / f"{seg}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in side))
