@@ -183,8 +183,8 @@ class EngineImpl(_Strict):
 class AppConfig(_Strict):
     model: str = "default"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | a draft model spec | none
-    num_spec_tokens: int | Literal["auto"] = "auto"
+    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | a draft model source | none
+    num_draft_tokens: int | Literal["auto"] = "auto"
     force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED
     torch_threads: int = Field(1, ge=1)
@@ -234,18 +234,18 @@ class AppConfig(_Strict):
     def spec_config(self) -> SpecConfig | None:
         if not self.speculative:
             return None
-        return SpecConfig(drafter=self.drafter, num_spec_tokens=self.num_spec_tokens,
+        return SpecConfig(drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
                           force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
                           moe_min_draft_tokens=self.moe.min_draft_tokens,
                           moe_alpha_threshold=self.moe.alpha_threshold)
 
     def kvsync_limits(self, vocab_size: int = 0):
-        """What a DraftServer accepts from one SpecEngine: K up to the engine's k_max, its batch,
+        """What a DraftServer accepts from one SpecEngine: K up to the engine's max_draft_tokens, its batch,
         its context (prompt + output limits), ``draft_server.max_sequences`` per caller."""
         from cluster.kvsync.limits import KVSyncLimits
 
         spec = self.spec_config()
-        return KVSyncLimits(max_draft_tokens=spec.k_max if spec is not None else 1,
+        return KVSyncLimits(max_draft_tokens=spec.max_draft_tokens if spec is not None else 1,
                             max_batch=self.spec_engine.max_num_seqs,
                             max_seq_tokens=self.limits.max_prompt_tokens + self.limits.max_tokens,
                             max_sequences=self.draft_server.max_sequences,

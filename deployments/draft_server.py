@@ -21,7 +21,7 @@ from ray import serve
 
 from cluster.api.auth import bearer_metadata, token_from_env
 from cluster.kvsync.server import DraftServerCore, start_server
-from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
+from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
 from deployments.quiet_polls import quiet_polls
@@ -34,18 +34,18 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def build_proposer(app: AppConfig):
     """(proposer, vocab_size) for the configured drafter; vocab_size 0 = vocabulary-agnostic."""
-    spec = parse_drafter_spec(app.drafter)
-    if spec is None:
+    choice = parse_drafter_choice(app.drafter)
+    if choice is None:
         raise ValueError("DraftServer needs a drafter")
-    if spec.kind is DrafterKind.NGRAM:
+    if choice.kind is DrafterKind.NGRAM:
         from cluster.speculative.ngram import NgramProposer
 
         return NgramProposer(), 0
-    if spec.kind is DrafterKind.SUFFIX:  # learns from the segments of every caller (one target model)
+    if choice.kind is DrafterKind.SUFFIX:  # learns from the segments of every caller (one target model)
         from cluster.speculative.suffix import SuffixProposer
 
         return SuffixProposer(), 0
-    if spec.kind is DrafterKind.PORTFOLIO:
+    if choice.kind is DrafterKind.PORTFOLIO:
         from cluster.speculative.portfolio import default_portfolio
 
         return default_portfolio(), 0
@@ -53,7 +53,7 @@ def build_proposer(app: AppConfig):
     # tokenizer), or the target's first L layers as a draft model with this replica's own KV.
     from cluster.kvsync.drafters import build_remote_proposer
 
-    return build_remote_proposer(spec, target_model=app.model, dtype=app.dtype,
+    return build_remote_proposer(choice, target_model=app.model, dtype=app.dtype,
                                  force_vocab_mismatch=app.force_vocab_mismatch,
                                  kv_cache_memory_mb=app.draft_server.kv_cache_memory_mb)
 

@@ -103,7 +103,7 @@ class Router:
             if self.token is None:
                 raise ValueError(f"auth.token_env={self.cfg.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
-        self.spec, self.batch = spec_engine, batch_engine  # spec is None without a drafter
+        self.spec_engine, self.batch = spec_engine, batch_engine  # spec_engine is None without a drafter
         # sequences each engine side runs at once, for overflow balancing (policy rule 8); in-flight
         # counts are per Router replica, so each replica plans with its share of the slots
         share = self.cfg.router_deployment.num_replicas
@@ -147,7 +147,7 @@ class Router:
             return {"ready": False}
 
     async def _refresh(self) -> None:
-        self._spec_stats, self._batch_stats = await asyncio.gather(self._stats(self.spec),
+        self._spec_stats, self._batch_stats = await asyncio.gather(self._stats(self.spec_engine),
                                                                    self._stats(self.batch))
 
     async def _poll_loop(self) -> None:
@@ -166,7 +166,7 @@ class Router:
     def _view(self) -> EngineView:
         s = self._spec_stats
         return EngineView.from_spec_by_segment(
-            s.get("spec_by_segment", {}), spec_available=self.spec is not None and self.spec_ready,
+            s.get("spec_by_segment", {}), spec_available=self.spec_engine is not None and self.spec_ready,
             spec_in_flight=self.spec_in_flight, plain_in_flight=self.load.count(Path.PLAIN),
             spec_capacity=self.load.capacities[Path.SPECULATIVE],
             plain_capacity=self.load.capacities[Path.PLAIN],
@@ -220,7 +220,7 @@ class Router:
 
     async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str],
                        whole: bool = False):
-        handle = self.spec if decision.path is Path.SPECULATIVE else self.batch
+        handle = self.spec_engine if decision.path is Path.SPECULATIVE else self.batch
         mark = self.load.enter(decision.path)
         self.metrics.set_inflight(decision.path, self.load.count(decision.path))
         done = False
@@ -319,7 +319,7 @@ class Router:
 
     async def _model_info(self, pb2):
         info: dict = {}
-        for handle in (self.batch, self.spec):
+        for handle in (self.batch, self.spec_engine):
             if handle is not None and not info:
                 try:
                     info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
@@ -330,7 +330,7 @@ class Router:
             model=str(info.get("name") or a.model), architecture=str(info.get("architecture") or ""),
             vocab_size=int(info.get("vocab_size") or 0), max_model_len=int(info.get("max_model_len") or 0),
             dtype=a.dtype, moe=bool(info.get("moe", False)), drafter=a.drafter,
-            num_spec_tokens=str(a.num_spec_tokens), placement=a.placement.value,
+            num_draft_tokens=str(a.num_draft_tokens), placement=a.placement.value,
             max_tokens=self.limits.max_tokens, max_prompt_tokens=self.limits.max_prompt_tokens,
             enter_threshold=r.enter_threshold, exit_threshold=r.exit_threshold,
             min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
@@ -350,7 +350,7 @@ class Router:
     async def serving(self) -> bool:
         """Every engine ready, asked now (a probe wants the truth, not the last poll)."""
         await self._refresh()
-        return self.batch_ready and (self.spec is None or self.spec_ready)
+        return self.batch_ready and (self.spec_engine is None or self.spec_ready)
 
     async def Check(self, request, grpc_context):  # noqa: N802 (grpc.health.v1)
         from grpc_health.v1 import health_pb2

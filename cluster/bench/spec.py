@@ -50,7 +50,7 @@ GOAL_VS_HF = 1.3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="target model spec (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="default", help="target model source (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     p.add_argument("--json", type=Path, required=True, help="output JSON file")
     p.add_argument("--segments", default=",".join(SEGMENTS), help="comma-separated segment names")
@@ -89,7 +89,7 @@ class Run:
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # SpecStats' counters
     drafted_per_position: list[int] = field(default_factory=list)
-    k_chosen: list[int] = field(default_factory=list)  # k_chosen[K]: verification steps with K drafts
+    steps_by_num_draft_tokens: list[int] = field(default_factory=list)  # steps_by_num_draft_tokens[K]: verification steps with K drafts
 
     def take_counters(self, spec) -> None:
         """The request's speculation counters (its final ``SpecStats``)."""
@@ -97,7 +97,7 @@ class Run:
         self.rejections = spec.rejections
         self.accepted_per_position = list(spec.accepted_per_position)
         self.drafted_per_position = list(spec.drafted_per_position)
-        self.k_chosen = list(spec.k_chosen)
+        self.steps_by_num_draft_tokens = list(spec.steps_by_num_draft_tokens)
 
 
 def _timing(engine):
@@ -179,7 +179,7 @@ def steps_by_k(runs: list[Run]) -> list[int]:
     """[K] verification steps that drafted K tokens, over the runs together."""
     out: list[int] = []
     for r in runs:
-        for k, n in enumerate(r.k_chosen):
+        for k, n in enumerate(r.steps_by_num_draft_tokens):
             while len(out) <= k:
                 out.append(0)
             out[k] += n
@@ -209,7 +209,7 @@ def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_to
     t = statistics.median(t_plain)
     found = {}
     for L in [c for c in candidates if c < n]:
-        eng = _engine(target, SpecConfig(drafter=f"self:{L}", num_spec_tokens=k))
+        eng = _engine(target, SpecConfig(drafter=f"self:{L}", num_draft_tokens=k))
         runs = [run_ours(eng, _request(f"cal-{L}-{i}", ids, max_tokens, seg)) for i, (seg, ids) in enumerate(rows)]
         alpha = alpha_of(runs)
         c = statistics.median([x for r in runs for x in r.round_costs] or [0.0]) / t
@@ -344,15 +344,15 @@ def run(args: argparse.Namespace) -> int:
     methods: dict[str, tuple] = {"plain": (_engine(target), None)}  # name -> (engine, k label)
     draft_dir = None
     if "ngram" in kinds:
-        methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens=args.ngram_k)), args.ngram_k)
-        methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_spec_tokens="auto")), "auto")
+        methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens=args.ngram_k)), args.ngram_k)
+        methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens="auto")), "auto")
     for name in ("suffix", "portfolio"):  # model-free, learning from the prompts run before
         if name in kinds:
-            methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_spec_tokens="auto")), "auto")
+            methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_draft_tokens="auto")), "auto")
     if "self" in kinds:
         for k in (args.model_k, "auto"):
             methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
-                _engine(target, SpecConfig(drafter=f"self:{self_layers}", num_spec_tokens=k)), k)
+                _engine(target, SpecConfig(drafter=f"self:{self_layers}", num_draft_tokens=k)), k)
     if "draft" in kinds:
         draft_dir = derive_truncated_draft(target.path, draft_layers, cache_root() / "derived" / f"{Path(target.path).name}-first{draft_layers}")
         draft = load_model(str(draft_dir), EngineConfig())
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         for k in (args.model_k, "auto"):
             proposer = DraftModelProposer(ModelRunner(draft.runner.model, None, 16, 128))
             methods[f"draft-l{draft_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
-                _engine(target, SpecConfig(drafter="draft", num_spec_tokens=k), proposer), k)
+                _engine(target, SpecConfig(drafter="draft", num_draft_tokens=k), proposer), k)
 
     hf_methods: dict[str, dict] = {}
     hf_model = None

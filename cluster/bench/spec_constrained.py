@@ -46,10 +46,10 @@ def _methods(args) -> list[tuple[str, object, bool]]:
 
     k = args.ngram_k
     return [("plain", None, False),
-            (f"ngram/k{k}", SpecConfig(drafter="ngram", num_spec_tokens=k), False),
+            (f"ngram/k{k}", SpecConfig(drafter="ngram", num_draft_tokens=k), False),
             (REFERENCE, None, True),
-            (f"ngram/k{k}+grammar", SpecConfig(drafter="ngram", num_spec_tokens=k), True),
-            ("ngram/auto+grammar", SpecConfig(drafter="ngram", num_spec_tokens="auto"), True)]
+            (f"ngram/k{k}+grammar", SpecConfig(drafter="ngram", num_draft_tokens=k), True),
+            ("ngram/auto+grammar", SpecConfig(drafter="ngram", num_draft_tokens="auto"), True)]
 
 
 def check_options(args: argparse.Namespace) -> str | None:

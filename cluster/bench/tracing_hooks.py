@@ -9,7 +9,7 @@ exporter to a local receiver):
 - ``summary``: the chosen design — ``RequestTrace.step()`` appends, spans/events built at finish;
 - ``per_step_span``: the alternative — a live span per verification step;
 and the relative slowdown of a simulated request whose steps take ``--step-ms`` of busy work
-(interleaved repeats, medians). ``test_telemetry_overhead.py`` asserts on the same functions.
+(interleaved repeats, medians). ``tests/bench/test_tracing_hooks.py`` asserts on the same functions.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def request_per_step_spans(steps: int, step_s: float = 0.0) -> None:
         for i in range(steps):
             s = tracer.start_span("specserve.spec_step", context=parent)
             _busy(step_s)
-            s.set_attributes({"specserve.spec.step": i, "specserve.spec.k": STEP[0],
+            s.set_attributes({"specserve.spec.step": i, "specserve.spec.num_draft_tokens": STEP[0],
                               "specserve.spec.accepted": STEP[1]})
             s.end()
         rec.finish("length", steps * 4, 16)
@@ -86,7 +86,7 @@ def per_step_cost_us(kind: str, n: int = 20000) -> float:
     t0 = time.perf_counter()
     for i in range(n):
         s = tracer.start_span("specserve.spec_step", context=parent)
-        s.set_attributes({"specserve.spec.step": i, "specserve.spec.k": 4, "specserve.spec.accepted": 3})
+        s.set_attributes({"specserve.spec.step": i, "specserve.spec.num_draft_tokens": 4, "specserve.spec.accepted": 3})
         s.end()
     return (time.perf_counter() - t0) / n * 1e6
 

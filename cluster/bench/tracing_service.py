@@ -30,7 +30,7 @@ WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 def app_args(telemetry: dict | None) -> dict:
     small = from_test_tree("tests.deployments.harness", "SMALL", _BENCH)
     eng = {**small, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64}
-    args = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+    args = {"model": "default", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "placement": "separate", "router_deployment": small, "spec_engine": eng, "batch_engine": eng,
             "draft_server": {**small, "host": "127.0.0.1", "timeout_s": 5.0},
             "limits": {"max_tokens": 256, "max_prompt_tokens": 1024, "max_message_bytes": 65536,

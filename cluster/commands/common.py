@@ -10,8 +10,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf file | hub id")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft", default=None,
-                   help="enable speculation: ngram | suffix | portfolio | self[:L] | a draft model spec (same vocabulary)")
-    p.add_argument("--num-spec-tokens", default="auto", help="K, or 'auto' for adaptive K")
+                   help="enable speculation: ngram | suffix | portfolio | self[:L] | a draft model source (same vocabulary)")
+    p.add_argument("--num-draft-tokens", default="auto", help="K, or 'auto' for adaptive K")
     p.add_argument("--draft-vocab-trim", type=int, default=None, help="keep N ids in the draft LM head")
     p.add_argument("--force-vocab-mismatch", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     spec = None
     if args.draft and args.draft.lower() != "none":
-        spec = SpecConfig(drafter=args.draft, num_spec_tokens=args.num_spec_tokens,
+        spec = SpecConfig(drafter=args.draft, num_draft_tokens=args.num_draft_tokens,
                           draft_vocab_trim=args.draft_vocab_trim,
                           force_vocab_mismatch=args.force_vocab_mismatch)
     return EngineConfig(model=args.model, dtype=args.dtype, spec=spec, torch_threads=args.threads,

@@ -26,11 +26,11 @@ AUTO_K = "auto"
 @dataclass(slots=True)
 class SpecConfig:
     """Speculative decoding. drafter: "ngram", "suffix", "portfolio", "self" / "self:L" (first L target layers), or a model
-    spec sharing the target vocabulary. num_spec_tokens: fixed K, or "auto" (adaptive K in [0, k_max])."""
+    spec sharing the target vocabulary. num_draft_tokens: fixed K, or "auto" (adaptive K in [0, max_draft_tokens])."""
 
     drafter: str = "ngram"
-    num_spec_tokens: int | str = AUTO_K
-    k_max: int = 6
+    num_draft_tokens: int | str = AUTO_K
+    max_draft_tokens: int = 6
     ngram_min: int = 1
     ngram_max: int = 4
     draft_vocab_trim: int | None = None  # keep the N most frequent tokens in the draft LM head
@@ -44,18 +44,18 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if not self.drafter:
             raise ValueError("spec.drafter must be set (ngram, suffix, portfolio, self[:L] or a draft model)")
-        if isinstance(self.num_spec_tokens, str):
-            if self.num_spec_tokens != AUTO_K:
+        if isinstance(self.num_draft_tokens, str):
+            if self.num_draft_tokens != AUTO_K:
                 try:
-                    self.num_spec_tokens = int(self.num_spec_tokens)
+                    self.num_draft_tokens = int(self.num_draft_tokens)
                 except ValueError:
-                    raise ValueError(f"num_spec_tokens must be an integer or 'auto', got {self.num_spec_tokens!r}")
-        if isinstance(self.num_spec_tokens, int):
-            if not 0 <= self.num_spec_tokens <= 16:
-                raise ValueError(f"num_spec_tokens must be in [0, 16], got {self.num_spec_tokens}")
-            self.k_max = max(self.k_max, self.num_spec_tokens)
-        if not 1 <= self.k_max <= 16:
-            raise ValueError(f"k_max must be in [1, 16], got {self.k_max}")
+                    raise ValueError(f"num_draft_tokens must be an integer or 'auto', got {self.num_draft_tokens!r}")
+        if isinstance(self.num_draft_tokens, int):
+            if not 0 <= self.num_draft_tokens <= 16:
+                raise ValueError(f"num_draft_tokens must be in [0, 16], got {self.num_draft_tokens}")
+            self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens)
+        if not 1 <= self.max_draft_tokens <= 16:
+            raise ValueError(f"max_draft_tokens must be in [1, 16], got {self.max_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.moe_min_draft_tokens < 1:
@@ -66,7 +66,7 @@ class SpecConfig:
 
     @property
     def adaptive(self) -> bool:
-        return self.num_spec_tokens == AUTO_K
+        return self.num_draft_tokens == AUTO_K
 
 
 @dataclass(slots=True)

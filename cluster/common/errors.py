@@ -25,7 +25,7 @@ class UserFacingError(Exception):
 
 
 class ModelLoadError(UserFacingError):
-    """A model spec that cannot be resolved or loaded (missing, malformed, unsupported)."""
+    """A model source that cannot be resolved or loaded (missing, malformed, unsupported)."""
 
 
 class VocabularyMismatchError(UserFacingError):

@@ -113,7 +113,7 @@ class SpecStats:
     rejections: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
-    k_chosen: list[int] = field(default_factory=list)  # histogram: k_chosen[k] = steps with K=k
+    steps_by_num_draft_tokens: list[int] = field(default_factory=list)  # histogram: steps_by_num_draft_tokens[k] = steps with K=k
     # draft tokens the grammar forced (its only legal continuation, proposed without a drafter;
     # counted in draft_tokens / accepted_tokens too): α without them is
     # (accepted_tokens - forced_tokens) / (draft_tokens - forced_tokens)
@@ -121,9 +121,9 @@ class SpecStats:
 
     def record(self, k: int, num_accepted: int, forced: int = 0) -> None:
         self.forced_tokens += min(forced, num_accepted)
-        while len(self.k_chosen) <= k:
-            self.k_chosen.append(0)
-        self.k_chosen[k] += 1
+        while len(self.steps_by_num_draft_tokens) <= k:
+            self.steps_by_num_draft_tokens.append(0)
+        self.steps_by_num_draft_tokens[k] += 1
         if k == 0:
             return
         self.drafts += 1
@@ -146,7 +146,7 @@ class SpecStats:
         self.forced_tokens += other.forced_tokens
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.drafted_per_position, other.drafted_per_position),
-                             (self.k_chosen, other.k_chosen)):
+                             (self.steps_by_num_draft_tokens, other.steps_by_num_draft_tokens)):
             while len(mine) < len(theirs):
                 mine.append(0)
             for i, v in enumerate(theirs):
@@ -176,7 +176,7 @@ class SpecStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
-            "k_chosen": list(self.k_chosen),
+            "steps_by_num_draft_tokens": list(self.steps_by_num_draft_tokens),
             "forced_tokens": self.forced_tokens,
         }
 

@@ -111,8 +111,8 @@ class FakeEngine:
     def _k(self) -> int:
         spec = self.config.spec
         if spec is None or spec.adaptive:
-            return spec.k_max if spec is not None else 4
-        return int(spec.num_spec_tokens)
+            return spec.max_draft_tokens if spec is not None else 4
+        return int(spec.num_draft_tokens)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if not self._ready:
@@ -233,4 +233,4 @@ class FakeEngine:
                 "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
                 "dtype": self.config.dtype.value, "moe": self.moe,
                 "drafter": spec.drafter if spec else None,
-                "num_spec_tokens": str(spec.num_spec_tokens) if spec else None}
+                "num_draft_tokens": str(spec.num_draft_tokens) if spec else None}

@@ -112,7 +112,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self._schedule()  # 1. which sequences run, with K lookahead slots each
+        batch = self._schedule()  # 1. which sequences run, with K draft slots each
         if not batch:
             return []
         drafts = self._propose(batch)  # 2. K_i draft tokens per speculating sequence
@@ -125,11 +125,11 @@ class LLMEngine:
         return self._emit(batch)  # 6. deltas and finished outputs
 
     def _schedule(self) -> list[ScheduledSeq]:
-        lookahead = (lambda seq: 0)
+        num_draft_tokens = (lambda seq: 0)
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
-            lookahead = self.spec.lookahead
-        scheduled = self.scheduler.schedule(lookahead)
+            num_draft_tokens = self.spec.num_draft_tokens
+        scheduled = self.scheduler.schedule(num_draft_tokens)
         now = time.monotonic()
         for s in scheduled:
             if s.seq.scheduled_at is None:

@@ -2,7 +2,7 @@
 
 Owns: the waiting queue and the running set, and per step which sequences run with how many new
 tokens under the token and sequence budgets: running sequences first (decode, or the K+1 tokens
-of a verification when the caller asks for lookahead), then waiting ones admitted FIFO as
+of a verification when the caller asks for num_draft_tokens), then waiting ones admitted FIFO as
 (chunked) prefills. Reserves KV blocks for everything it schedules; when the pool is full it
 preempts the most recently admitted sequence (frees its blocks; it recomputes later) instead of
 failing or deadlocking. Ignores: model execution, sampling and acceptance.
@@ -22,7 +22,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of seq.token_ids[num_cached:] fed this step
     samples: bool  # the chunk reaches the end of the known tokens: a token is produced
-    num_lookahead: int  # K: KV slots reserved for draft tokens after the new tokens (0: plain)
+    num_draft_tokens: int  # K: KV slots reserved for draft tokens after the new tokens (0: plain)
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead: Callable[[Sequence], int] = lambda s: 0) -> list[ScheduledSeq]:
+    def schedule(self, num_draft_tokens: Callable[[Sequence], int] = lambda s: 0) -> list[ScheduledSeq]:
         tokens_left = self.budget.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preemptions_before = self.num_preemptions
@@ -60,7 +60,7 @@ class Scheduler:
             pending = seq.num_pending_tokens
             chunk = min(pending, tokens_left)
             samples = chunk == pending
-            k = min(lookahead(seq), tokens_left - chunk) if samples else 0
+            k = min(num_draft_tokens(seq), tokens_left - chunk) if samples else 0
             k = max(0, k)
             while not self.kv.can_reserve(seq.seq_id, seq.num_cached + chunk + k):
                 if k > 0:

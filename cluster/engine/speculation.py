@@ -15,7 +15,7 @@ causes it (that sequence decodes plainly from then on), verification with per-se
 (``SpecStats``) and the live α the Router gates on (``LiveAlpha``, per-position like the
 break-even α it is compared with; ``cluster.speculative.acceptance``). The step's drafts travel
 as one ``StepDrafts`` (``cluster.engine.drafts``) from ``propose`` to ``verify``. Ignores:
-scheduling and KV allocation (the scheduler reserves the K lookahead slots this controller asks
+scheduling and KV allocation (the scheduler reserves the K draft-token slots this controller asks
 for), model execution, per-request counters (the engine's commit records them on the sequence).
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import (
-    MODEL_FREE, ContextualProposer, DrafterKind, LocalModelProposer, MemberStatsProposer, Proposer,
-    RemoteDraft, parse_drafter_spec,
+    MODEL_FREE, ContextualProposer, DrafterChoice, DrafterKind, LocalModelProposer, MemberStatsProposer, Proposer,
+    RemoteDraft, parse_drafter_choice,
 )
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
@@ -104,21 +104,21 @@ class SpecController:
             return
         if self.adaptive is not None:
             eligible, keys = self._adaptive_keys(eligible)
-            ks = self.adaptive.choose(keys, self.config.k_max)
+            num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens)
             self._keys = {s.seq_id: key for s, key in zip(eligible, keys)}
         else:
-            ks = [int(self.config.num_spec_tokens)] * len(eligible)
-        self._plan = {s.seq_id: k for s, k in zip(eligible, ks)}
+            num_draft_tokens = [int(self.config.num_draft_tokens)] * len(eligible)
+        self._plan = {s.seq_id: k for s, k in zip(eligible, num_draft_tokens)}
 
     def _moe_allows(self, seq: Sequence) -> bool:
         """MoE gate: a segment speculates once open; while closed only the Router's probes
         (forwarded with mode SPECULATIVE) draft, to measure it."""
         return self.moe_gate.allows(seq.request.segment) or seq.request.mode is SpecMode.SPECULATIVE
 
-    def _moe_observe(self, sampling: list[ScheduledSeq], counts: list[int], accepted: list[int]) -> None:
+    def _moe_observe(self, sampling: list[ScheduledSeq], num_draft_tokens: list[int], accepted: list[int]) -> None:
         if self.moe_gate.speculation_allowed:
             return
-        for s, k, a in zip(sampling, counts, accepted):
+        for s, k, a in zip(sampling, num_draft_tokens, accepted):
             segment = s.seq.request.segment
             if k and self.moe_gate.record(segment, k, a) and self.moe_gate.decide(segment, self.moe_threshold()):
                 log.info("MoE gate open for segment %r: %s", segment, self.moe_gate.segment_reason(segment))
@@ -128,7 +128,7 @@ class SpecController:
         if self.config.moe_alpha_threshold != AUTO_K:
             return float(self.config.moe_alpha_threshold)
         if self.adaptive is not None:
-            return self.adaptive.break_even_alpha(self.config.k_max)
+            return self.adaptive.break_even_alpha(self.config.max_draft_tokens)
         return self.moe_gate.threshold
 
     def _adaptive_keys(self, eligible: list[Sequence]) -> tuple[list[Sequence], list[tuple[str, str]]]:
@@ -149,20 +149,20 @@ class SpecController:
             keys.append((sub_id, with_context(s.request.segment, ctx)))
         return kept, keys
 
-    def lookahead(self, seq: Sequence) -> int:
+    def num_draft_tokens(self, seq: Sequence) -> int:
         k = 0 if seq.seq_id in self._no_drafts else self._plan.get(seq.seq_id, 0)
         # never draft past max_tokens (K+1 tokens may commit) or the context length
         return max(0, min(k, seq.remaining_budget - 1, self.max_model_len - len(seq.token_ids) - 1))
 
     # -- drafting ---------------------------------------------------------------------------------
     def propose(self, scheduled: list[ScheduledSeq]) -> StepDrafts:
-        """Ask the drafter for every sequence with lookahead slots; check each draft (a bad one
+        """Ask the drafter for every sequence with draft-token slots; check each draft (a bad one
         drops that sequence's drafts for the step) -> the step's drafts."""
         drafts = StepDrafts()
-        asks = [s for s in scheduled if s.samples and s.num_lookahead > 0]
+        asks = [s for s in scheduled if s.samples and s.num_draft_tokens > 0]
         if not asks:
             return drafts
-        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.request.params,
+        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_draft_tokens, s.seq.request.params,
                                segment=s.seq.request.segment) for s in asks]
         t0 = time.perf_counter()
         try:
@@ -176,13 +176,13 @@ class SpecController:
         elapsed = time.perf_counter() - t0
         self.timing.propose_s += elapsed
         self.timing.proposals += 1
-        self.timing.draft_rounds += max(s.num_lookahead for s in asks)
+        self.timing.draft_rounds += max(s.num_draft_tokens for s in asks)
         resynced = self.proposer.last_resynced if isinstance(self.proposer, RemoteDraft) else ()
         for s in asks:
             if s.seq.seq_id in resynced:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
-            self.adaptive.costs.observe_draft(max(s.num_lookahead for s in asks), elapsed)
+            self.adaptive.costs.observe_draft(max(s.num_draft_tokens for s in asks), elapsed)
         for s, got in zip(asks, proposals):
             if isinstance(got, SeqFault):  # its drafting raises: no more drafts for it
                 self._no_drafts.add(s.seq.seq_id)
@@ -217,7 +217,7 @@ class SpecController:
         whatever the grammar engine returns). The drafter's own draft is dropped for the step
         (it was drafted for the position before the forced tokens) -> (ids, q, forced count)."""
         try:
-            forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_lookahead]
+            forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_draft_tokens]
         except Exception:  # noqa: BLE001 (an optimisation: without it the drafter's draft stands)
             log.exception("request %s: computing forced tokens failed", s.seq.seq_id)
             return ids, probs, 0
@@ -288,9 +288,9 @@ class SpecController:
         """logits: [sum(K_i + 1), V] rows of the sampling sequences in order -> per sequence its
         committed tokens and accepted count, or the fault that ended it."""
         seq_ids = [s.seq.seq_id for s in sampling]
-        counts = drafts.num_draft_tokens(seq_ids)  # [B] K_i
+        num_draft_tokens = drafts.num_draft_tokens(seq_ids)  # [B] K_i
         starts = [0]
-        for c in counts:
+        for c in num_draft_tokens:
             starts.append(starts[-1] + c + 1)
 
         def run(rows: list[int]) -> list[Verdict]:
@@ -299,12 +299,12 @@ class SpecController:
             result = rejection_sample(
                 self._masked(logits[target_rows], seqs, drafts),  # [sum(K_i + 1), V]
                 drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
-                SpecBatchMetadata.from_counts([counts[r] for r in rows]),
+                SpecBatchMetadata.from_num_draft_tokens([num_draft_tokens[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
             return [(result.committed(i), int(result.num_accepted[i])) for i in range(len(rows))]
 
         verdicts = per_row(len(sampling), run, FaultStage.VERIFY, seq_ids)
-        self._observe_verdicts(sampling, counts, verdicts, drafts)
+        self._observe_verdicts(sampling, num_draft_tokens, verdicts, drafts)
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
         self._observe_target_step(forward_s)
@@ -312,14 +312,14 @@ class SpecController:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
         return verdicts
 
-    def _observe_verdicts(self, sampling: list[ScheduledSeq], counts: list[int],
+    def _observe_verdicts(self, sampling: list[ScheduledSeq], num_draft_tokens: list[int],
                           verdicts: list[Verdict | SeqFault], drafts: StepDrafts) -> None:
         """What each verified sequence teaches about α: its segment's counters and live α, the
         MoE gate, adaptive K. A faulted row says nothing about α."""
         ok = [not isinstance(v, SeqFault) for v in verdicts]
-        self._moe_observe(sampling, [k if o else 0 for k, o in zip(counts, ok)],
+        self._moe_observe(sampling, [k if o else 0 for k, o in zip(num_draft_tokens, ok)],
                           [v[1] if o else 0 for v, o in zip(verdicts, ok)])
-        for s, k, v, o in zip(sampling, counts, verdicts, ok):
+        for s, k, v, o in zip(sampling, num_draft_tokens, verdicts, ok):
             if not (k and o):
                 continue
             segment, accepted = s.seq.request.segment, v[1]
@@ -390,7 +390,7 @@ class SpecController:
         if isinstance(self.proposer, MemberStatsProposer):  # a portfolio's members
             st.drafter_steps = self.proposer.drafter_stats()
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
-            st.break_even_alpha = self.adaptive.break_even_alpha(self.config.k_max)
+            st.break_even_alpha = self.adaptive.break_even_alpha(self.config.max_draft_tokens)
 
 
 def draft_cost_ratio(proposer, target_runner) -> float | None:
@@ -420,35 +420,35 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
     from cluster.speculative.moe import MoeGate
 
     spec_cfg = config.spec
-    spec = parse_drafter_spec(spec_cfg.drafter)
-    if spec is None and proposer is None:
+    choice = parse_drafter_choice(spec_cfg.drafter)
+    if choice is None and proposer is None:
         return None
     name = spec_cfg.drafter
     if proposer is None:
-        proposer = _build_proposer(spec, spec_cfg, config, model)
+        proposer = _build_proposer(choice, spec_cfg, config, model)
     elif isinstance(proposer, RemoteDraft) and proposer.expected_vocab_size is None:  # q must be this wide
         proposer.expected_vocab_size = model.runner.vocab_size
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)
-    step_costs = measure_step_costs(model.runner, spec_cfg.k_max) if spec_cfg.adaptive else None
+    step_costs = measure_step_costs(model.runner, spec_cfg.max_draft_tokens) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
                           draft_cost_ratio(proposer, model.runner), step_costs, model.runner.vocab_size)
 
 
-def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
-    if spec.kind is DrafterKind.NGRAM:
+def _build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
+    if choice.kind is DrafterKind.NGRAM:
         from cluster.speculative.ngram import NgramProposer
 
         return NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
-    if spec.kind is DrafterKind.SUFFIX:
+    if choice.kind is DrafterKind.SUFFIX:
         from cluster.speculative.suffix import SuffixProposer
 
         return SuffixProposer()
-    if spec.kind is DrafterKind.PORTFOLIO:
+    if choice.kind is DrafterKind.PORTFOLIO:
         from cluster.speculative.portfolio import default_portfolio
 
-        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.k_max)
-    if spec.kind is DrafterKind.SELF:
+        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens)
+    if choice.kind is DrafterKind.SELF:
         from cluster.models.runner import ModelRunner
         from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers
 
@@ -457,8 +457,8 @@ def _build_proposer(spec, spec_cfg: SpecConfig, config: EngineConfig, model) -> 
 
             raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
         n = model.runner.model.arch.num_layers
-        return LayerSkipProposer(model.runner, spec.self_layers or default_self_layers(n))
-    return build_draft_model_proposer(spec.model, spec_cfg, config, model.tokenizer)
+        return LayerSkipProposer(model.runner, choice.self_layers or default_self_layers(n))
+    return build_draft_model_proposer(choice.model, spec_cfg, config, model.tokenizer)
 
 
 def build_draft_model_proposer(draft_spec: str, spec_cfg: SpecConfig, config: EngineConfig,

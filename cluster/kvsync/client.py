@@ -143,7 +143,7 @@ class RemoteProposer:
         if isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
                                                              grpc.StatusCode.INVALID_ARGUMENT):
             log.error("draft server %s refused KVSync (%s: %s): check auth.token_env, the kvsync "
-                      "section and num_spec_tokens on both sides", self._address, exc.code().name, exc.details())
+                      "section and num_draft_tokens on both sides", self._address, exc.code().name, exc.details())
         self._disconnect()
         self._down_until = time.monotonic() + self.retry_after_s
         detail = f": {exc.code().name} {exc.details()}" if isinstance(exc, grpc.RpcError) else ""

@@ -1,4 +1,4 @@
-"""Model drafters hosted by a DraftServer (placement ``separate``): built from a ``DrafterSpec``
+"""Model drafters hosted by a DraftServer (placement ``separate``): built from a ``DrafterChoice``
 without a target engine next to them.
 
 Owns: ``build_remote_proposer`` -> (proposer, vocabulary size) for the model drafters.
@@ -24,7 +24,7 @@ from cluster.models.llama import LlamaModel
 from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
 from cluster.speculative.layer_skip import default_self_layers
-from cluster.speculative.proposer import DrafterKind, DrafterSpec, Proposer
+from cluster.speculative.proposer import DrafterKind, DrafterChoice, Proposer
 
 _MIN_BLOCKS = 2  # KV pool of a model loaded only for its weights (the draft gets its own pool)
 
@@ -52,39 +52,39 @@ def self_draft_proposer(target: LlamaModel, num_layers: int | None, *, block_siz
     return proposer
 
 
-def build_remote_proposer(spec: DrafterSpec, target_model: str, dtype: str, *,
+def build_remote_proposer(choice: DrafterChoice, target_model: str, dtype: str, *,
                           force_vocab_mismatch: bool = False, draft_vocab_trim: int | None = None,
                           kv_cache_memory_mb: int = 512, block_size: int = 16,
                           target=None) -> tuple[Proposer, int]:
     """(proposer, vocabulary size) for a model drafter served by a DraftServer.
 
-    target_model: the target's model spec (SELF loads its weights; DRAFT_MODEL its tokenizer).
+    target_model: the target's model source (SELF loads its weights; DRAFT_MODEL its tokenizer).
     target: an already loaded target ``LoadedModel`` to take weights/tokenizer from (tests, or a
     process that holds the target anyway); it is not modified.
     """
-    if spec.kind is DrafterKind.SELF:
+    if choice.kind is DrafterKind.SELF:
         model = _target_llama(target, target_model, dtype, block_size)
-        proposer = self_draft_proposer(model, spec.self_layers, block_size=block_size,
+        proposer = self_draft_proposer(model, choice.self_layers, block_size=block_size,
                                        kv_cache_memory_mb=kv_cache_memory_mb)
         return proposer, proposer.vocab_size
-    if spec.kind is DrafterKind.DRAFT_MODEL:
+    if choice.kind is DrafterKind.DRAFT_MODEL:
         from cluster.models.load import load_model
         from cluster.speculative.vocab_check import require_vocab_compatible
 
-        config = EngineConfig(model=spec.model, dtype=dtype, block_size=block_size,
+        config = EngineConfig(model=choice.model, dtype=dtype, block_size=block_size,
                               kv_cache_memory_mb=kv_cache_memory_mb)
-        draft = load_model(spec.model, config)
+        draft = load_model(choice.model, config)
         require_vocab_compatible(_target_tokenizer(target, target_model), draft.tokenizer,
                                  force=force_vocab_mismatch)
         if not isinstance(draft.runner, ModelRunner):  # the HF fallback runner has no KV rollback here
-            raise ModelLoadError(f"draft model {spec.model!r} is not in the Llama family; "
+            raise ModelLoadError(f"draft model {choice.model!r} is not in the Llama family; "
                                  f"a DraftServer needs the native runner")
         trimmed = None
         if draft_vocab_trim:
             trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, draft_vocab_trim))
         return DraftModelProposer(draft.runner, trimmed), draft.runner.vocab_size
     raise ValueError(f"build_remote_proposer builds model drafters (draft model, self), "
-                     f"not {spec.kind.value}")
+                     f"not {choice.kind.value}")
 
 
 def _target_llama(target, target_model: str, dtype: str, block_size: int) -> LlamaModel:

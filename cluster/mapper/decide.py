@@ -2,7 +2,7 @@
 
 Owns: per segment the crossover concurrency (measured, with its bootstrap interval, and predicted
 by the fitted cost model), the best drafter and K, whether it speculates at all; and the global
-knobs the service reads — ``drafter``, ``num_spec_tokens``, ``router.enter_threshold`` /
+knobs the service reads — ``drafter``, ``num_draft_tokens``, ``router.enter_threshold`` /
 ``exit_threshold`` (the traffic-weighted median crossover: leave the SpecEngine where the typical
 request stops gaining, come back a third lower), ``router.min_alpha`` (the break-even α of the
 chosen drafter's measured c and v, lowered below any segment that measured a gain, so the rule
@@ -80,7 +80,7 @@ def decide(state: dict, app) -> dict:
         if drafters:
             best = max(drafters, key=lambda n: (drafters[n]["speedup"] or 0.0, drafters[n]["predicted_speedup"] or 0.0))
             row = drafters[best]
-            d.update(best_drafter=best, best_k=row["best_k"], alpha=row["alpha"],
+            d.update(best_drafter=best, best_num_draft_tokens=row["best_num_draft_tokens"], alpha=row["alpha"],
                      speedup_c1=row["speedup"], predicted_speedup_c1=row["predicted_speedup"])
             served = drafters.get(app.drafter) or row  # the drafter the swept service ran
             shapes[seg] = PathShape(cap_spec, (served["k_mean"] or 0.0) + 1.0,
@@ -173,7 +173,7 @@ def _segment_router(segments: dict, router: dict) -> dict[str, dict]:
 def _knobs(segments: dict, prof: dict, app) -> dict:
     shares = {s: d["share"] for s, d in segments.items()}
     gaining = {s: d for s, d in segments.items() if d["speculate"]}
-    knobs: dict = {"drafter": app.drafter, "num_spec_tokens": app.num_spec_tokens,
+    knobs: dict = {"drafter": app.drafter, "num_draft_tokens": app.num_draft_tokens,
                    "router": {"enter_threshold": app.router.enter_threshold,
                               "exit_threshold": app.router.exit_threshold,
                               "min_alpha": app.router.min_alpha},
@@ -195,13 +195,13 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
         knobs["drafter"] = "none"
         knobs["why"]["drafter"] = "no segment was faster speculated at any concurrency measured"
         return knobs
-    ks = {d.get("best_k") for d in gaining.values() if d.get("best_k")}
-    if len(ks) == 1:
-        knobs["num_spec_tokens"] = ks.pop()
-        knobs["why"]["num_spec_tokens"] = "every speculating segment predicts its best speedup at this K"
-    elif ks:
-        knobs["num_spec_tokens"] = "auto"
-        knobs["why"]["num_spec_tokens"] = f"segments prefer different K ({sorted(ks)}): adaptive K"
+    num_draft_tokens = {d.get("best_num_draft_tokens") for d in gaining.values() if d.get("best_num_draft_tokens")}
+    if len(num_draft_tokens) == 1:
+        knobs["num_draft_tokens"] = num_draft_tokens.pop()
+        knobs["why"]["num_draft_tokens"] = "every speculating segment predicts its best speedup at this K"
+    elif num_draft_tokens:
+        knobs["num_draft_tokens"] = "auto"
+        knobs["why"]["num_draft_tokens"] = f"segments prefer different K ({sorted(num_draft_tokens)}): adaptive K"
     # global thresholds from the segments that speculate (the others are gated by their own)
     x = _weighted_median({s: d["crossover_for_router"] for s, d in gaining.items()}, shares)
     if x is not None:

@@ -48,10 +48,10 @@ class _RealEngines:
         self.target = load_model(app.model, app.engine_config(False))
         self.tokenizer = self.target.tokenizer
         self.plain = _engine(self.target)
-        self.spec, self.errors = {}, {}
+        self.spec_engines, self.errors = {}, {}
         for d in drafters:
             try:
-                self.spec[d] = _engine(self.target, SpecConfig(drafter=d, num_spec_tokens=k))
+                self.spec_engines[d] = _engine(self.target, SpecConfig(drafter=d, num_draft_tokens=k))
             except Exception as exc:  # a drafter this model cannot run: say so, map the others
                 self.errors[d] = f"{type(exc).__name__}: {exc}"
 
@@ -66,7 +66,7 @@ class _RealEngines:
         from cluster.bench.spec import run_ours
         from cluster.common.request import GenerationRequest
 
-        engine = self.plain if drafter is None else self.spec[drafter]
+        engine = self.plain if drafter is None else self.spec_engines[drafter]
         return run_ours(engine, GenerationRequest(rid, list(ids), params, segment=segment))
 
     def close(self) -> None:
@@ -83,11 +83,11 @@ class _ProtocolEngines:
         self.loop = asyncio.new_event_loop()
         base = app.engine_config(False)
         self.plain = engine_cls(base, **options)
-        self.spec, self.errors = {}, {}
+        self.spec_engines, self.errors = {}, {}
         for d in drafters:
-            cfg = dataclasses.replace(base, spec=SpecConfig(drafter=d, num_spec_tokens=k))
-            self.spec[d] = engine_cls(cfg, **options)
-        for e in [self.plain, *self.spec.values()]:
+            cfg = dataclasses.replace(base, spec=SpecConfig(drafter=d, num_draft_tokens=k))
+            self.spec_engines[d] = engine_cls(cfg, **options)
+        for e in [self.plain, *self.spec_engines.values()]:
             self.loop.run_until_complete(e.start())
 
     def ids(self, row: dict) -> list[int]:
@@ -100,7 +100,7 @@ class _ProtocolEngines:
     def run(self, drafter: str | None, rid: str, ids: list[int], params, segment: str) -> Run:
         from cluster.common.request import GenerationRequest, SpecMode
 
-        engine = self.plain if drafter is None else self.spec[drafter]
+        engine = self.plain if drafter is None else self.spec_engines[drafter]
         mode = SpecMode.PLAIN if drafter is None else SpecMode.SPECULATIVE
 
         async def go() -> Run:
@@ -127,7 +127,7 @@ class _ProtocolEngines:
         return self.loop.run_until_complete(go())
 
     def close(self) -> None:
-        for e in [self.plain, *self.spec.values()]:
+        for e in [self.plain, *self.spec_engines.values()]:
             self.loop.run_until_complete(e.shutdown())
         self.loop.close()
 
@@ -200,13 +200,13 @@ def summarize_pair(plain: list[Run], spec: list[Run], k: int) -> dict:
     top = max(by_k.values(), default=0.0)
     # the smallest K within the margin of the best: more drafts that do not pay measurably only
     # add risk (a noisy v below 1 would otherwise favour the largest K on a flat curve)
-    best_k = min((kk for kk, sp in by_k.items() if sp >= top / (1 + SMALLER_K_MARGIN)), default=0)
+    best_num_draft_tokens = min((kk for kk, sp in by_k.items() if sp >= top / (1 + SMALLER_K_MARGIN)), default=0)
     row.update(position_acceptance=[round(x, 4) for x in p],
                alpha_by_position=[round(x, 4) for x in alpha_by_position(p)],
                predicted_speedup=by_k.get(k, row["predicted_speedup"]),  # per position, at the run's K
                predicted_speedup_alpha_only=row["predicted_speedup"],
                predicted_by_k={str(kk): s for kk, s in by_k.items()},
-               best_k=best_k if by_k.get(best_k, 0.0) > 1.0 + SMALLER_K_MARGIN else 0,  # 0: plain
+               best_num_draft_tokens=best_num_draft_tokens if by_k.get(best_num_draft_tokens, 0.0) > 1.0 + SMALLER_K_MARGIN else 0,  # 0: plain
                no_draft_step_share=round(share, 4),
                rows=len(spec))
     return row
@@ -219,7 +219,7 @@ def run_profile(app, traffic: Traffic, drafters: list[str], k: int, max_tokens: 
     interrupted run keeps what it measured. Returns ``result``."""
     engines = build_engines(app, drafters, k)
     result.setdefault("errors", {}).update(engines.errors)
-    drafters = [d for d in drafters if d in engines.spec]
+    drafters = [d for d in drafters if d in engines.spec_engines]
     segs = result.setdefault("segments", {})
     try:
         warm = {"prompt": "Hello, how are you today?", "max_tokens": 4}  # allocations, first calls

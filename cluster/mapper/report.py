@@ -53,13 +53,13 @@ def render(state: dict, decision: dict, plots: dict) -> str:
               "| segment | share | best drafter | K | α | speedup c=1 (measured / predicted) | crossover (measured) | crossover (cost model) | speculate |",
               "|---|---|---|---|---|---|---|---|---|"]
     for seg, d in decision.get("segments", {}).items():
-        lines.append(f"| {seg} | {_f(d.get('share'))} | {d.get('best_drafter', '-')} | {d.get('best_k', '-')} | "
+        lines.append(f"| {seg} | {_f(d.get('share'))} | {d.get('best_drafter', '-')} | {d.get('best_num_draft_tokens', '-')} | "
                      f"{_f(d.get('alpha'))} | {_f(d.get('speedup_c1'))} / {_f(d.get('predicted_speedup_c1'))} | "
                      f"{_cross(d)} | {_f(d.get('predicted_crossover'), 1)} | {'yes' if d.get('speculate') else 'no'} |")
     lines += ["", "The crossover is the number of concurrent requests at which fixed speculation stops being "
               "faster than fixed plain decoding (e2e p50); below it speculate, above it batch.", "",
               "## What the written config does", "",
-              f"- `drafter: {knobs.get('drafter')}`, `num_spec_tokens: {knobs.get('num_spec_tokens')}`",
+              f"- `drafter: {knobs.get('drafter')}`, `num_draft_tokens: {knobs.get('num_draft_tokens')}`",
               f"- `router.exit_threshold: {router.get('exit_threshold')}` (leave the SpecEngine at this many "
               f"in flight), `router.enter_threshold: {router.get('enter_threshold')}` (come back below it)",
               f"- `router.min_alpha: {router.get('min_alpha')}` (a segment whose live α falls below goes plain)"]

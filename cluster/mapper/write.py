@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-KNOB_KEYS = ("drafter", "num_spec_tokens")
+KNOB_KEYS = ("drafter", "num_draft_tokens")
 ROUTER_KEYS = ("enter_threshold", "exit_threshold", "min_alpha", "segments")
 
 
@@ -49,7 +49,7 @@ def _segment_comments(decision: dict) -> list[str]:
     for seg, d in decision.get("segments", {}).items():
         cross = d.get("crossover") or {}
         lines.append(f"#   {seg}: share {d.get('share')}, speculate={d.get('speculate')}, "
-                     f"drafter {d.get('best_drafter')}, K {d.get('best_k')}, α {d.get('alpha')}, "
+                     f"drafter {d.get('best_drafter')}, K {d.get('best_num_draft_tokens')}, α {d.get('alpha')}, "
                      f"crossover {cross.get('value', '-')} ({cross.get('kind', 'not swept')}, 90% "
                      f"{cross.get('ci90', '-')}), predicted {d.get('predicted_crossover', '-')}")
     return lines
@@ -60,7 +60,7 @@ def serve_config_text(base_cfg: dict, args: dict, decision: dict, source: str) -
     cfg["applications"][0]["args"] = args
     head = [f"# Serve config written by `specserve map` from {source}.",
             "#   specserve serve --config serve_config.yaml    or    serve deploy serve_config.yaml",
-            "# Mapped knobs: drafter, num_spec_tokens, router.enter_threshold / exit_threshold / min_alpha / segments;",
+            "# Mapped knobs: drafter, num_draft_tokens, router.enter_threshold / exit_threshold / min_alpha / segments;",
             "# everything else is the config the map ran with. Why each value: report.md, map.json."]
     head += _segment_comments(decision)
     return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

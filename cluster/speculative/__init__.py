@@ -11,4 +11,11 @@ per-position acceptance probability, estimated as accepted / (accepted + rejecti
 and of every gate; the *acceptance rate* = accepted / drafted is a different, lower number
 (``cluster.speculative.acceptance``). The *mean acceptance length* = tokens committed per
 verification step (accepted + 1).
+
+K has one name from the request to the kernel: ``num_draft_tokens`` — the config knob (an integer
+or "auto"), a scheduled sequence's draft slots, a KVSync ProposeSeq field, the per-row list in
+``SpecBatchMetadata``, the metric label and trace attribute; its bound is ``max_draft_tokens`` (the
+config's cap on adaptive K, and the largest K of one verification batch). Only arithmetic calls it
+``k`` (as shapes say ``[B, K+1, V]``). "spec" always means speculative (SpecConfig, SpecEngine,
+SpecStats); a model string is a *source*, a parsed ``--drafter`` string a ``DrafterChoice``.
 """

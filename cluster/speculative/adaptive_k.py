@@ -133,9 +133,9 @@ def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
     return (other_committed + expected_committed(alpha, k)) / max(seconds, 1e-9)
 
 
-def choose_k(alpha: float, k_max: int, costs: CostModel, batch_tokens_other: int = 0,
+def choose_k(alpha: float, max_draft_tokens: int, costs: CostModel, batch_tokens_other: int = 0,
              other_committed: float = 0.0, other_draft_rounds: int = 0, min_gain: float = 0.05) -> int:
-    """K in [0, k_max] maximizing committed tokens per second; 0 unless the best K gains more
+    """K in [0, max_draft_tokens] maximizing committed tokens per second; 0 unless the best K gains more
     than ``min_gain`` of one plain token per plain step time (for a lone sequence: beats plain
     by more than min_gain relative), which absorbs unmodelled overhead and noise.
 
@@ -143,44 +143,44 @@ def choose_k(alpha: float, k_max: int, costs: CostModel, batch_tokens_other: int
     (K·c_draft + t(batch_tokens_other + K + 1)) versus 1 per t(batch_tokens_other + 1). Passing
     the tokens the other sequences of the forward commit turns it into the batch's rate, which
     charges this sequence for slowing everyone else down (why large batches go plain)."""
-    if k_max <= 0:
+    if max_draft_tokens <= 0:
         return 0
     rates = [step_rate(alpha, k, costs, batch_tokens_other, other_committed, other_draft_rounds)
-             for k in range(k_max + 1)]
+             for k in range(max_draft_tokens + 1)]
     plain_step = other_draft_rounds * costs.draft_cost + costs.target_time(batch_tokens_other + 1)
-    best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+    best = max(range(1, max_draft_tokens + 1), key=lambda k: (rates[k], -k))
     return best if rates[best] > rates[0] + min_gain / max(plain_step, 1e-9) else 0
 
 
-def break_even_alpha(costs: CostModel, k_max: int, min_gain: float = 0.05, tol: float = 1e-3) -> float:
+def break_even_alpha(costs: CostModel, max_draft_tokens: int, min_gain: float = 0.05, tol: float = 1e-3) -> float:
     """The lowest per-position α at which a lone sequence speculates at all (``choose_k`` > 0)
     under these costs: below it, the verification of even one draft token costs more than it
     commits; at it and above, speculating pays (``choose_k`` is monotone in α, and the value
     returned is the upper end of the bisection, so it is itself on the paying side). 1.0 when
     no α pays (e.g. a draft step dearer than a target step)."""
-    if k_max <= 0 or choose_k(1.0 - tol, k_max, costs, min_gain=min_gain) == 0:
+    if max_draft_tokens <= 0 or choose_k(1.0 - tol, max_draft_tokens, costs, min_gain=min_gain) == 0:
         return 1.0
     lo, hi = 0.0, 1.0 - tol  # choose_k(hi) > 0; choose_k is monotone in α
-    if choose_k(lo, k_max, costs, min_gain=min_gain) > 0:
+    if choose_k(lo, max_draft_tokens, costs, min_gain=min_gain) > 0:
         return 0.0
     while hi - lo > tol:
         mid = (lo + hi) / 2
-        if choose_k(mid, k_max, costs, min_gain=min_gain) > 0:
+        if choose_k(mid, max_draft_tokens, costs, min_gain=min_gain) > 0:
             hi = mid
         else:
             lo = mid
     return hi
 
 
-def batch_rate(alphas: list[float], ks: list[int], costs: CostModel, extra_tokens: int = 0,
+def batch_rate(alphas: list[float], num_draft_tokens: list[int], costs: CostModel, extra_tokens: int = 0,
                extra_committed: float = 0.0) -> float:
-    """Committed tokens per second of a step in which sequence i drafts ks[i] tokens, sharing the
+    """Committed tokens per second of a step in which sequence i drafts num_draft_tokens[i] tokens, sharing the
     forward with ``extra_tokens`` tokens of sequences that do not speculate (e.g. prefill chunks)
     that commit ``extra_committed`` tokens."""
-    if not ks:
+    if not num_draft_tokens:
         return 0.0
-    seconds = max(ks) * costs.draft_cost + costs.target_time(extra_tokens + sum(k + 1 for k in ks))
-    committed = extra_committed + sum(expected_committed(a, k) for a, k in zip(alphas, ks))
+    seconds = max(num_draft_tokens) * costs.draft_cost + costs.target_time(extra_tokens + sum(k + 1 for k in num_draft_tokens))
+    committed = extra_committed + sum(expected_committed(a, k) for a, k in zip(alphas, num_draft_tokens))
     return committed / max(seconds, 1e-9)
 
 
@@ -195,7 +195,7 @@ class AdaptiveK:
     optimum, cheap for B up to a few dozen.
 
     Exploration: a sequence that has been at K = 0 for its segment's probe interval (initially
-    ``explore_every``) consecutive steps gets K = min(explore_k, k_max) once (deterministic
+    ``explore_every``) consecutive steps gets K = min(explore_k, max_draft_tokens) once (deterministic
     schedule), so its α can recover. A probe that is not fully accepted doubles the segment's
     interval (up to ``explore_max_every``); a fully accepted one resets it. Probes cost about one
     extra verification each, so fixed-interval probing alone kept hopeless segments (α ≈ 0 for an
@@ -218,55 +218,55 @@ class AdaptiveK:
         if self.explore_every < 1 or self.explore_k < 1 or self.passes < 1:
             raise ValueError("explore_every, explore_k and passes must be >= 1")
 
-    def choose(self, seqs: list[tuple[str, str]], k_max: int, extra_tokens: int = 0,
+    def choose(self, seqs: list[tuple[str, str]], max_draft_tokens: int, extra_tokens: int = 0,
                extra_committed: float = 0.0) -> list[int]:
         """seqs: (seq_id, segment) of every sequence that may speculate this step -> K each.
         extra_tokens / extra_committed: the rest of the same forward (sequences that cannot
         speculate, prefill chunks) — they make verification tokens dearer, as in a big batch."""
         n = len(seqs)
         alphas = [self.estimator.estimate(s, seg) for s, seg in seqs]
-        ks = [0] * n
-        if k_max > 0 and n:
+        num_draft_tokens = [0] * n
+        if max_draft_tokens > 0 and n:
             def rate(ks_: list[int]) -> float:
                 return batch_rate(alphas, ks_, self.costs, extra_tokens, extra_committed)
 
-            uniform = max(range(1, k_max + 1), key=lambda r: rate([r] * n))
-            if rate([uniform] * n) > rate(ks) * (1.0 + self.min_gain):
-                ks = [uniform] * n
-            self._coordinate_ascent(alphas, ks, k_max, extra_tokens, extra_committed)
+            uniform = max(range(1, max_draft_tokens + 1), key=lambda r: rate([r] * n))
+            if rate([uniform] * n) > rate(num_draft_tokens) * (1.0 + self.min_gain):
+                num_draft_tokens = [uniform] * n
+            self._coordinate_ascent(alphas, num_draft_tokens, max_draft_tokens, extra_tokens, extra_committed)
         for i, (seq_id, segment) in enumerate(seqs):
             self._probing.discard(seq_id)
-            if ks[i] > 0 or k_max <= 0:
+            if num_draft_tokens[i] > 0 or max_draft_tokens <= 0:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
             if streak >= self.probe_interval(segment):
-                ks[i] = min(self.explore_k, k_max)
+                num_draft_tokens[i] = min(self.explore_k, max_draft_tokens)
                 self._probing.add(seq_id)
                 streak = 0
             self._plain_streak[seq_id] = streak
-        return ks
+        return num_draft_tokens
 
-    def _coordinate_ascent(self, alphas: list[float], ks: list[int], k_max: int,
+    def _coordinate_ascent(self, alphas: list[float], num_draft_tokens: list[int], max_draft_tokens: int,
                            extra_tokens: int, extra_committed: float) -> None:
-        committed = [expected_committed(a, k) for a, k in zip(alphas, ks)]
+        committed = [expected_committed(a, k) for a, k in zip(alphas, num_draft_tokens)]
         for _ in range(self.passes):
             changed = False
-            for i in range(len(ks)):
-                others_tokens = extra_tokens + sum(ks) + len(ks) - (ks[i] + 1)
+            for i in range(len(num_draft_tokens)):
+                others_tokens = extra_tokens + sum(num_draft_tokens) + len(num_draft_tokens) - (num_draft_tokens[i] + 1)
                 others_committed = extra_committed + sum(committed) - committed[i]
-                others_rounds = max(ks[:i] + ks[i + 1:], default=0)
-                best = choose_k(alphas[i], k_max, self.costs, others_tokens, others_committed,
+                others_rounds = max(num_draft_tokens[:i] + num_draft_tokens[i + 1:], default=0)
+                best = choose_k(alphas[i], max_draft_tokens, self.costs, others_tokens, others_committed,
                                 others_rounds, self.min_gain)
-                if best != ks[i]:
+                if best != num_draft_tokens[i]:
                     changed = True
-                    ks[i] = best
+                    num_draft_tokens[i] = best
                     committed[i] = expected_committed(alphas[i], best)
             if not changed:
                 return
 
-    def break_even_alpha(self, k_max: int) -> float:
-        return break_even_alpha(self.costs, k_max, self.min_gain)
+    def break_even_alpha(self, max_draft_tokens: int) -> float:
+        return break_even_alpha(self.costs, max_draft_tokens, self.min_gain)
 
     def probe_interval(self, segment: str) -> int:
         """The segment's own probe interval, else its pool's (the last one any segment of the

@@ -25,13 +25,13 @@ class StepCosts:
     slope_ratio: float  # extra cost of each additional token, relative to decode_s
 
 
-def measure_step_costs(runner, k_max: int, context: int = 64, reps: int = 3) -> StepCosts:
-    ids = [(i % 200) + 10 for i in range(context + k_max + 1)]
+def measure_step_costs(runner, max_draft_tokens: int, context: int = 64, reps: int = 3) -> StepCosts:
+    ids = [(i % 200) + 10 for i in range(context + max_draft_tokens + 1)]
     try:
         runner.forward([SeqChunk(_SEQ, ids[:context], 0, 1)])
         one, many = [], []
         for _ in range(reps):
-            for n, bucket in ((1, one), (k_max + 1, many)):
+            for n, bucket in ((1, one), (max_draft_tokens + 1, many)):
                 t0 = time.perf_counter()
                 runner.forward([SeqChunk(_SEQ, ids[context : context + n], context, n)])
                 bucket.append(time.perf_counter() - t0)
@@ -39,4 +39,4 @@ def measure_step_costs(runner, k_max: int, context: int = 64, reps: int = 3) -> 
     finally:
         runner.free(_SEQ)
     t1, tk = statistics.median(one), statistics.median(many)
-    return StepCosts(t1, max(0.0, (tk - t1) / (k_max * t1)))
+    return StepCosts(t1, max(0.0, (tk - t1) / (max_draft_tokens * t1)))

@@ -1,10 +1,10 @@
-"""The one interface every drafter implements, and the parsing of a drafter spec string.
+"""The one interface every drafter implements, and the parsing of a drafter choice string.
 
 Owns: ``DrafterKind`` (which family of drafter), the ``Proposer`` protocol the engine calls once
 per step for all speculating sequences, the optional capabilities a drafter may add
 (``ContextualProposer``, ``LocalModelProposer``, ``RemoteDraft``, ``DraftStatus``), and
-``parse_drafter_spec`` (the ``--drafter`` / ``SpecConfig.drafter`` string -> typed
-``DrafterSpec``). Ignores: building drafters (the engine does that from the spec), loading
+``parse_drafter_choice`` (the ``--drafter`` / ``SpecConfig.drafter`` string -> typed
+``DrafterChoice``). Ignores: building drafters (the engine does that from the choice), loading
 models, and verification (``rejection_sampler``).
 """
 from __future__ import annotations
@@ -106,10 +106,10 @@ class DraftStatus(Protocol):
 
 
 @dataclass(slots=True)
-class DrafterSpec:
+class DrafterChoice:
     kind: DrafterKind
     self_layers: int | None = None  # SELF only; None lets the engine pick a default depth
-    model: str | None = None  # DRAFT_MODEL / REMOTE only: a model spec (path or hub id)
+    model: str | None = None  # DRAFT_MODEL / REMOTE only: a model source (path or hub id)
 
     def __post_init__(self) -> None:
         if self.self_layers is not None:
@@ -118,31 +118,31 @@ class DrafterSpec:
             if self.self_layers < 1:
                 raise ValueError(f"self-speculation needs at least 1 layer, got {self.self_layers}")
         if self.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.REMOTE) and not self.model:
-            raise ValueError(f"a {self.kind.value} drafter needs a model spec")
+            raise ValueError(f"a {self.kind.value} drafter needs a model source")
 
 
 MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # vocabulary-agnostic
 
 
-def parse_drafter_spec(s: str | None) -> DrafterSpec | None:
+def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
     """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "none" / "" (no speculation) |
     anything else: a draft model.
 
-    >>> parse_drafter_spec("self:4")
-    DrafterSpec(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
+    >>> parse_drafter_choice("self:4")
+    DrafterChoice(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
     """
     text = (s or "").strip()
     low = text.lower()
     if low in ("", "none"):
         return None
     if low == "ngram":
-        return DrafterSpec(DrafterKind.NGRAM)
+        return DrafterChoice(DrafterKind.NGRAM)
     if low == "suffix":
-        return DrafterSpec(DrafterKind.SUFFIX)
+        return DrafterChoice(DrafterKind.SUFFIX)
     if low == "portfolio":
-        return DrafterSpec(DrafterKind.PORTFOLIO)
+        return DrafterChoice(DrafterKind.PORTFOLIO)
     if low == "self":
-        return DrafterSpec(DrafterKind.SELF)
+        return DrafterChoice(DrafterKind.SELF)
     if low.startswith("self:"):
         raw = text[len("self:"):].strip()
         try:
@@ -153,5 +153,5 @@ def parse_drafter_spec(s: str | None) -> DrafterSpec | None:
                 f"got {raw!r}") from None
         if layers < 1:
             raise ValueError(f"drafter {text!r}: self-speculation needs L >= 1 layers, got {layers}")
-        return DrafterSpec(DrafterKind.SELF, self_layers=layers)
-    return DrafterSpec(DrafterKind.DRAFT_MODEL, model=text)
+        return DrafterChoice(DrafterKind.SELF, self_layers=layers)
+    return DrafterChoice(DrafterKind.DRAFT_MODEL, model=text)

@@ -54,7 +54,7 @@ def rejection_sample(
     isolates the sequence at fault."""
     _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions)
     batch = metadata.batch_size
-    width = metadata.max_spec_len + 1
+    width = metadata.max_draft_tokens + 1
     device = target_logits.device
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
@@ -74,7 +74,7 @@ def rejection_sample(
         rows = torch.tensor(choice_rows, dtype=torch.int64, device=device)
         choice = _target_choice(target_logits, metadata, params, positions, choice_rows)
         out, acc = _match_target(choice, draft_token_ids, target_start[rows], draft_start[rows],
-                                 k[rows], metadata.max_spec_len)
+                                 k[rows], metadata.max_draft_tokens)
         output[rows] = out
         num_accepted[rows] = acc
     if sampling_rows:
@@ -88,16 +88,16 @@ def rejection_sample(
 
 def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, positions) -> None:
     batch = metadata.batch_size
-    counts = metadata.num_draft_tokens
+    num_draft_tokens = metadata.num_draft_tokens
     if len(params) != batch or len(positions) != batch or len(draft_probs) != batch:
         raise ValueError(f"batch of {batch} sequences but {len(params)} params, "
                          f"{len(positions)} positions, {len(draft_probs)} draft_probs")
-    if metadata.cu_num_draft_tokens.tolist() != [0] + _cumsum(counts):
+    if metadata.cu_num_draft_tokens.tolist() != [0] + _cumsum(num_draft_tokens):
         raise ValueError(f"cu_num_draft_tokens {metadata.cu_num_draft_tokens.tolist()} "
-                         f"does not match num_draft_tokens {counts}")
-    if metadata.max_spec_len < max(counts, default=0):
-        raise ValueError(f"max_spec_len {metadata.max_spec_len} < largest K {max(counts)}")
-    total = sum(counts)
+                         f"does not match num_draft_tokens {num_draft_tokens}")
+    if metadata.max_draft_tokens < max(num_draft_tokens, default=0):
+        raise ValueError(f"max_draft_tokens {metadata.max_draft_tokens} < largest K {max(num_draft_tokens)}")
+    total = sum(num_draft_tokens)
     if target_logits.dim() != 2 or target_logits.shape[0] != total + batch:
         raise ValueError(f"target_logits must be [sum(K_i + 1) = {total + batch}, V], "
                          f"got {tuple(target_logits.shape)}")
@@ -112,18 +112,18 @@ def _validate(target_logits, draft_token_ids, draft_probs, metadata, params, pos
         bad = draft_token_ids[(draft_token_ids < 0) | (draft_token_ids >= vocab)]
         raise ValueError(f"draft token ids {bad[:5].tolist()} outside the target vocabulary [0, {vocab})")
     for i, q in enumerate(draft_probs):
-        if q is not None and tuple(q.shape) != (counts[i], vocab):
-            raise ValueError(f"draft_probs[{i}] must be [K_i = {counts[i]}, V = {vocab}], got {tuple(q.shape)}")
+        if q is not None and tuple(q.shape) != (num_draft_tokens[i], vocab):
+            raise ValueError(f"draft_probs[{i}] must be [K_i = {num_draft_tokens[i]}, V = {vocab}], got {tuple(q.shape)}")
         if q is not None and not (params[i].greedy or params[i].coupled) and not bool(
                 (torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError(f"draft_probs[{i}] has negative or non-finite entries")
     check_finite(target_logits)
 
 
-def _cumsum(counts: list[int]) -> list[int]:
+def _cumsum(num_draft_tokens: list[int]) -> list[int]:
     out, acc = [], 0
-    for c in counts:
-        acc += c
+    for k in num_draft_tokens:
+        acc += k
         out.append(acc)
     return out
 
@@ -164,36 +164,36 @@ def _target_choice(target_logits, metadata, params, positions, row_list) -> torc
     return choice
 
 
-def _match_target(choice, draft_token_ids, target_start, draft_start, k, max_k):
+def _match_target(choice, draft_token_ids, target_start, draft_start, k, max_draft_tokens):
     """Rows with a deterministic target token per position (greedy, seeded), vectorized:
-    [n] starts/K -> (output [n, max_k + 1], num_accepted [n])."""
-    t_idx, t_valid = _pad_index(target_start, k + 1, max_k + 1)  # [n, max_k + 1]
-    target_ids = choice[t_idx]  # [n, max_k + 1]
-    d_idx, d_valid = _pad_index(draft_start, k, max_k)  # [n, max_k]
+    [n] starts/K -> (output [n, max_draft_tokens + 1], num_accepted [n])."""
+    t_idx, t_valid = _pad_index(target_start, k + 1, max_draft_tokens + 1)  # [n, max_draft_tokens + 1]
+    target_ids = choice[t_idx]  # [n, max_draft_tokens + 1]
+    d_idx, d_valid = _pad_index(draft_start, k, max_draft_tokens)  # [n, max_draft_tokens]
     drafts = draft_token_ids[d_idx] if draft_token_ids.numel() else torch.zeros_like(d_idx)
-    accept = (drafts == target_ids[:, :max_k]) & d_valid
+    accept = (drafts == target_ids[:, :max_draft_tokens]) & d_valid
     num_accepted = _accepted_prefix(accept)  # [n]
     # Accepted positions equal the target token, and so does the recovered / bonus token at
     # position num_accepted: the committed row is just the target tokens up to there.
-    keep = torch.arange(max_k + 1, device=k.device)[None, :] <= num_accepted[:, None]
+    keep = torch.arange(max_draft_tokens + 1, device=k.device)[None, :] <= num_accepted[:, None]
     out = torch.where(keep & t_valid, target_ids, torch.full_like(target_ids, PLACEHOLDER_TOKEN_ID))
     return out, num_accepted
 
 
 def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start, k, row_list,
               metadata, params):
-    """Sampling rows: (output [n, max_k + 1], num_accepted [n]) for the batch rows ``row_list``."""
+    """Sampling rows: (output [n, max_draft_tokens + 1], num_accepted [n]) for the batch rows ``row_list``."""
     n = len(row_list)
-    max_k = metadata.max_spec_len
+    max_draft_tokens = metadata.max_draft_tokens
     vocab = target_logits.shape[1]
     device = target_logits.device
     rows = torch.tensor(row_list, dtype=torch.int64, device=device)
     k_host = [metadata.num_draft_tokens[i] for i in row_list]  # no device sync per row
-    k_rows = k[rows]  # [n]
-    t_idx, _ = _pad_index(target_start[rows], k_rows + 1, max_k + 1)  # [n, max_k + 1]
+    row_num_draft_tokens = k[rows]  # [n]
+    t_idx, _ = _pad_index(target_start[rows], row_num_draft_tokens + 1, max_draft_tokens + 1)  # [n, max_draft_tokens + 1]
 
     # p: target probabilities, processed per distinct (temperature, top_k, top_p).
-    p = torch.empty(n, max_k + 1, vocab, dtype=torch.float32, device=device)  # [n, K+1, V]
+    p = torch.empty(n, max_draft_tokens + 1, vocab, dtype=torch.float32, device=device)  # [n, K+1, V]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for j, i in enumerate(row_list):
         sp = params[i]
@@ -201,27 +201,27 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
     for members in groups.values():
         sel = torch.tensor(members, dtype=torch.int64, device=device)
         logits = target_logits[t_idx[sel].reshape(-1)]  # [m * (K+1), V]
-        p[sel] = logits_to_probs(logits, params[row_list[members[0]]]).reshape(len(members), max_k + 1, vocab)
+        p[sel] = logits_to_probs(logits, params[row_list[members[0]]]).reshape(len(members), max_draft_tokens + 1, vocab)
     if not bool(torch.isfinite(p).all()):
         raise NonFiniteScoresError("target probabilities are not finite")
 
     # q: draft probabilities; a deterministic draft is one-hot on its token.
-    d_idx, d_valid = _pad_index(draft_start[rows], k_rows, max_k)  # [n, max_k]
+    d_idx, d_valid = _pad_index(draft_start[rows], row_num_draft_tokens, max_draft_tokens)  # [n, max_draft_tokens]
     drafts = draft_token_ids[d_idx] if draft_token_ids.numel() else torch.zeros_like(d_idx)
-    q = torch.zeros(n, max_k, vocab, dtype=torch.float32, device=device)  # [n, K, V]
+    q = torch.zeros(n, max_draft_tokens, vocab, dtype=torch.float32, device=device)  # [n, K, V]
     one_hot = [j for j, i in enumerate(row_list) if draft_probs[i] is None]
-    if one_hot and max_k:
+    if one_hot and max_draft_tokens:
         sel = torch.tensor(one_hot, dtype=torch.int64, device=device)
         q[sel] = q[sel].scatter_(2, drafts[sel].unsqueeze(-1), d_valid[sel].unsqueeze(-1).float())
     given = [j for j, i in enumerate(row_list) if draft_probs[i] is not None and k_host[j]]
     if given:
         sel = torch.tensor(given, dtype=torch.int64, device=device)
-        q[sel.repeat_interleave(k_rows[sel]), _ragged_positions(k_rows[sel])] = torch.cat(
+        q[sel.repeat_interleave(row_num_draft_tokens[sel]), _ragged_positions(row_num_draft_tokens[sel])] = torch.cat(
             [draft_probs[row_list[j]] for j in given]).to(device=device, dtype=torch.float32)
 
-    uniforms = torch.rand(n, max_k, device=device)  # [n, K] one per draft position
+    uniforms = torch.rand(n, max_draft_tokens, device=device)  # [n, K] one per draft position
 
-    p_x = p[:, :max_k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
+    p_x = p[:, :max_draft_tokens].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
     q_x = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, K]
     # u < p/q written without the division: q(x) = 0 with p(x) > 0 accepts, p(x) = 0 never does.
     accept = (uniforms * q_x < p_x) & d_valid
@@ -230,9 +230,9 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
     # The final token: residual at the first rejection (recovered) or p at K_i (bonus).
     arange_n = torch.arange(n, device=device)
     p_last = p[arange_n, num_accepted]  # [n, V]
-    rejected = num_accepted < k_rows  # [n]
-    if max_k:
-        q_last = q[arange_n, num_accepted.clamp(max=max_k - 1)]  # [n, V]
+    rejected = num_accepted < row_num_draft_tokens  # [n]
+    if max_draft_tokens:
+        q_last = q[arange_n, num_accepted.clamp(max=max_draft_tokens - 1)]  # [n, V]
         residual = (p_last - q_last).clamp_min(0.0)
         mass = residual.sum(dim=-1, keepdim=True)
         residual = torch.where(mass > _RESIDUAL_EPS, residual / mass.clamp_min(_RESIDUAL_EPS), p_last)
@@ -242,9 +242,9 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
 
     final = torch.multinomial(final_probs, 1).squeeze(-1)  # [n]
 
-    pos = torch.arange(max_k + 1, device=device)[None, :]
-    out = torch.full((n, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    if max_k:
-        out[:, :max_k] = torch.where(pos[:, :max_k] < num_accepted[:, None], drafts, out[:, :max_k])
+    pos = torch.arange(max_draft_tokens + 1, device=device)[None, :]
+    out = torch.full((n, max_draft_tokens + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    if max_draft_tokens:
+        out[:, :max_draft_tokens] = torch.where(pos[:, :max_draft_tokens] < num_accepted[:, None], drafts, out[:, :max_draft_tokens])
     out[arange_n, num_accepted] = final
     return out, num_accepted

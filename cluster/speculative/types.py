@@ -21,10 +21,10 @@ PLACEHOLDER_TOKEN_ID = -1
 class SpecBatchMetadata:
     num_draft_tokens: list[int]  # [B] K_i, 0 allowed
     cu_num_draft_tokens: torch.Tensor  # [B + 1] int64, cu[0] = 0
-    max_spec_len: int
+    max_draft_tokens: int
 
     @classmethod
-    def from_counts(cls, num_draft_tokens: list[int]) -> "SpecBatchMetadata":
+    def from_num_draft_tokens(cls, num_draft_tokens: list[int]) -> "SpecBatchMetadata":
         if any(k < 0 for k in num_draft_tokens):
             raise ValueError(f"negative draft count in {num_draft_tokens}")
         cu = torch.zeros(len(num_draft_tokens) + 1, dtype=torch.int64)

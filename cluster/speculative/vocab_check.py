@@ -1,4 +1,4 @@
-"""The hard constraint of draft-model speculation: draft and target share one vocabulary.
+"""The hard constraint of draft-model sourceulation: draft and target share one vocabulary.
 
 Owns: comparing two Hugging Face tokenizers id-for-id (``check_vocab_compatible`` ->
 ``VocabReport`` naming every concrete difference) and the gate that refuses a mismatched pair

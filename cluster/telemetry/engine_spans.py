@@ -167,27 +167,27 @@ class RequestTrace:
         eng.end(end_time=now)
 
     def _emit_spec(self, span: trace.Span) -> None:
-        ks = [s[1] for s in self._steps]
+        num_draft_tokens = [s[1] for s in self._steps]
         acc = [s[2] for s in self._steps]
-        drafted = sum(ks)
+        drafted = sum(num_draft_tokens)
         accepted = sum(acc)
-        drafting_steps = sum(1 for k in ks if k > 0)
-        rejections = sum(1 for k, a in zip(ks, acc) if a < k)
+        drafting_steps = sum(1 for k in num_draft_tokens if k > 0)
+        rejections = sum(1 for k, a in zip(num_draft_tokens, acc) if a < k)
         span.set_attributes({
             sc.SPEC_DRAFTER: self._drafter or "",
-            sc.SPEC_STEPS: len(ks),
+            sc.SPEC_STEPS: len(num_draft_tokens),
             sc.SPEC_DRAFT_TOKENS: drafted,
             sc.SPEC_ACCEPTED_TOKENS: accepted,
             sc.SPEC_ALPHA: round(accepted / (accepted + rejections), 4) if accepted + rejections else 0.0,
             sc.SPEC_ACCEPTANCE_RATE: round(accepted / drafted, 4) if drafted else 0.0,
             sc.SPEC_MEAN_ACCEPTANCE_LENGTH: round((accepted + drafting_steps) / drafting_steps, 4)
             if drafting_steps else 0.0,
-            sc.SPEC_K_PER_STEP: ks,
+            sc.SPEC_NUM_DRAFT_TOKENS_PER_STEP: num_draft_tokens,
             sc.SPEC_ACCEPTED_PER_STEP: acc,
         })
         limit = self._max_events
         for i, (t, k, a, drafter) in enumerate(self._steps[:limit]):
-            span.add_event(sc.EVENT_SPEC_STEP, {sc.SPEC_STEP: i, sc.SPEC_K: k, sc.SPEC_ACCEPTED: a,
+            span.add_event(sc.EVENT_SPEC_STEP, {sc.SPEC_STEP: i, sc.SPEC_NUM_DRAFT_TOKENS: k, sc.SPEC_ACCEPTED: a,
                                                 sc.SPEC_DRAFTER: drafter or self._drafter or ""}, timestamp=t)
         if len(self._steps) > limit:
             span.set_attribute(sc.SPEC_EVENTS_DROPPED, len(self._steps) - limit)

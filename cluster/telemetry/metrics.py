@@ -32,7 +32,7 @@ specserve_spec_position_acceptance_rate                    engine, segment, posi
 specserve_spec_draft_tokens_total / _accepted_tokens_total engine, segment
 specserve_spec_rejections_total                            engine, segment      (steps that rejected a draft)
 specserve_spec_position_drafted_total / _accepted_total    engine, segment, position
-specserve_spec_k_chosen_total                              engine, segment, k   (counts per K)
+specserve_spec_steps_by_num_draft_tokens_total            engine, segment, num_draft_tokens (steps per K)
 """
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ class SpecserveMetrics:
                                      ("engine", "segment", "position"))
         self.pos_accepted = b.counter("specserve_spec_position_accepted", "Draft tokens accepted at position i",
                                       ("engine", "segment", "position"))
-        self.k_chosen = b.counter("specserve_spec_k_chosen", "Verification steps by chosen K (0 = plain step)",
-                                  ("engine", "segment", "k"))
+        self.steps_by_num_draft_tokens = b.counter(
+            "specserve_spec_steps_by_num_draft_tokens", "Verification steps by the K chosen (0 = plain step)",
+            ("engine", "segment", "num_draft_tokens"))
 
     # --- helpers ---------------------------------------------------------------------------
     def segment(self, segment: str | None) -> str:
@@ -215,8 +216,8 @@ class SpecserveMetrics:
                     self.position_acceptance_rate.set(n_a / n_d, esp)
                 self._delta(self.pos_drafted, esp, n_d, raw)
                 self._delta(self.pos_accepted, esp, n_a, raw)
-            for k, n in enumerate(d.get("k_chosen", ())):
-                self._delta(self.k_chosen, {**es, "k": str(k)}, n, raw)
+            for k, n in enumerate(d.get("steps_by_num_draft_tokens", ())):
+                self._delta(self.steps_by_num_draft_tokens, {**es, "num_draft_tokens": str(k)}, n, raw)
 
 
 class _StatsView:

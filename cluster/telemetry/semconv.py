@@ -55,7 +55,7 @@ PREEMPTIONS = "specserve.preemptions"
 
 SPEC_DRAFTER = "specserve.spec.drafter"
 SPEC_STEP = "specserve.spec.step"
-SPEC_K = "specserve.spec.k"
+SPEC_NUM_DRAFT_TOKENS = "specserve.spec.num_draft_tokens"
 SPEC_ACCEPTED = "specserve.spec.accepted"
 SPEC_STEPS = "specserve.spec.steps"
 SPEC_DRAFT_TOKENS = "specserve.spec.draft_tokens"
@@ -63,7 +63,7 @@ SPEC_ACCEPTED_TOKENS = "specserve.spec.accepted_tokens"
 SPEC_ALPHA = "specserve.spec.alpha"  # per position: accepted / (accepted + rejections)
 SPEC_ACCEPTANCE_RATE = "specserve.spec.acceptance_rate"  # accepted / drafted
 SPEC_MEAN_ACCEPTANCE_LENGTH = "specserve.spec.mean_acceptance_length"
-SPEC_K_PER_STEP = "specserve.spec.k_per_step"
+SPEC_NUM_DRAFT_TOKENS_PER_STEP = "specserve.spec.num_draft_tokens_per_step"
 SPEC_ACCEPTED_PER_STEP = "specserve.spec.accepted_per_step"
 SPEC_EVENTS_DROPPED = "specserve.spec.step_events_dropped"
 SPEC_FALLBACKS = "specserve.spec.fallbacks"

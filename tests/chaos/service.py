@@ -28,7 +28,7 @@ LEAKS = ("Traceback", "actor_id", "ray::", "pid=")  # internals a client must ne
 
 def real_app(**over) -> dict:
     """The real default model; 2 Router replicas; queues that take 32 concurrent streams."""
-    args = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+    args = {"model": "default", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "router_deployment": {**TINY, "num_replicas": 2},
             "spec_engine": ENGINE, "batch_engine": {**ENGINE, "max_num_seqs": 16},
             "draft_server": {**TINY, "host": "127.0.0.1", "timeout_s": 2.0},

@@ -16,7 +16,7 @@ def test_prompts_file_to_jsonl_with_spec_stats(tmp_path, capsys):
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
     rc = main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out),
-               "--max-tokens", "8", "--draft", "ngram", "--num-spec-tokens", "3", "--limit", "3"])
+               "--max-tokens", "8", "--draft", "ngram", "--num-draft-tokens", "3", "--limit", "3"])
     assert rc == 0
     got = [json.loads(l) for l in out.read_text().splitlines()]
     assert [g["id"] for g in got] == ["a", "b", "c"]

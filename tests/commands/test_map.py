@@ -43,7 +43,7 @@ def _check_configs(out: Path, knobs: dict) -> AppConfig:
     cfg = load_config(argparse.Namespace(config=out / "serve_config.yaml", model=None, drafter=None,
                                          placement=None, port=None))
     app = AppConfig(**cfg["applications"][0]["args"])
-    assert app.drafter == knobs["drafter"] and app.num_spec_tokens == knobs["num_spec_tokens"]
+    assert app.drafter == knobs["drafter"] and app.num_draft_tokens == knobs["num_draft_tokens"]
     dumped = app.router.model_dump(exclude_none=True)
     for k, v in knobs["router"].items():
         assert dumped[k] == v
@@ -81,7 +81,7 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
         assert chat["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0] and chat["acceptance_rate"] == 0.25
         assert chat["predicted_speedup"] == pytest.approx(2.0, rel=0.1)
         assert chat["alpha"] == 0.5 and chat["predicted_speedup_alpha_only"] == pytest.approx(1.94, rel=0.05)
-        assert chat["best_k"] == 1  # one draft is as good as four and verifies cheaper
+        assert chat["best_num_draft_tokens"] == 1  # one draft is as good as four and verifies cheaper
         assert chat["speedup"] > 1.3 and prof["code"]["drafters"][d]["speedup"] > 2.5
     assert prof["code"]["output_tokens"]["p50"] == 24
 

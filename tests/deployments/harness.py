@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def fake_args(**over) -> dict:
-    args = {"model": "fake", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+    args = {"model": "fake", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "router_deployment": SMALL, "spec_engine": {**SMALL, "max_num_seqs": 8},
             "batch_engine": {**SMALL, "max_num_seqs": 32}, "draft_server": {**SMALL, "host": "127.0.0.1"},
             "engine_impl": {**FAKE, "options": {"token_delay_s": 0.01}}}

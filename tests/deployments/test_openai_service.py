@@ -35,7 +35,7 @@ def chat_ids(text: str) -> list[int]:
     return FAKE.apply_chat_template([{"role": "user", "content": text}])
 
 
-REAL = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+REAL = {"model": "default", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
         "router_deployment": SMALL,
         "spec_engine": {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64},
         "batch_engine": {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64},

@@ -26,7 +26,7 @@ N = 24
 
 def real_args(**over) -> dict:
     eng = {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64}
-    args = {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+    args = {"model": "default", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "router_deployment": SMALL, "spec_engine": eng, "batch_engine": eng,
             "draft_server": {**SMALL, "host": "127.0.0.1", "timeout_s": 2.0},
             "limits": {"max_tokens": 256, "max_prompt_tokens": 1024, "max_message_bytes": 65536,

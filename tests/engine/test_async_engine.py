@@ -12,7 +12,7 @@ from cluster.engine.async_engine import AsyncEngine
 from tests.engine.helpers import (
     assert_streams_match, consume_stream, run_to_completion, wait_pool_full,
 )
-from tests.engine.test_engine_default import engine_on
+from tests.engine.test_llm_engine import engine_on
 
 
 def _reqs(tok, n=3, max_tokens=12):

@@ -53,7 +53,7 @@ def compiler(tiny):
 
 
 def engine(tiny, drafter: str | None = None, k: int = 3, proposer=None) -> LLMEngine:
-    spec = None if drafter is None else SpecConfig(drafter=drafter, num_spec_tokens=k)
+    spec = None if drafter is None else SpecConfig(drafter=drafter, num_draft_tokens=k)
     config = EngineConfig(model="tiny", spec=spec)
     m = tiny.with_fresh_kv(config, 64)
     eng = LLMEngine(config, m, build_spec_controller(config, m, proposer) if spec is not None else None)
@@ -174,7 +174,7 @@ def test_rejection_sampling_of_unmasked_drafts_keeps_the_masked_target():
     drafts = torch.multinomial(q, n, replacement=True)  # [n] one draft token each
     target = apply_masks(p_logits.expand(2 * n, vocab), allowed.expand(2 * n, vocab))  # K+1 = 2 rows
     result = rejection_sample(target, drafts, [q[None, :].clone() for _ in range(n)],
-                              SpecBatchMetadata.from_counts([1] * n), [SamplingParams(temperature=1.0)] * n,
+                              SpecBatchMetadata.from_num_draft_tokens([1] * n), [SamplingParams(temperature=1.0)] * n,
                               [0] * n)
     first = result.output_token_ids[:, 0]
     counts = torch.bincount(first, minlength=vocab).double()

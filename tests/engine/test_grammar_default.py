@@ -102,7 +102,7 @@ def test_every_output_validates_on_the_plain_path(default_model, plain_batched):
 
 
 def test_speculative_path_validates_and_equals_plain_token_for_token(default_model, plain_batched):
-    eng = engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=4))
+    eng = engine(default_model, SpecConfig(drafter="ngram", num_draft_tokens=4))
     spec = run_to_completion(eng, requests(default_model.tokenizer, rows()))
     for r in rows():
         check_valid(default_model.tokenizer, r, spec[r["id"]])
@@ -113,7 +113,7 @@ def test_speculative_path_validates_and_equals_plain_token_for_token(default_mod
 
 def test_concurrency_one_equals_batched(default_model, plain_batched):
     some = [rows()[0], rows()[-3], rows()[-1]]
-    eng = engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=4))
+    eng = engine(default_model, SpecConfig(drafter="ngram", num_draft_tokens=4))
     for r in some:
         got = run_to_completion(eng, requests(default_model.tokenizer, [r]))[r["id"]]
         check_valid(default_model.tokenizer, r, got)

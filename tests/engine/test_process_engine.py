@@ -18,7 +18,7 @@ from cluster.kvsync.client import RemoteProposer
 from tests.engine.helpers import (
     assert_streams_match, consume_stream, run_to_completion, wait_pool_full,
 )
-from tests.engine.test_engine_default import engine_on
+from tests.engine.test_llm_engine import engine_on
 
 PROMPTS = ["def add(a, b):\n", "The three primary colors are", "Bonjour, je m'appelle"]
 BOUND_S = 240  # every test's event loop is bounded (model load in the core included)
@@ -33,7 +33,7 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, BOUND_S))
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(drafter="ngram", num_spec_tokens=4)],
+@pytest.mark.parametrize("spec", [None, SpecConfig(drafter="ngram", num_draft_tokens=4)],
                          ids=["plain", "ngram"])
 def test_streams_match_sync_engine_and_cancel_frees_kv(default_model, spec):
     tok = default_model.tokenizer

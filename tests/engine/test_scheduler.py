@@ -26,7 +26,7 @@ def run_step(sched: Scheduler, sampled: int = 7) -> list[tuple[str, int, bool, i
         sched.kv.set_num_tokens(s.seq.seq_id, s.seq.num_cached)
         if s.samples:
             s.seq.token_ids.append(sampled)
-    return [(s.seq.seq_id, s.num_new_tokens, s.samples, s.num_lookahead) for s in plan]
+    return [(s.seq.seq_id, s.num_new_tokens, s.samples, s.num_draft_tokens) for s in plan]
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_decodes_keep_running():
@@ -61,10 +61,10 @@ def test_lookahead_only_when_the_chunk_samples_and_the_budget_allows():
     sched = Scheduler(KVCacheManager(64, 16), SchedulerBudget(max_num_seqs=2, max_num_batched_tokens=8))
     sched.add(seq("a", 4))
     run_step(sched)
-    plan = sched.schedule(lookahead=lambda s: 5)
-    assert [(p.num_new_tokens, p.num_lookahead) for p in plan] == [(1, 5)]
-    plan = sched.schedule(lookahead=lambda s: 50)  # clipped to what the token budget leaves
-    assert [(p.num_new_tokens, p.num_lookahead) for p in plan] == [(1, 7)]
+    plan = sched.schedule(num_draft_tokens=lambda s: 5)
+    assert [(p.num_new_tokens, p.num_draft_tokens) for p in plan] == [(1, 5)]
+    plan = sched.schedule(num_draft_tokens=lambda s: 50)  # clipped to what the token budget leaves
+    assert [(p.num_new_tokens, p.num_draft_tokens) for p in plan] == [(1, 7)]
 
 
 def test_full_pool_preempts_the_newest_and_it_recomputes_later():

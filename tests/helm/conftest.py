@@ -36,7 +36,7 @@ FULL_VALUES = {
     "targetWorkers": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [
             {"key": "gpu", "operator": "In", "values": ["l4", "a10"]}]}]}}}},
-    "app": {"placement": "separate", "drafter": "/models/draft", "num_spec_tokens": 5},
+    "app": {"placement": "separate", "drafter": "/models/draft", "num_draft_tokens": 5},
     "networkPolicy": {"enabled": True,
                       "grpc": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]},
                       "metrics": {"from": [{"namespaceSelector": {"matchLabels": {"team": "obs"}},

@@ -74,7 +74,7 @@ def test_app_args_build_app_config(rendered):
     config = _app_config_cls().model_validate(args)
     _assert_subset(args, config.model_dump(mode="json"))
     values_app = rendered.values.get("app", {})
-    for key in ("model", "drafter", "placement", "num_spec_tokens"):
+    for key in ("model", "drafter", "placement", "num_draft_tokens"):
         if key in values_app:
             assert args[key] == values_app[key]
     secret = rendered.values.get("auth", {})

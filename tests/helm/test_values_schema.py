@@ -39,9 +39,9 @@ def test_chart_metadata(chart):
 BAD_VALUES = {
     "placement": {"app": {"placement": "weird"}},
     "dtype": {"app": {"dtype": "float16"}},
-    "num_spec_tokens word": {"app": {"num_spec_tokens": "many"}},
-    "num_spec_tokens negative": {"app": {"num_spec_tokens": -1}},
-    "num_spec_tokens too large": {"app": {"num_spec_tokens": 17}},
+    "num_draft_tokens word": {"app": {"num_draft_tokens": "many"}},
+    "num_draft_tokens negative": {"app": {"num_draft_tokens": -1}},
+    "num_draft_tokens too large": {"app": {"num_draft_tokens": 17}},
     "separate without drafter": {"app": {"placement": "separate", "drafter": "none"}},
     "enter threshold zero": {"app": {"router": {"enter_threshold": 0}}},
     "unknown engine knob": {"app": {"spec_engine": {"gpu_memory_utilization": 0.9}}},

@@ -104,7 +104,7 @@ def test_hung_server_costs_one_budget_then_speculation_resumes(hangable):
 
 
 def _engine(model_dir, proposer):
-    config = EngineConfig(model=str(model_dir), spec=SpecConfig(drafter="ngram", num_spec_tokens=3),
+    config = EngineConfig(model=str(model_dir), spec=SpecConfig(drafter="ngram", num_draft_tokens=3),
                           kv_cache_memory_mb=16, max_num_seqs=4)
     model = load_model(str(model_dir), config)
     return LLMEngine(config, model, build_spec_controller(config, model, proposer))

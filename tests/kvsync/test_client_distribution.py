@@ -70,7 +70,7 @@ def exact_pair_probs(target_dir) -> dict[tuple[int, int], float]:
 
 def test_remote_draft_sampling_has_the_target_distribution(tiny_llama_dir, draft_dir):
     limits = KVSyncLimits(max_draft_tokens=2, max_batch=BATCH)
-    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter="remote", num_spec_tokens=2),
+    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter="remote", num_draft_tokens=2),
                           kv_cache_memory_mb=32, max_num_seqs=BATCH)
     draft = load_model(str(draft_dir), EngineConfig(model=str(draft_dir), kv_cache_memory_mb=32))
     core = DraftServerCore(DraftModelProposer(draft.runner), vocab_size=draft.runner.vocab_size, limits=limits)

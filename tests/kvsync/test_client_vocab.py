@@ -32,7 +32,7 @@ def _run(model_dir, core):
     server, port = start_server(core)
     try:
         remote = RemoteProposer(f"127.0.0.1:{port}", budget=DraftBudget(floor_s=0.5))  # not late on a busy CPU
-        config = EngineConfig(model=str(model_dir), spec=SpecConfig(drafter="ngram", num_spec_tokens=3),
+        config = EngineConfig(model=str(model_dir), spec=SpecConfig(drafter="ngram", num_draft_tokens=3),
                               kv_cache_memory_mb=16)
         model = load_model(str(model_dir), config)
         engine = LLMEngine(config, model, build_spec_controller(config, model, remote))

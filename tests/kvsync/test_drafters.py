@@ -18,7 +18,7 @@ from cluster.kvsync.drafters import build_remote_proposer, first_layers
 from cluster.kvsync.server import DraftServerCore, start_server
 from cluster.models.load import LoadedModel
 from cluster.models.runner import ModelRunner
-from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
+from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
 from tests.engine.helpers import prompt_ids, run_to_completion
 from tests.reference import workload_rows
 
@@ -28,7 +28,7 @@ K = 4
 
 def _engine(model: LoadedModel, drafter: str, proposer) -> LLMEngine:
     """An engine on the shared default weights with its own target KV pool."""
-    config = EngineConfig(spec=SpecConfig(drafter=drafter, num_spec_tokens=K), kv_cache_memory_mb=128)
+    config = EngineConfig(spec=SpecConfig(drafter=drafter, num_draft_tokens=K), kv_cache_memory_mb=128)
     runner = ModelRunner(model.runner.model, None, config.block_size, config.kv_cache_memory_mb)
     m = LoadedModel(model.name, model.path, runner, model.tokenizer, model.eos_token_ids,
                     model.hf_config, model.dtype)
@@ -42,7 +42,7 @@ def rows():
 
 @pytest.mark.parametrize("drafter,min_alpha", [("default", 0.9), ("self:16", 0.05)])
 def test_remote_model_drafter_is_lossless_and_frees_draft_kv(default_model, rows, drafter, min_alpha):
-    spec = parse_drafter_spec(drafter)
+    spec = parse_drafter_choice(drafter)
     draft, vocab = build_remote_proposer(spec, "default", "float32", kv_cache_memory_mb=64,
                                          target=default_model)
     assert vocab == default_model.runner.vocab_size
@@ -84,7 +84,7 @@ def test_remote_model_drafter_is_lossless_and_frees_draft_kv(default_model, rows
 def test_self_draft_is_the_first_layers_with_its_own_kv(default_model):
     target = default_model.runner.model
     total = target.arch.num_layers
-    draft, vocab = build_remote_proposer(parse_drafter_spec("self:3"), "default", "float32",
+    draft, vocab = build_remote_proposer(parse_drafter_choice("self:3"), "default", "float32",
                                          kv_cache_memory_mb=8, target=default_model)
     assert draft.kind is DrafterKind.SELF and vocab == target.arch.vocab_size
     m = draft.runner.model
@@ -95,7 +95,7 @@ def test_self_draft_is_the_first_layers_with_its_own_kv(default_model):
     with pytest.raises(ValueError, match="self:L"):
         first_layers(target, total)
     with pytest.raises(ValueError, match="model drafters"):
-        build_remote_proposer(parse_drafter_spec("ngram"), "default", "float32")
+        build_remote_proposer(parse_drafter_choice("ngram"), "default", "float32")
 
 
 def test_remote_draft_model_vocabulary_is_checked(tmp_path, default_model):
@@ -112,7 +112,7 @@ def test_remote_draft_model_vocabulary_is_checked(tmp_path, default_model):
     other = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     d = make_tiny_model_dir(tmp_path / "draft", "llama", vocab_size=len(other))
     other.save_pretrained(str(d))
-    spec = parse_drafter_spec(str(d))
+    spec = parse_drafter_choice(str(d))
     with pytest.raises(VocabularyMismatchError, match="not compatible"):
         build_remote_proposer(spec, "default", "float32", kv_cache_memory_mb=4, target=default_model)
     forced, vocab = build_remote_proposer(spec, "default", "float32", kv_cache_memory_mb=4,
@@ -129,11 +129,11 @@ def test_remote_self_drafts_what_shared_layer_skip_drafts(default_model, rows):
     tok = default_model.tokenizer
     inputs = [ProposeInput(r["id"], prompt_ids(tok, r), K, SamplingParams(max_tokens=1)) for r in rows]
     shared = LayerSkipProposer(ModelRunner(default_model.runner.model, None, 16, 16), 8)
-    remote, _ = build_remote_proposer(parse_drafter_spec("self:8"), "default", "float32",
+    remote, _ = build_remote_proposer(parse_drafter_choice("self:8"), "default", "float32",
                                       kv_cache_memory_mb=16, target=default_model)
     assert remote.propose(inputs).draft_token_ids == shared.propose(inputs).draft_token_ids
     # the engine committed something other than the drafts: the remote draft rolls back exactly
     again = [ProposeInput(i.seq_id, i.token_ids + [tok.eos_token_id], K, i.params) for i in inputs]
-    fresh, _ = build_remote_proposer(parse_drafter_spec("self:8"), "default", "float32",
+    fresh, _ = build_remote_proposer(parse_drafter_choice("self:8"), "default", "float32",
                                      kv_cache_memory_mb=16, target=default_model)
     assert remote.propose(again).draft_token_ids == fresh.propose(again).draft_token_ids

@@ -12,8 +12,8 @@ from deployments.app_config import AppConfig
 LEVELS = [1, 2, 4, 8, 16]
 
 
-def _row(speedup, alpha, best_k=3, k_mean=4.0, mal=3.0, c=0.05, v=1.2):
-    return {"speedup": speedup, "predicted_speedup": speedup, "alpha": alpha, "best_k": best_k,
+def _row(speedup, alpha, best_num_draft_tokens=3, k_mean=4.0, mal=3.0, c=0.05, v=1.2):
+    return {"speedup": speedup, "predicted_speedup": speedup, "alpha": alpha, "best_num_draft_tokens": best_num_draft_tokens,
             "k_mean": k_mean, "mean_acceptance_length": mal, "c": c, "v": v}
 
 
@@ -30,8 +30,8 @@ def _cells(seg, ratios, plain_s=1.0):
 def _state(alpha_a=0.8):
     return {"traffic": {"shares": {"a": 0.7, "b": 0.3}},
             "profile": {"segments": {
-                "a": {"drafters": {"ngram": _row(2.0, alpha_a, best_k=3), "self": _row(1.5, 0.6, best_k=2)}},
-                "b": {"drafters": {"ngram": _row(0.8, 0.2, best_k=0), "self": _row(1.2, 0.4, best_k=1)}}}},
+                "a": {"drafters": {"ngram": _row(2.0, alpha_a, best_num_draft_tokens=3), "self": _row(1.5, 0.6, best_num_draft_tokens=2)}},
+                "b": {"drafters": {"ngram": _row(0.8, 0.2, best_num_draft_tokens=0), "self": _row(1.2, 0.4, best_num_draft_tokens=1)}}}},
             "sweep": {"cells": _cells("a", [0.5, 0.7, 0.9, 1.1, 1.3]) + _cells("b", [1.05, 1.1, 1.2, 1.3, 1.4])}}
 
 
@@ -49,13 +49,13 @@ def test_decide_known_answers():
     assert a["crossover"]["kind"] == "within" and a["crossover"]["value"] == pytest.approx(2 ** 2.5, rel=1e-3)
     lo, hi = a["crossover"]["ci90"]
     assert lo <= a["crossover"]["value"] <= hi
-    assert a["speculate"] and a["best_drafter"] == "ngram" and a["best_k"] == 3
+    assert a["speculate"] and a["best_drafter"] == "ngram" and a["best_num_draft_tokens"] == 3
     assert b["crossover"]["kind"] == "below" and not b["speculate"] and b["crossover_for_router"] == 1.0
     assert b["best_drafter"] == "self"
     assert d["cost_model"]["points"] == 2 * 2 * len(LEVELS)  # both segments, both paths, every level
     k = d["knobs"]
     assert k["drafter"] == "ngram"  # 0.7 x 2.0 + 0.3 x 0.8 = 1.64 > self's 1.41
-    assert k["num_spec_tokens"] == 3  # the only gaining segment's best K
+    assert k["num_draft_tokens"] == 3  # the only gaining segment's best K
     # traffic-weighted median crossover: segment a (70%) at 5.66 -> exit 6, enter 4
     assert k["router"]["exit_threshold"] == 6 and k["router"]["enter_threshold"] == 4
     be = break_even_alpha(4.0, 0.05, 1.2)
@@ -140,7 +140,7 @@ def test_profile_prediction_per_position_and_best_k():
         r = Run(wall, 24, [], decode_steps=[] if dr else [0.01] * steps, verify_steps=[0.0099] * steps if dr else [])
         r.accepted_per_position, r.drafted_per_position = acc, dr
         r.draft_tokens, r.accepted_tokens, r.drafts = sum(dr), 1 * steps, steps
-        r.rejections, r.k_chosen = (steps, [0, 0, 0, 0, steps]) if dr else (0, [])
+        r.rejections, r.steps_by_num_draft_tokens = (steps, [0, 0, 0, 0, steps]) if dr else (0, [])
         return r
 
     plain = [run(0.24, [], [], 24)]
@@ -151,7 +151,7 @@ def test_profile_prediction_per_position_and_best_k():
     assert row["predicted_speedup"] == pytest.approx(2.0, rel=0.02)
     # one α for every position: E(0.5, 4) / v = 1.9375 / 0.99 (accepted/drafted would say 1.33)
     assert row["predicted_speedup_alpha_only"] == pytest.approx(1.957, rel=0.01)
-    assert row["best_k"] == 1  # v < 1 (timing noise) is clamped to 1: extra drafts gain nothing
+    assert row["best_num_draft_tokens"] == 1  # v < 1 (timing noise) is clamped to 1: extra drafts gain nothing
 
 
 def test_a_loss_at_the_lowest_level_within_noise_keeps_a_profile_gain_at_low_load():

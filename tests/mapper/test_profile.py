@@ -27,5 +27,5 @@ def test_profile_on_fake_engine_skips_a_refused_row(tmp_path):
     assert code["rows"] == 2 and code["output_tokens"]["values"] == [6, 10]
     ng = code["drafters"]["ngram"]
     assert ng["alpha_by_position"] == [1.0, 0.0] and ng["acceptance_rate"] == 0.5  # 1 of 2 every step
-    assert chat["drafters"]["ngram"]["acceptance_rate"] == 0.0 and chat["drafters"]["ngram"]["best_k"] == 0
+    assert chat["drafters"]["ngram"]["acceptance_rate"] == 0.0 and chat["drafters"]["ngram"]["best_num_draft_tokens"] == 0
     assert "stopped" not in result

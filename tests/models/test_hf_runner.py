@@ -30,7 +30,7 @@ def test_moe_target_runs_on_fallback_and_matches_hf(tmp_path, default_model_dir)
     from transformers import AutoModelForCausalLM
 
     path = _tiny_mixtral(tmp_path / "moe", default_model_dir)
-    config = EngineConfig(model=str(path), spec=SpecConfig(drafter="ngram", num_spec_tokens=3))
+    config = EngineConfig(model=str(path), spec=SpecConfig(drafter="ngram", num_draft_tokens=3))
     model = load_model(str(path), config)
     assert isinstance(model.runner, HFRunner)
     engine = LLMEngine(config, model, build_spec_controller(config, model))
@@ -46,7 +46,7 @@ def test_moe_target_runs_on_fallback_and_matches_hf(tmp_path, default_model_dir)
         assert res[r.request_id]["spec"].draft_tokens == 0  # MoE gate closed: no speculation
     assert model.runner.kv.num_free_blocks == model.runner.kv.num_blocks
     # once validated, the MoE target speculates on the fallback runner, still losslessly
-    validated = EngineConfig(model=str(path), spec=SpecConfig(drafter="ngram", num_spec_tokens=3, moe_validated=True))
+    validated = EngineConfig(model=str(path), spec=SpecConfig(drafter="ngram", num_draft_tokens=3, moe_validated=True))
     engine = LLMEngine(validated, model, build_spec_controller(validated, model))
     reqs = [GenerationRequest(f"v{i}", p, SamplingParams(max_tokens=10, ignore_eos=True)) for i, p in enumerate(prompts)]
     spec_res = run_to_completion(engine, reqs)

@@ -59,9 +59,9 @@ def _fixed_adaptive(costs: LinearCosts, alpha: float, **kw) -> AdaptiveK:
 def test_batch_choice_goes_plain_for_large_compute_bound_batches():
     costs = LinearCosts(draft_cost=0.0005, a=0.010, b=0.001)
     ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
-    assert ak.choose([("s0", "code")], k_max=6)[0] > 0
+    assert ak.choose([("s0", "code")], max_draft_tokens=6)[0] > 0
     big = [(f"s{i}", "code") for i in range(64)]
-    assert ak.choose(big, k_max=6) == [0] * 64
+    assert ak.choose(big, max_draft_tokens=6) == [0] * 64
 
 
 def test_batch_choice_counts_non_speculating_tokens_in_the_forward():
@@ -70,11 +70,11 @@ def test_batch_choice_counts_non_speculating_tokens_in_the_forward():
     # plain — its verification tokens would slow all of them down.
     costs = LinearCosts(draft_cost=0.0005, a=0.010, b=0.001)
     ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
-    assert ak.choose([("s", "code")], k_max=6)[0] > 0
-    assert ak.choose([("s", "code")], k_max=6, extra_tokens=63, extra_committed=63.0) == [0]
+    assert ak.choose([("s", "code")], max_draft_tokens=6)[0] > 0
+    assert ak.choose([("s", "code")], max_draft_tokens=6, extra_tokens=63, extra_committed=63.0) == [0]
     # A big prefill chunk committing one token does not make speculation worse: the step is
     # slow anyway and a drafted token costs only b more (batch-rate objective).
-    assert ak.choose([("s", "code")], k_max=6, extra_tokens=200, extra_committed=1.0)[0] > 0
+    assert ak.choose([("s", "code")], max_draft_tokens=6, extra_tokens=200, extra_committed=1.0)[0] > 0
 
 
 def test_batch_choice_shares_the_draft_phase():
@@ -83,9 +83,9 @@ def test_batch_choice_shares_the_draft_phase():
     costs = LinearCosts(draft_cost=0.002, a=0.020, b=0.00002)
     ak = _fixed_adaptive(costs, 0.8, explore_every=1000)
     seqs = [(f"s{i}", "chat") for i in range(32)]
-    ks = ak.choose(seqs, k_max=6)
-    assert min(ks) >= 3
-    assert batch_rate([0.8] * 32, ks, costs) > 1.5 * batch_rate([0.8] * 32, [0] * 32, costs)
+    num_draft_tokens = ak.choose(seqs, max_draft_tokens=6)
+    assert min(num_draft_tokens) >= 3
+    assert batch_rate([0.8] * 32, num_draft_tokens, costs) > 1.5 * batch_rate([0.8] * 32, [0] * 32, costs)
 
 
 def test_batch_choice_drops_low_alpha_sequences():
@@ -97,8 +97,8 @@ def test_batch_choice_drops_low_alpha_sequences():
         est.update("good2", "chat", 4, 3)
     ak = AdaptiveK(estimator=est, costs=StepCostModel(draft_cost_prior=0.0002, target_a_prior=0.020,
                                                       slope_prior_ratio=0.01), explore_every=1000)
-    ks = ak.choose([("good", "chat"), ("bad", "chat"), ("good2", "chat")], k_max=6)
-    assert ks[1] == 0 and ks[0] > 0 and ks[2] > 0
+    num_draft_tokens = ak.choose([("good", "chat"), ("bad", "chat"), ("good2", "chat")], max_draft_tokens=6)
+    assert num_draft_tokens[1] == 0 and num_draft_tokens[0] > 0 and num_draft_tokens[2] > 0
 
 
 def test_cost_model_priors_then_fit():
@@ -139,19 +139,19 @@ def test_cost_model_window_forgets_old_regime():
 def test_exploration_probes_plain_sequences_on_a_fixed_schedule():
     costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
     ak = _fixed_adaptive(costs, 0.2, explore_every=5, explore_k=2)
-    history = [ak.choose([("s", "chat")], k_max=6)[0] for _ in range(15)]
+    history = [ak.choose([("s", "chat")], max_draft_tokens=6)[0] for _ in range(15)]
     assert history == [0, 0, 0, 0, 2] * 3
     # Probes that show high acceptance lift α until speculation is chosen without probing.
     for _ in range(40):
-        k = ak.choose([("s", "chat")], k_max=6)[0]
+        k = ak.choose([("s", "chat")], max_draft_tokens=6)[0]
         ak.observe("s", "chat", k, k)  # every draft token accepted
-    assert ak.choose([("s", "chat")], k_max=6)[0] > 2
+    assert ak.choose([("s", "chat")], max_draft_tokens=6)[0] > 2
     ak.release("s")
 
 
 def test_k_max_zero_means_plain():
     ak = _fixed_adaptive(LinearCosts(0.0, 0.02, 0.0), 0.9, explore_every=1)
-    assert ak.choose([("a", "x"), ("b", "x")], k_max=0) == [0, 0]
+    assert ak.choose([("a", "x"), ("b", "x")], max_draft_tokens=0) == [0, 0]
     assert choose_k(0.99, 0, LinearCosts(0.0, 0.02, 0.0)) == 0
 
 
@@ -160,7 +160,7 @@ def test_failed_probes_back_off_per_segment_and_success_resets():
     ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
     probes = []
     for step in range(60):
-        k = ak.choose([("s", "chat")], k_max=6)[0]
+        k = ak.choose([("s", "chat")], max_draft_tokens=6)[0]
         if k:
             probes.append(step)
             ak.observe("s", "chat", k, 0)  # the probe is rejected
@@ -168,9 +168,9 @@ def test_failed_probes_back_off_per_segment_and_success_resets():
     assert probes == [3, 11, 27, 43, 59]
     ak.release("s")
     # a new sequence of the same segment inherits the backed-off interval
-    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)] == [0] * 15 + [2]
+    assert [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(16)] == [0] * 15 + [2]
     ak.observe("t", "chat", 2, 2)  # a fully accepted probe resets the interval
-    assert [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(4)][-1] >= 1
+    assert [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(4)][-1] >= 1
 
 
 def test_draft_cost_ratio_prior_scales_with_the_measured_decode_step():
@@ -188,7 +188,7 @@ def test_break_even_alpha_is_where_speculation_starts_to_pay():
     """Free drafts, t(n) = a + b·n: K = 1 pays when (1 + α)·(1 - g) > (a + 2b)/(a + b), g the
     min_gain margin; the break-even is that α, and dearer verification or drafts raise it."""
     cheap = LinearCosts(draft_cost=0.0, a=0.030, b=0.0005)
-    be = break_even_alpha(cheap, k_max=8, min_gain=0.0)
+    be = break_even_alpha(cheap, max_draft_tokens=8, min_gain=0.0)
     assert be == pytest.approx((0.030 + 0.001) / (0.030 + 0.0005) - 1, abs=2e-3)
     assert choose_k(be + 0.01, 8, cheap, min_gain=0.0) > 0 and choose_k(be - 0.01, 8, cheap, min_gain=0.0) == 0
     dear_verify = LinearCosts(draft_cost=0.0, a=0.030, b=0.010)
@@ -204,10 +204,10 @@ def test_a_new_segment_inherits_the_pools_backed_off_probe_interval():
     costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
     ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=16)
     for _ in range(40):
-        k = ak.choose([("s", "code")], k_max=6)[0]
+        k = ak.choose([("s", "code")], max_draft_tokens=6)[0]
         if k:
             ak.observe("s", "code", k, 0)
     assert ak.probe_interval("code") == 16 and ak.probe_interval("chat") == 16
     assert ak.probe_interval("chat|n1") == 4  # another pool: its own start
-    first = [ak.choose([("t", "chat")], k_max=6)[0] for _ in range(16)]
+    first = [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(16)]
     assert first == [0] * 15 + [2]

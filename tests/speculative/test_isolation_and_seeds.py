@@ -34,7 +34,7 @@ def tiny(tiny_llama_dir):
 
 
 def engine(tiny, drafter: str | None = None, k: int = 3, proposer=None) -> LLMEngine:
-    spec = None if drafter is None else SpecConfig(drafter=drafter, num_spec_tokens=k)
+    spec = None if drafter is None else SpecConfig(drafter=drafter, num_draft_tokens=k)
     config = EngineConfig(model="tiny", spec=spec)
     m = tiny.with_fresh_kv(config, 64)  # 1024 tokens: small pools keep the test fast
     return LLMEngine(config, m, build_spec_controller(config, m, proposer) if spec is not None else None)
@@ -263,8 +263,8 @@ def test_seeded_output_is_the_same_on_every_path_and_k(tiny):
     expected = {r.request_id: plain[r.request_id]["ids"] for r in reqs[:4]}
     assert len({tuple(v) for v in expected.values()}) == 4
     accepted = {}
-    for drafter, ks in (("ngram", (1, 2, 3, 4)), ("draft", (1, 2, 3, 4)), ("self:1", (3,))):
-        for k in ks:
+    for drafter, num_draft_tokens in (("ngram", (1, 2, 3, 4)), ("draft", (1, 2, 3, 4)), ("self:1", (3,))):
+        for k in num_draft_tokens:
             eng = engine(tiny, "default" if drafter == "draft" else drafter, k,
                          draft_model(tiny) if drafter == "draft" else None)
             res = run_to_completion(eng, reqs)

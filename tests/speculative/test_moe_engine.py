@@ -48,7 +48,7 @@ def tiny(tiny_llama_dir):
 
 
 def _engine(tiny, good: bool, threshold: float | str = 0.5, k: int | str = 3) -> LLMEngine:
-    spec = SpecConfig(drafter="default", num_spec_tokens=k, moe_min_draft_tokens=WINDOW,
+    spec = SpecConfig(drafter="default", num_draft_tokens=k, moe_min_draft_tokens=WINDOW,
                       moe_alpha_threshold=threshold)
     config = EngineConfig(spec=spec)
     model = tiny.with_fresh_kv(config)
@@ -109,7 +109,7 @@ def test_probes_open_the_gate_only_with_good_alpha(tiny, plain_ids, good):
 
 def test_auto_threshold_is_the_cost_models_break_even(tiny):
     engine = _engine(tiny, good=True, threshold="auto", k="auto")
-    break_even = engine.spec.adaptive.break_even_alpha(engine.spec.config.k_max)
+    break_even = engine.spec.adaptive.break_even_alpha(engine.spec.config.max_draft_tokens)
     assert engine.spec.moe_threshold() == break_even
     assert engine.stats().break_even_alpha == round(break_even, 4)
     assert _engine(tiny, good=True, threshold=0.7).spec.moe_threshold() == 0.7

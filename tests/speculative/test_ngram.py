@@ -9,7 +9,7 @@ import torch
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
-from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_spec
+from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_choice
 from cluster.speculative.types import ProposeInput
 
 torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def test_4k_token_search_is_fast():
     assert per_search < 2e-3, f"{per_search * 1e3:.2f} ms per 4k-token search (conversion included)"
 
 
-# ---------------------------------------------------------------- drafter spec parsing
+# ---------------------------------------------------------------- drafter choice parsing
 # (cluster/speculative/proposer.py; lives here until a tests/speculative/test_proposer.py exists)
 
 @pytest.mark.parametrize("text, kind, layers, model", [
@@ -165,13 +165,13 @@ def test_4k_token_search_is_fast():
     ("/models/draft", DrafterKind.DRAFT_MODEL, None, "/models/draft"),
 ])
 def test_parse_drafter_spec(text, kind, layers, model):
-    spec = parse_drafter_spec(text)
+    spec = parse_drafter_choice(text)
     assert (spec.kind, spec.self_layers, spec.model) == (kind, layers, model)
 
 
 @pytest.mark.parametrize("text", ["none", "None", "", "  ", None])
 def test_parse_drafter_spec_none(text):
-    assert parse_drafter_spec(text) is None
+    assert parse_drafter_choice(text) is None
 
 
 @pytest.mark.parametrize("text, message", [
@@ -182,4 +182,4 @@ def test_parse_drafter_spec_none(text):
 ])
 def test_parse_drafter_spec_errors(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_drafter_spec(text)
+        parse_drafter_choice(text)

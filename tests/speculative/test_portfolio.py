@@ -2,7 +2,7 @@
 from the tokens committed after each draft (chosen and shadow drafts alike, geometric: a
 censored draft counts no rejection), a costly member drafts only when chosen and its q travels
 unchanged, ragged batches with K = 0 rows, per-member stats, release reaches every member.
-Lossless output on engines: test_spec_engine.py (greedy vs HF) and test_suffix.py (sampling)."""
+Lossless output on engines: tests/engine/test_speculation.py (greedy vs HF) and test_suffix.py (sampling)."""
 from __future__ import annotations
 
 import pytest

@@ -31,7 +31,7 @@ def peaked_logits(token_ids: list[int], vocab: int = V) -> torch.Tensor:
 
 def run(seqs, params=None, positions=None, draft_probs=None, vocab: int = V):
     """seqs: list of (target argmax per position [K+1], drafts [K]) -> (output list, accepted list)."""
-    meta = SpecBatchMetadata.from_counts([len(d) for _, d in seqs])
+    meta = SpecBatchMetadata.from_num_draft_tokens([len(d) for _, d in seqs])
     logits = torch.cat([peaked_logits(t, vocab) for t, _ in seqs])
     drafts = torch.tensor([x for _, d in seqs for x in d], dtype=torch.int64)
     b = len(seqs)
@@ -93,14 +93,14 @@ def test_all_k_zero_batch():
 
 def test_draft_equal_to_target_greedy_accepts_everything():
     torch.manual_seed(0)
-    ks = [5, 1, 3, 7]
-    meta = SpecBatchMetadata.from_counts(ks)
-    logits = torch.randn(sum(ks) + len(ks), 50)
+    num_draft_tokens = [5, 1, 3, 7]
+    meta = SpecBatchMetadata.from_num_draft_tokens(num_draft_tokens)
+    logits = torch.randn(sum(num_draft_tokens) + len(num_draft_tokens), 50)
     argmax = logits.argmax(-1)
-    drafts = torch.cat([argmax[meta.target_slice(i)][:-1] for i in range(len(ks))])
+    drafts = torch.cat([argmax[meta.target_slice(i)][:-1] for i in range(len(num_draft_tokens))])
     res = rejection_sample(logits, drafts, [None] * 4, meta, [GREEDY] * 4, [0] * 4)
-    assert res.num_accepted.tolist() == ks
-    for i, k in enumerate(ks):
+    assert res.num_accepted.tolist() == num_draft_tokens
+    for i, k in enumerate(num_draft_tokens):
         committed = res.committed(i)
         assert len(committed) == k + 1
         assert committed == argmax[meta.target_slice(i)].tolist()
@@ -115,7 +115,7 @@ def test_greedy_ignores_draft_probs():
 # ---------------------------------------------------------------- validation
 
 def _valid_inputs():
-    meta = SpecBatchMetadata.from_counts([2, 1])
+    meta = SpecBatchMetadata.from_num_draft_tokens([2, 1])
     return torch.zeros(5, V), torch.tensor([1, 2, 3]), [None, None], meta, [GREEDY] * 2, [0] * 2
 
 
@@ -147,11 +147,11 @@ def test_shape_mismatches_raise():
 
 # ---------------------------------------------------------------- determinism
 
-def _random_batch(seed: int, ks: list[int], vocab: int = 32):
+def _random_batch(seed: int, num_draft_tokens: list[int], vocab: int = 32):
     g = torch.Generator().manual_seed(seed)
-    meta = SpecBatchMetadata.from_counts(ks)
-    logits = torch.randn(sum(ks) + len(ks), vocab, generator=g) * 2
-    q = [torch.softmax(torch.randn(k, vocab, generator=g), -1) for k in ks]
+    meta = SpecBatchMetadata.from_num_draft_tokens(num_draft_tokens)
+    logits = torch.randn(sum(num_draft_tokens) + len(num_draft_tokens), vocab, generator=g) * 2
+    q = [torch.softmax(torch.randn(k, vocab, generator=g), -1) for k in num_draft_tokens]
     drafts = torch.cat([torch.multinomial(qi, 1, generator=g).squeeze(-1) for qi in q])
     return meta, logits, drafts, q
 
@@ -173,7 +173,7 @@ def test_seeded_rows_are_the_coupled_target_tokens_regardless_of_neighbours_and_
     # Row 1 alone: same result. And what it commits is plain seeded sampling at those positions:
     # the accepted prefix equals the drafts, then the coupled token.
     r1 = rejection_sample(logits[meta.target_slice(1)], drafts[meta.draft_slice(1)], [q[1]],
-                          SpecBatchMetadata.from_counts([3]), params[1:2], positions[1:2])
+                          SpecBatchMetadata.from_num_draft_tokens([3]), params[1:2], positions[1:2])
     assert r1.committed(0) == first[0][1][: first[1][1] + 1]
     plain = coupled_tokens(filtered_logits(logits[meta.target_slice(1)], params[1]), 8, 20).tolist()
     a = first[1][1]
@@ -239,7 +239,7 @@ def _statistical_run(k: int, params: SamplingParams, one_hot: bool, n: int, seed
         q = logits_to_probs(torch.randn(k, vocab, generator=g) * scale, params)  # [K, V], q != p
         drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g)
                               for j in range(k)], dim=1)  # [n, K]
-    meta = SpecBatchMetadata.from_counts([k] * n)
+    meta = SpecBatchMetadata.from_num_draft_tokens([k] * n)
     logits = target_logits.repeat(n, 1)  # [n * (K+1), V]
     torch.manual_seed(seed + 1)
     res = rejection_sample(logits, drafts.reshape(-1), [q] * n, meta, [params] * n, [0] * n)
@@ -310,7 +310,7 @@ def test_seeded_coupled_verification_keeps_target_distribution(drafts_from, para
     else:
         drafts = p[:k].argmax(-1).repeat(n, 1)
     res = rejection_sample(target_logits.repeat(n, 1), drafts.reshape(-1), [q] * n,
-                           SpecBatchMetadata.from_counts([k] * n), seeded, [50] * n)
+                           SpecBatchMetadata.from_num_draft_tokens([k] * n), seeded, [50] * n)
     out, acc = res.output_token_ids.numpy(), res.num_accepted.numpy()
     p64 = p.numpy().astype(np.float64)
     # (the 20x-closer-than-a-reference check needs more samples than the conditional second token has)
@@ -339,14 +339,14 @@ def _reference_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
 def test_vectorized_greedy_matches_reference_loop():
     g = torch.Generator().manual_seed(5)
     for trial in range(30):
-        ks = torch.randint(0, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        meta = SpecBatchMetadata.from_counts(ks)
+        num_draft_tokens = torch.randint(0, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        meta = SpecBatchMetadata.from_num_draft_tokens(num_draft_tokens)
         vocab = 4  # small vocabulary: random drafts often agree with the target
-        logits = torch.randn(sum(ks) + len(ks), vocab, generator=g)
-        drafts = torch.randint(0, vocab, (sum(ks),), generator=g)
-        res = rejection_sample(logits, drafts, [None] * len(ks), meta, [GREEDY] * len(ks), [0] * len(ks))
+        logits = torch.randn(sum(num_draft_tokens) + len(num_draft_tokens), vocab, generator=g)
+        drafts = torch.randint(0, vocab, (sum(num_draft_tokens),), generator=g)
+        res = rejection_sample(logits, drafts, [None] * len(num_draft_tokens), meta, [GREEDY] * len(num_draft_tokens), [0] * len(num_draft_tokens))
         argmax = logits.argmax(-1)
-        for i in range(len(ks)):
+        for i in range(len(num_draft_tokens)):
             expected = _reference_greedy(argmax[meta.target_slice(i)].tolist(), drafts[meta.draft_slice(i)].tolist())
             assert res.committed(i) == expected
-            assert res.output_token_ids[i, len(expected):].tolist() == [PH] * (meta.max_spec_len + 1 - len(expected))
+            assert res.output_token_ids[i, len(expected):].tolist() == [PH] * (meta.max_draft_tokens + 1 - len(expected))

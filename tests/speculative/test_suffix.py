@@ -4,14 +4,14 @@ before, none on a miss, the most frequent continuation, a length from its empiri
 and, on engines, lossless sampling (chi-square of the first two sampled tokens against Hugging
 Face's exact probabilities) for suffix and portfolio in both placements, plus greedy equality
 with HF through a DraftServer. Greedy equality in the shared placement is
-tests/speculative/test_spec_engine.py's concurrent test, parametrized with both drafters."""
+tests/engine/test_speculation.py's concurrent test, parametrized with both drafters."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from cluster.common.request import SamplingParams
-from cluster.speculative.proposer import DrafterKind, parse_drafter_spec
+from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
 from cluster.speculative.suffix import SuffixIndex, SuffixProposer, match_starts, walk
 from cluster.speculative.types import ProposeInput
 
@@ -28,8 +28,8 @@ def learn(p, seq_id, tokens, segment="s"):
 
 
 def test_spec_strings_select_suffix_and_portfolio():
-    assert parse_drafter_spec("suffix").kind is DrafterKind.SUFFIX
-    assert parse_drafter_spec(" Portfolio ").kind is DrafterKind.PORTFOLIO
+    assert parse_drafter_choice("suffix").kind is DrafterKind.SUFFIX
+    assert parse_drafter_choice(" Portfolio ").kind is DrafterKind.PORTFOLIO
     assert SuffixProposer().kind is DrafterKind.SUFFIX
 
 
@@ -169,7 +169,7 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placeme
     from tests.engine.helpers import run_to_completion
     from tests.kvsync.test_client_distribution import BATCH, N, PARAMS, PROMPT, assert_target_pair_distribution
 
-    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=drafter, num_spec_tokens=2),
+    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
                           kv_cache_memory_mb=32, max_num_seqs=BATCH)
     server = remote = None
     proposer = None
@@ -217,7 +217,7 @@ def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, dr
     core = DraftServerCore(_drafter(drafter), vocab_size=0, drafter=drafter)
     server, remote = _remote(core)
     try:
-        config = EngineConfig(spec=SpecConfig(drafter=drafter, num_spec_tokens=4), kv_cache_memory_mb=128)
+        config = EngineConfig(spec=SpecConfig(drafter=drafter, num_draft_tokens=4), kv_cache_memory_mb=128)
         m = default_model.with_fresh_kv(config)
         eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
         tok = default_model.tokenizer

@@ -97,7 +97,7 @@ def scraped():
                     and total(samples, "ray_specserve_draft_resyncs_total") >= stats["draft_resyncs"]
                     and total(samples, "ray_specserve_spec_draft_tokens_total", segment="code")
                     >= stats["spec_by_segment"]["code"]["draft_tokens"]
-                    and series(samples, "ray_specserve_spec_k_chosen_total")
+                    and series(samples, "ray_specserve_spec_steps_by_num_draft_tokens_total")
                     and series(samples, "ray_specserve_kv_usage_ratio", engine="spec")
                     and series(samples, "ray_specserve_queue_depth", engine="spec")
                     and _idle_gauges(samples))
@@ -155,9 +155,9 @@ def test_acceptance_per_segment_position_and_chosen_k(scraped):
     assert alpha[0][1] == pytest.approx(accepted / drafted, rel=1e-6)
     pos = series(samples, "ray_specserve_spec_position_acceptance_rate", engine="spec", segment="code")
     assert pos and all(0.0 <= v <= 1.0 for _, v in pos) and {lab["position"] for lab, _ in pos} >= {"0"}
-    ks = series(samples, "ray_specserve_spec_k_chosen_total", engine="spec", segment="code")
-    assert ks and all(0 <= int(lab["k"]) <= 4 for lab, _ in ks)  # num_spec_tokens=4
-    assert sum(v for lab, v in ks if lab["k"] != "0") == code["drafts"]  # steps that drafted
+    num_draft_tokens = series(samples, "ray_specserve_spec_steps_by_num_draft_tokens_total", engine="spec", segment="code")
+    assert num_draft_tokens and all(0 <= int(lab["num_draft_tokens"]) <= 4 for lab, _ in num_draft_tokens)  # num_draft_tokens=4
+    assert sum(v for lab, v in num_draft_tokens if lab["num_draft_tokens"] != "0") == code["drafts"]  # steps that drafted
     # per-request α histogram at the router
     assert total(samples, "ray_specserve_request_acceptance_rate_count", segment="code") >= 4
     assert "chat" not in {lab["segment"] for lab, _ in series(samples, "ray_specserve_spec_draft_tokens_total")}

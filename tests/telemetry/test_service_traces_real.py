@@ -34,7 +34,7 @@ MAX_TOKENS = 24
 
 def _args(endpoint: str) -> dict:
     eng = {**SMALL, "num_cpus": 0.2, "max_num_seqs": 4, "kv_cache_memory_mb": 64}
-    return {"model": "default", "drafter": "ngram", "num_spec_tokens": 4, "torch_threads": 1,
+    return {"model": "default", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "placement": "separate", "router_deployment": SMALL, "spec_engine": eng, "batch_engine": eng,
             "draft_server": {**SMALL, "host": "127.0.0.1", "timeout_s": 5.0},
             "limits": {"max_tokens": 256, "max_prompt_tokens": 1024, "max_message_bytes": 65536,
@@ -119,13 +119,13 @@ def test_engine_spans_queue_prefill_speculative_decode(traced_request):
     assert d["specserve.spec.drafter"] == "ngram"  # what drafts; the KVSync spans show where
     steps = [e for e in decode.events if e[0] == "spec.step"]
     assert len(steps) == d["specserve.spec.steps"] > 0
-    ks = [e[2]["specserve.spec.k"] for e in steps]
+    num_draft_tokens = [e[2]["specserve.spec.num_draft_tokens"] for e in steps]
     acc = [e[2]["specserve.spec.accepted"] for e in steps]
     assert [e[2]["specserve.spec.step"] for e in steps] == list(range(len(steps)))
     assert all(e[2]["specserve.spec.drafter"] == "ngram" for e in steps)
-    assert all(0 <= a_ <= k <= 4 for k, a_ in zip(ks, acc))  # num_spec_tokens=4
-    assert ks == d["specserve.spec.k_per_step"] and acc == d["specserve.spec.accepted_per_step"]
-    assert sum(ks) == d["specserve.spec.draft_tokens"] == resp.spec.draft_tokens > 0
+    assert all(0 <= a_ <= k <= 4 for k, a_ in zip(num_draft_tokens, acc))  # num_draft_tokens=4
+    assert num_draft_tokens == d["specserve.spec.num_draft_tokens_per_step"] and acc == d["specserve.spec.accepted_per_step"]
+    assert sum(num_draft_tokens) == d["specserve.spec.draft_tokens"] == resp.spec.draft_tokens > 0
     assert sum(acc) == d["specserve.spec.accepted_tokens"] == resp.spec.accepted_tokens
     times = [e[1] for e in steps]
     assert times == sorted(times) and decode.start_ns <= times[0] and times[-1] <= decode.end_ns

@@ -108,7 +108,7 @@ def _assert_tree(spans, server_metadata):
     d = decode.attributes
     assert d[sc.SPEC_DRAFTER] == "draft-model"
     assert d[sc.SPEC_STEPS] == len(STEPS)
-    assert d[sc.SPEC_K_PER_STEP] == [k for k, _ in STEPS]
+    assert d[sc.SPEC_NUM_DRAFT_TOKENS_PER_STEP] == [k for k, _ in STEPS]
     assert d[sc.SPEC_ACCEPTED_PER_STEP] == [acc for _, acc in STEPS]
     assert d[sc.SPEC_DRAFT_TOKENS] == 16 and d[sc.SPEC_ACCEPTED_TOKENS] == 11
     assert d[sc.SPEC_ACCEPTANCE_RATE] == round(11 / 16, 4)  # accepted / drafted
@@ -116,7 +116,7 @@ def _assert_tree(spans, server_metadata):
     assert d[sc.SPEC_MEAN_ACCEPTANCE_LENGTH] == round((11 + 4) / 4, 4)  # 4 steps drafted (one K=0)
     assert d[sc.SPEC_RESYNCS] == 1 and d[sc.SPEC_FALLBACKS] == 1
     step_events = [e for e in decode.events if e[0] == sc.EVENT_SPEC_STEP]
-    assert [(e[2][sc.SPEC_K], e[2][sc.SPEC_ACCEPTED]) for e in step_events] == STEPS
+    assert [(e[2][sc.SPEC_NUM_DRAFT_TOKENS], e[2][sc.SPEC_ACCEPTED]) for e in step_events] == STEPS
     assert [e[2][sc.SPEC_STEP] for e in step_events] == list(range(len(STEPS)))
     assert all(e[2][sc.SPEC_DRAFTER] == "draft-model" for e in step_events)
     assert all(decode.start_ns <= e[1] <= decode.end_ns for e in decode.events)

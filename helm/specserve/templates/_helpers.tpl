@@ -95,7 +95,7 @@ endpoint (the app refuses enabled=true without one).
   "model" $a.model
   "dtype" $a.dtype
   "drafter" $a.drafter
-  "num_spec_tokens" $a.num_spec_tokens
+  "num_draft_tokens" $a.num_draft_tokens
   "force_vocab_mismatch" (default false $a.force_vocab_mismatch)
   "placement" $a.placement
   "torch_threads" $a.torch_threads

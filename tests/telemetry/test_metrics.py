@@ -109,8 +109,8 @@ def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     assert _get(s, "specserve_spec_rejections_total", engine="spec", segment="code") == 1
     assert _get(s, "specserve_spec_position_acceptance_rate", engine="spec", segment="code", position="0") == 1.0
     assert _get(s, "specserve_spec_position_acceptance_rate", engine="spec", segment="code", position="2") == 0.5
-    assert _get(s, "specserve_spec_k_chosen_total", engine="spec", segment="code", k="4") == 2
-    assert _get(s, "specserve_spec_k_chosen_total", engine="spec", segment="code", k="0") == 1
+    assert _get(s, "specserve_spec_steps_by_num_draft_tokens_total", engine="spec", segment="code", num_draft_tokens="4") == 2
+    assert _get(s, "specserve_spec_steps_by_num_draft_tokens_total", engine="spec", segment="code", num_draft_tokens="0") == 1
 
     # Cumulative totals grow: counters follow the difference, not the sum of snapshots.
     code.record(4, 0)
@@ -123,8 +123,8 @@ def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     assert _get(s, "specserve_spec_accepted_tokens_total", engine="spec", segment="code") == 8
     assert _get(s, "specserve_spec_position_drafted_total", engine="spec", segment="code", position="0") == 4
     assert _get(s, "specserve_spec_position_accepted_total", engine="spec", segment="code", position="0") == 3
-    assert _get(s, "specserve_spec_k_chosen_total", engine="spec", segment="code", k="4") == 3
-    assert _get(s, "specserve_spec_k_chosen_total", engine="spec", segment="code", k="2") == 1
+    assert _get(s, "specserve_spec_steps_by_num_draft_tokens_total", engine="spec", segment="code", num_draft_tokens="4") == 3
+    assert _get(s, "specserve_spec_steps_by_num_draft_tokens_total", engine="spec", segment="code", num_draft_tokens="2") == 1
     assert _get(s, "specserve_kv_usage_ratio", engine="spec") == 0.0
     assert _get(s, "specserve_queue_depth", engine="spec") == 0
 

@@ -70,7 +70,7 @@ def test_summarize_row_predicts_from_alpha_not_acceptance_rate():
 
     rng = random.Random(11)
     spec = bench_spec.Run(1.0, 0, [], verify_steps=[0.011] * 2000)
-    spec.k_chosen = [0, 0, 0, 0, 2000]
+    spec.steps_by_num_draft_tokens = [0, 0, 0, 0, 2000]
     for _ in range(2000):
         a = 0
         while a < 4 and rng.random() < 0.7:

@@ -3,6 +3,7 @@ finish) against the alternative (a live span per step), with the real SDK/OTLP p
 from __future__ import annotations
 
 from cluster.bench import tracing_hooks as bench
+from tests.telemetry.conftest import receiver, traced  # noqa: F401  (fixtures: a real OTLP receiver)
 
 
 def test_step_hook_is_far_cheaper_than_a_span_per_step(traced):

@@ -42,7 +42,7 @@ def draft_proposer(default_model):
 def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k):
     proposer = draft_proposer if drafter == "draft-model" else None
     eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
-                                                num_spec_tokens=k), proposer)
+                                                num_draft_tokens=k), proposer)
     reqs = greedy_requests(default_model.tokenizer, rows, MAX_TOKENS)
     for r in reqs[::5]:  # some requests decode plainly in the same steps (K = 0 rows)
         r.mode = SpecMode.PLAIN
@@ -70,7 +70,7 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
 
 def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_proposer):
     k = 4
-    eng = spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=k), draft_proposer)
+    eng = spec_engine(default_model, SpecConfig(drafter="default", num_draft_tokens=k), draft_proposer)
     tok = default_model.tokenizer
     # 1 token from the prefill, then 4 verification steps of K+1 = 5 tokens each
     reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=1 + 4 * (k + 1), ignore_eos=True))
@@ -86,9 +86,9 @@ def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_pro
 def test_frequent_rejections_still_equal_plain(default_model, rows):
     tok = default_model.tokenizer
     reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::4]]
-    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4)),
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="self:4", num_draft_tokens=4)),
                               [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
-    eng = spec_engine(default_model, SpecConfig(drafter="self:4", num_spec_tokens=4))
+    eng = spec_engine(default_model, SpecConfig(drafter="self:4", num_draft_tokens=4))
     res = run_to_completion(eng, reqs)
     rejected = 0
     for r in reqs:
@@ -103,7 +103,7 @@ def test_seeded_sampling_is_reproducible(default_model, rows):
     tok = default_model.tokenizer
 
     def run():
-        eng = spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3))
+        eng = spec_engine(default_model, SpecConfig(drafter="ngram", num_draft_tokens=3))
         reqs = [GenerationRequest(r["id"], prompt_ids(tok, r),
                                   SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234 + i))
                 for i, r in enumerate(rows[:6])]
@@ -129,11 +129,11 @@ def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
     other = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     d = make_tiny_model_dir(tmp_path / "draft", "llama", vocab_size=len(other))
     other.save_pretrained(str(d))
-    spec = SpecConfig(drafter=str(d), num_spec_tokens=3)
+    spec = SpecConfig(drafter=str(d), num_draft_tokens=3)
     with pytest.raises(VocabularyMismatchError) as info:
         build_draft_model_proposer(str(d), spec, EngineConfig(), default_model.tokenizer)
     assert "vocab" in str(info.value).lower()
-    forced = SpecConfig(drafter=str(d), num_spec_tokens=3, force_vocab_mismatch=True)
+    forced = SpecConfig(drafter=str(d), num_draft_tokens=3, force_vocab_mismatch=True)
     assert build_draft_model_proposer(str(d), forced, EngineConfig(), default_model.tokenizer) is not None
 
 
@@ -150,9 +150,9 @@ def test_vocab_trimmed_draft_head_is_lossless(default_model, rows):
     proposer = DraftModelProposer(runner, trimmed)
     tok = default_model.tokenizer
     reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=20)) for r in rows[:6]]
-    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="ngram", num_spec_tokens=3)),
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="ngram", num_draft_tokens=3)),
                               [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN) for r in reqs])
-    res = run_to_completion(spec_engine(default_model, SpecConfig(drafter="default", num_spec_tokens=3), proposer), reqs)
+    res = run_to_completion(spec_engine(default_model, SpecConfig(drafter="default", num_draft_tokens=3), proposer), reqs)
     allowed = set(trimmed.keep.tolist())
     for r in reqs:
         assert res[r.request_id]["ids"] == plain[r.request_id]["ids"]
