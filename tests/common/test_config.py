@@ -39,3 +39,13 @@ def test_k_max_covers_every_fixed_k():
 def test_bad_segment_settings_are_refused(segments, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
         SpecConfig(segments=segments)
+
+
+def test_segment_settings_survive_the_trip_to_an_engine_core_process():
+    import pickle
+
+    from cluster.common.config import EngineConfig
+
+    cfg = EngineConfig(spec=SpecConfig(segments={"code": {"drafter": " suffix ", "num_draft_tokens": 3}}))
+    back = pickle.loads(pickle.dumps(cfg))  # ProcessEngine sends its config pickled
+    assert back.spec.segments == {"code": SegmentSpec("suffix", 3)} and back.spec.k_policy("code") == 3
