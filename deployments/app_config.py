@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.api.requests import Limits
-from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.config import MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig
 from cluster.routing.policy import RouterConfig
 
 
@@ -30,11 +30,19 @@ class _Strict(BaseModel):
 
 
 class SegmentRouterKnobs(_Strict):
-    """One segment's own router settings (``specserve map`` writes them); unset: the global one."""
+    """One segment's own settings (``specserve map`` writes them); unset: the global one. The
+    thresholds and min_alpha steer the Router; ``drafter`` and ``num_draft_tokens`` (fixed K or
+    "auto") steer the SpecEngine for this segment's requests."""
 
     enter_threshold: int | None = Field(None, ge=1)
     exit_threshold: int | None = Field(None, ge=1)
     min_alpha: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] | None = None
+    drafter: str | None = Field(None, min_length=1)  # ngram | suffix | portfolio | self[:L] | a draft model
+    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | Literal["auto"] | None = None
+
+    @property
+    def engine_settings(self) -> bool:
+        return self.drafter is not None or self.num_draft_tokens is not None
 
 
 class RouterKnobs(_Strict):
@@ -207,14 +215,42 @@ class AppConfig(_Strict):
         self.spec_config()
         if self.placement is Placement.SEPARATE and not self.speculative:
             raise ValueError("placement 'separate' needs a drafter (got drafter='none')")
+        self._check_segment_engine_settings()
         return self
+
+    def _check_segment_engine_settings(self) -> None:
+        """A segment's drafter / K must be able to take effect: a SpecEngine exists, the drafter
+        string parses, and under placement ``separate`` (one DraftServer serving one drafter over
+        KVSync) the drafter is the global one."""
+        from cluster.speculative.proposer import parse_drafter_choice
+
+        for name, own in self.router.segments.items():
+            where = f"router.segments.{name}"
+            if own.engine_settings and not self.speculative:
+                raise ValueError(f"{where}: drafter / num_draft_tokens need a SpecEngine, but the global "
+                                 "drafter is 'none' (no SpecEngine runs)")
+            if own.drafter is None:
+                continue
+            try:
+                parse_drafter_choice(own.drafter)
+            except ValueError as exc:
+                raise ValueError(f"{where}.drafter: {exc}") from None
+            if self.placement is Placement.SEPARATE and own.drafter.strip() != self.drafter.strip():
+                raise ValueError(
+                    f"{where}.drafter {own.drafter!r}: placement 'separate' drafts in one DraftServer "
+                    f"over KVSync, which serves the global drafter {self.drafter!r} only; use placement "
+                    "'shared' for per-segment drafters, or drop this segment's drafter (its "
+                    "num_draft_tokens still applies)")
 
     @property
     def speculative(self) -> bool:
         return self.drafter.strip().lower() not in ("", "none")
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(**self.router.model_dump(), moe_probe_every=self.moe.probe_every)
+        knobs = self.router.model_dump(exclude={"segments"})
+        segments = {name: own.model_dump(exclude={"drafter", "num_draft_tokens"})
+                    for name, own in self.router.segments.items()}
+        return RouterConfig(**knobs, segments=segments, moe_probe_every=self.moe.probe_every)
 
     def limits_config(self) -> Limits:
         return Limits(max_tokens=self.limits.max_tokens,
@@ -237,7 +273,9 @@ class AppConfig(_Strict):
         return SpecConfig(drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
                           force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
                           moe_min_draft_tokens=self.moe.min_draft_tokens,
-                          moe_alpha_threshold=self.moe.alpha_threshold)
+                          moe_alpha_threshold=self.moe.alpha_threshold,
+                          segments={name: SegmentSpeculation(own.drafter, own.num_draft_tokens)
+                                    for name, own in self.router.segments.items() if own.engine_settings})
 
     def kvsync_limits(self, vocab_size: int = 0):
         """What a DraftServer accepts from one SpecEngine: K up to the engine's max_draft_tokens, its batch,

@@ -47,6 +47,7 @@ from cluster.api.requests import (
 )
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
+from cluster.common.config import SpecConfig
 from cluster.common.request import FinishReason, SpecMode
 from cluster.common.segments import SegmentLabels
 from cluster.routing.load_latency import InFlightMeter
@@ -82,11 +83,19 @@ def unexpected_error(exc: Exception, request_id: str, label: str) -> ServiceErro
     return internal_error(request_id)
 
 
-def segment_routing_pb(pb2, policy: RouterPolicy, view: EngineView) -> list:
-    """ModelInfo's ``segment_routing``: the settings in force for segments with their own."""
-    return [pb2.SegmentRouting(segment=seg, enter_threshold=enter, exit_threshold=exit_, min_alpha=alpha,
-                               min_alpha_auto=auto)
-            for seg, enter, exit_, alpha, auto in policy.segment_settings(view)]
+def segment_routing_pb(pb2, policy: RouterPolicy, view: EngineView, spec: SpecConfig | None = None) -> list:
+    """ModelInfo's ``segment_routing``: the settings in force for segments with their own — the
+    Router's and (``spec``: the SpecEngine's config, None without one) the drafter and K policy."""
+    out = []
+    for seg, enter, exit_, alpha, auto in policy.segment_settings(view):
+        own = spec.segments.get(seg) if spec is not None else None
+        engine = (dict(drafter="none", num_draft_tokens="0") if spec is None else
+                  dict(drafter=spec.drafter_for(seg), num_draft_tokens=str(spec.k_policy(seg)),
+                       own_drafter=own is not None and own.drafter is not None,
+                       own_num_draft_tokens=own is not None and own.num_draft_tokens is not None))
+        out.append(pb2.SegmentRouting(segment=seg, enter_threshold=enter, exit_threshold=exit_, min_alpha=alpha,
+                                      min_alpha_auto=auto, **engine))
+    return out
 
 
 @serve.deployment(name="Router", max_ongoing_requests=2048)
@@ -96,7 +105,7 @@ class Router:
         self.cfg = AppConfig(**config)  # not ``self.app``: the ASGI wrapper's property (the HTTP app)
         self.policy = RouterPolicy(self.cfg.router_config())
         self.limits = self.cfg.limits_config()
-        self.segments = SegmentLabels(self.cfg.limits.max_segments)
+        self.segments = SegmentLabels(self.cfg.limits.max_segments, configured=self.cfg.router.segments)
         self.token = None
         if self.cfg.auth.token_env:
             self.token = os.environ.get(self.cfg.auth.token_env) or None
@@ -336,7 +345,7 @@ class Router:
             min_alpha=self.policy.min_alpha(self._view()), min_alpha_auto=r.min_alpha == "auto",
             spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight,
             plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2),
-            segment_routing=segment_routing_pb(pb2, self.policy, self._view()),
+            segment_routing=segment_routing_pb(pb2, self.policy, self._view(), a.spec_config()),
             paths_share_hardware=self.paths_share_hardware)
 
     def _path_latency_pb(self, pb2) -> list:

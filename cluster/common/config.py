@@ -21,12 +21,36 @@ class DType(enum.Enum):
 
 
 AUTO_K = "auto"
+MAX_DRAFT_TOKENS = 16  # the largest K any setting (and the KVSync protocol) may ask for
+
+
+def _k_policy(value: int | str, where: str) -> int | str:
+    """A K policy: a fixed K in [0, MAX_DRAFT_TOKENS] (an integer string is read as one) or "auto"."""
+    if isinstance(value, str) and value != AUTO_K:
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{where} must be an integer or 'auto', got {value!r}") from None
+    if value != AUTO_K and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"{where} must be in [0, {MAX_DRAFT_TOKENS}] or 'auto', got {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class SegmentSpeculation:
+    """One traffic segment's own drafter and K policy (``router.segments.<name>``, e.g. written
+    by ``specserve map``); None: the global one (``SpecConfig.drafter`` / ``num_draft_tokens``)."""
+
+    drafter: str | None = None
+    num_draft_tokens: int | str | None = None
 
 
 @dataclass(slots=True)
 class SpecConfig:
     """Speculative decoding. drafter: "ngram", "suffix", "portfolio", "self" / "self:L" (first L target layers), or a model
-    spec sharing the target vocabulary. num_draft_tokens: fixed K, or "auto" (adaptive K in [0, max_draft_tokens])."""
+    source sharing the target vocabulary. num_draft_tokens: fixed K, or "auto" (adaptive K in [0, max_draft_tokens]).
+    segments: per traffic segment its own drafter and / or K policy (``SegmentSpeculation``); max_draft_tokens is
+    at least every fixed K configured (the adaptive bound, the lookahead KV slots, KVSync's limit)."""
 
     drafter: str = "ngram"
     num_draft_tokens: int | str = AUTO_K
@@ -40,22 +64,26 @@ class SpecConfig:
     # the α a window must reach to open its segment ("auto": adaptive K's break-even, else 0.5)
     moe_min_draft_tokens: int = 256
     moe_alpha_threshold: float | str = AUTO_K
+    segments: dict[str, SegmentSpeculation] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.drafter:
             raise ValueError("spec.drafter must be set (ngram, suffix, portfolio, self[:L] or a draft model)")
-        if isinstance(self.num_draft_tokens, str):
-            if self.num_draft_tokens != AUTO_K:
-                try:
-                    self.num_draft_tokens = int(self.num_draft_tokens)
-                except ValueError:
-                    raise ValueError(f"num_draft_tokens must be an integer or 'auto', got {self.num_draft_tokens!r}")
-        if isinstance(self.num_draft_tokens, int):
-            if not 0 <= self.num_draft_tokens <= 16:
-                raise ValueError(f"num_draft_tokens must be in [0, 16], got {self.num_draft_tokens}")
-            self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens)
-        if not 1 <= self.max_draft_tokens <= 16:
-            raise ValueError(f"max_draft_tokens must be in [1, 16], got {self.max_draft_tokens}")
+        self.num_draft_tokens = _k_policy(self.num_draft_tokens, "num_draft_tokens")
+        self.segments = {name: s if isinstance(s, SegmentSpeculation) else SegmentSpeculation(**s)
+                         for name, s in self.segments.items()}
+        for name, own in self.segments.items():
+            drafter = None if own.drafter is None else own.drafter.strip()
+            if drafter is not None and drafter.lower() in ("", "none"):
+                raise ValueError(f"router.segments.{name}.drafter: {own.drafter!r} is not a drafter "
+                                 "(num_draft_tokens: 0 stops a segment drafting)")
+            k = None if own.num_draft_tokens is None else _k_policy(
+                own.num_draft_tokens, f"router.segments.{name}.num_draft_tokens")
+            self.segments[name] = SegmentSpeculation(drafter, k)
+        fixed = [k for k in [self.num_draft_tokens, *(self.k_policy(n) for n in self.segments)] if k != AUTO_K]
+        self.max_draft_tokens = max([self.max_draft_tokens, *fixed])
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.max_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.moe_min_draft_tokens < 1:
@@ -66,7 +94,26 @@ class SpecConfig:
 
     @property
     def adaptive(self) -> bool:
-        return self.num_draft_tokens == AUTO_K
+        """Some sequences plan K adaptively: the global policy or a segment's is "auto"."""
+        return any(self.k_policy(name) == AUTO_K for name in [None, *self.segments])
+
+    def drafter_for(self, segment: str | None) -> str:
+        """The drafter in force for ``segment`` (its own, else the global one)."""
+        own = self.segments.get(segment) if segment is not None else None
+        return self.drafter if own is None or own.drafter is None else own.drafter
+
+    def k_policy(self, segment: str | None) -> int | str:
+        """The K policy in force for ``segment``: a fixed K or "auto" (its own, else the global one)."""
+        own = self.segments.get(segment) if segment is not None else None
+        return self.num_draft_tokens if own is None or own.num_draft_tokens is None else own.num_draft_tokens
+
+    def drafters(self) -> dict[str, list[str]]:
+        """Every drafter configured -> the segments that name it (the global one first, with [])."""
+        out: dict[str, list[str]] = {self.drafter: []}
+        for name, own in self.segments.items():
+            if own.drafter is not None and own.drafter != self.drafter.strip():
+                out.setdefault(own.drafter, []).append(name)
+        return out
 
 
 @dataclass(slots=True)

@@ -7,26 +7,33 @@ estimates, its stats that the Router polls twice a second, the Router's latency 
 otherwise grow by one entry per distinct label; a client labelling each request uniquely (a
 request id, a user id) would grow them without bound. The first labels seen are kept (the
 workload's own segments arrive first in practice); the rest share one label and one estimate.
+Segments the config names (``router.segments``: settings of their own) are always kept, beside
+the cap, so their settings apply whatever labels arrived first.
 Ignores: validation of the label itself (``cluster.api.requests``) and the metrics' own cap
 (``cluster.telemetry.metrics`` keeps a SegmentLabels of its own for its Prometheus series).
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 OTHER_SEGMENT = "other"  # the label every segment past the cap shares (Router and metrics alike)
 
 
 class SegmentLabels:
-    def __init__(self, max_segments: int) -> None:
+    def __init__(self, max_segments: int, configured: Iterable[str] = ()) -> None:
         if max_segments < 1:
             raise ValueError(f"max_segments must be >= 1, got {max_segments}")
         self.max_segments = max_segments
+        self.configured = frozenset(configured)  # always kept, not counted against the cap
         self._admitted: set[str] = set()
         self._lock = threading.Lock()
 
     def label(self, segment: str) -> str:
-        """``segment`` if admitted (admitting it while there is room), else ``OTHER_SEGMENT``."""
+        """``segment`` if configured or admitted (admitting it while there is room), else
+        ``OTHER_SEGMENT``."""
+        if segment in self.configured:
+            return segment
         with self._lock:
             if segment in self._admitted:
                 return segment

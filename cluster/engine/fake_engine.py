@@ -10,7 +10,8 @@ finishes the step without speculation (counting ``draft_fallbacks``) like the re
 Without one but with ``config.spec`` it simulates acceptance from ``acceptance_rate_by_segment``:
 each verification step accepts round(rate·K) of its K drafts (deterministic; the per-position α
 this gives is accepted / (accepted + rejections), e.g. 1 of 4 every step: acceptance_rate 0.25,
-α 0.5 — ``cluster.speculative.acceptance``).
+α 0.5 — ``cluster.speculative.acceptance``); K per request is its segment's policy (a fixed K,
+``max_draft_tokens`` for "auto").
 Failure injection for service tests: a prompt containing ``FAIL_MARKER`` finishes that request
 alone with ``FinishReason.ERROR`` and an ``error`` message after its first tokens (as the real
 engine does when one sequence's step fails); one containing ``CRASH_MARKER`` raises an exception
@@ -27,7 +28,7 @@ import os
 import time
 from typing import AsyncIterator
 
-from cluster.common.config import EngineConfig
+from cluster.common.config import AUTO_K, EngineConfig
 from cluster.common.errors import EngineOverloadedError, InvalidRequestError
 from cluster.common.request import FinishReason, GenerationRequest, RequestOutput, SpecStats
 from cluster.engine.protocol import EngineStats
@@ -108,11 +109,13 @@ class FakeEngine:
     def spec_enabled(self) -> bool:
         return self.config.spec is not None or self.proposer is not None
 
-    def _k(self) -> int:
+    def _k(self, segment: str) -> int:
+        """K for a request of ``segment``: its policy's fixed K, max_draft_tokens for "auto" (4 without a config)."""
         spec = self.config.spec
-        if spec is None or spec.adaptive:
-            return spec.max_draft_tokens if spec is not None else 4
-        return int(spec.num_draft_tokens)
+        if spec is None:
+            return 4
+        k = spec.k_policy(segment)
+        return spec.max_draft_tokens if k == AUTO_K else int(k)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if not self._ready:
@@ -185,7 +188,7 @@ class FakeEngine:
         target = lambda i: self.target_token(prompt, i)  # noqa: E731
         if not self.spec_enabled or req.mode.value == "plain":
             return [target(pos)]
-        k = self._k()
+        k = self._k(req.segment)
         if self.proposer is None:  # simulated acceptance: the segment's accepted share, deterministic
             rate = self.acceptance_rate_by_segment.get(req.segment, self.default_acceptance_rate)
             accepted = min(k, int(rate * k + 0.5))

@@ -96,7 +96,7 @@ class LLMEngine:
         seq.trace = start_request_trace(request.trace_carrier, request.request_id,
                                         engine="spec" if self.spec is not None else "batch",
                                         segment=request.segment,
-                                        drafter=self.spec.drafter_name if speculate else None)
+                                        drafter=self.spec.config.drafter_for(request.segment) if speculate else None)
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
 

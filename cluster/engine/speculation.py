@@ -1,9 +1,10 @@
 """Speculation inside one engine step: which sequences draft how many tokens, asking the
 drafter, verifying with the rejection sampler, and learning α and step costs.
 
-Owns: K per sequence (fixed, or adaptive from ``AdaptiveK``) within each sequence's remaining
-budget and context, the MoE gate (in a closed segment only probes draft, and their acceptance
-opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
+Owns: K per sequence by its segment's policy (``SpecConfig.k_policy``: fixed, or adaptive from
+``AdaptiveK``) within its remaining budget and context (the drafter asked is its segment's too:
+``cluster.engine.drafters`` routes a union of drafters by segment), the MoE gate (in a closed
+segment only probes draft, and their acceptance opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
 this step plain and backs off before asking again: no request waits on a dead drafter), checking
 each sequence's drafts (ids inside the target vocabulary; a constrained sequence's draft cut
 where its grammar rejects it, and its verification rows masked by the grammar state after the
@@ -29,6 +30,7 @@ import torch
 
 from cluster.common.config import AUTO_K, EngineConfig, SpecConfig
 from cluster.common.request import SpecMode, SpecStats
+from cluster.engine.drafters import build_drafters, draft_cost_ratio
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
 from cluster.engine.grammar import apply_masks
@@ -40,8 +42,7 @@ from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import (
-    MODEL_FREE, ContextualProposer, DrafterChoice, DrafterKind, LocalModelProposer, MemberStatsProposer, Proposer,
-    RemoteDraft, parse_drafter_choice,
+    ContextualProposer, MemberStatsProposer, Proposer, RemoteDraft, parse_drafter_choice,
 )
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
@@ -102,13 +103,16 @@ class SpecController:
         eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1 and self._moe_allows(s)]
         if not eligible:
             return
-        if self.adaptive is not None:
-            eligible, keys = self._adaptive_keys(eligible)
+        # each sequence's segment policy: a fixed K, or adaptive K (planned together, as one batch)
+        policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in eligible}
+        self._plan = {sid: int(k) for sid, k in policy.items() if k != AUTO_K}
+        auto = [s for s in eligible if policy[s.seq_id] == AUTO_K]
+        self._keys = {}
+        if auto:  # self.adaptive is set whenever some policy is "auto"
+            auto, keys = self._adaptive_keys(auto)
             num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens)
-            self._keys = {s.seq_id: key for s, key in zip(eligible, keys)}
-        else:
-            num_draft_tokens = [int(self.config.num_draft_tokens)] * len(eligible)
-        self._plan = {s.seq_id: k for s, k in zip(eligible, num_draft_tokens)}
+            self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
+            self._plan.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
 
     def _moe_allows(self, seq: Sequence) -> bool:
         """MoE gate: a segment speculates once open; while closed only the Router's probes
@@ -325,8 +329,8 @@ class SpecController:
             segment, accepted = s.seq.request.segment, v[1]
             self.segment_stats.setdefault(segment, SpecStats()).record(k, accepted, drafts.by_seq[s.seq.seq_id].num_forced)
             self.live_alpha.observe(segment, k, accepted)
-            if self.adaptive is not None:
-                sub_id, key = self._keys.get(s.seq.seq_id, (s.seq.seq_id, segment))
+            if s.seq.seq_id in self._keys:  # planned by adaptive K (a fixed-K segment's K needs no α)
+                sub_id, key = self._keys[s.seq.seq_id]
                 self.adaptive.observe(sub_id, key, k, accepted)
 
     def _masked(self, logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDrafts) -> torch.Tensor:
@@ -393,85 +397,26 @@ class SpecController:
             st.break_even_alpha = self.adaptive.break_even_alpha(self.config.max_draft_tokens)
 
 
-def draft_cost_ratio(proposer, target_runner) -> float | None:
-    """Prior for one draft round relative to a target decode step, before any is timed: ngram
-    (and suffix, and the model-free portfolio) ~0; self:L and local draft models their share of the weights a decode step reads (decoder
-    layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
-    kind = proposer.kind
-    if kind in MODEL_FREE:
-        return 0.0
-    runner = proposer.runner if isinstance(proposer, LocalModelProposer) else None
-    arch = getattr(getattr(runner, "model", None), "arch", None)
-    if arch is None or kind not in (DrafterKind.SELF, DrafterKind.DRAFT_MODEL):
-        return None
-
-    def weights(a, layers: int) -> float:
-        attn = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
-        return layers * (attn + 3 * a.hidden_size * a.intermediate_size) + a.vocab_size * a.hidden_size
-
-    if kind is DrafterKind.SELF:
-        return weights(arch, proposer.num_layers) / weights(arch, arch.num_layers)
-    target_arch = getattr(getattr(target_runner, "model", None), "arch", None)
-    return None if target_arch is None else weights(arch, arch.num_layers) / weights(target_arch, target_arch.num_layers)
-
-
 def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None = None) -> SpecController | None:
     """Build the drafter named by config.spec.drafter (or use an injected one, e.g. remote)."""
     from cluster.speculative.moe import MoeGate
 
     spec_cfg = config.spec
-    choice = parse_drafter_choice(spec_cfg.drafter)
-    if choice is None and proposer is None:
+    spec = parse_drafter_choice(spec_cfg.drafter)
+    if spec is None and proposer is None:
         return None
     name = spec_cfg.drafter
-    if proposer is None:
-        proposer = _build_proposer(choice, spec_cfg, config, model)
-    elif isinstance(proposer, RemoteDraft) and proposer.expected_vocab_size is None:  # q must be this wide
-        proposer.expected_vocab_size = model.runner.vocab_size
+    if proposer is None:  # its drafter, or the union of the per-segment ones
+        proposer, prior = build_drafters(spec_cfg, config, model)
+    else:
+        if len(spec_cfg.drafters()) > 1:
+            raise ValueError("per-segment drafters need the drafters built here, not one injected "
+                             "(placement 'separate' serves the global drafter only)")
+        if isinstance(proposer, RemoteDraft) and proposer.expected_vocab_size is None:  # q must be this wide
+            proposer.expected_vocab_size = model.runner.vocab_size
+        prior = draft_cost_ratio(proposer, model.runner)
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)
     step_costs = measure_step_costs(model.runner, spec_cfg.max_draft_tokens) if spec_cfg.adaptive else None
     return SpecController(spec_cfg, proposer, name, gate, model.runner.max_model_len,
-                          draft_cost_ratio(proposer, model.runner), step_costs, model.runner.vocab_size)
-
-
-def _build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
-    if choice.kind is DrafterKind.NGRAM:
-        from cluster.speculative.ngram import NgramProposer
-
-        return NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
-    if choice.kind is DrafterKind.SUFFIX:
-        from cluster.speculative.suffix import SuffixProposer
-
-        return SuffixProposer()
-    if choice.kind is DrafterKind.PORTFOLIO:
-        from cluster.speculative.portfolio import default_portfolio
-
-        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens)
-    if choice.kind is DrafterKind.SELF:
-        from cluster.models.runner import ModelRunner
-        from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers
-
-        if not isinstance(model.runner, ModelRunner):
-            from cluster.common.errors import ModelLoadError
-
-            raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
-        n = model.runner.model.arch.num_layers
-        return LayerSkipProposer(model.runner, choice.self_layers or default_self_layers(n))
-    return build_draft_model_proposer(choice.model, spec_cfg, config, model.tokenizer)
-
-
-def build_draft_model_proposer(draft_spec: str, spec_cfg: SpecConfig, config: EngineConfig,
-                               target_tokenizer=None):
-    """Load a draft model (own runner, own KV pool) and check its vocabulary against the target."""
-    from cluster.models.load import load_model
-    from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
-    from cluster.speculative.vocab_check import require_vocab_compatible
-
-    draft = load_model(draft_spec, config)
-    if target_tokenizer is not None:
-        require_vocab_compatible(target_tokenizer, draft.tokenizer, force=spec_cfg.force_vocab_mismatch)
-    trimmed = None
-    if spec_cfg.draft_vocab_trim:
-        trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, spec_cfg.draft_vocab_trim))
-    return DraftModelProposer(draft.runner, trimmed)
+                          prior, step_costs, model.runner.vocab_size)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_DRAFT_TOKENS = 16  # protocol cap on K per sequence (SpecConfig.max_draft_tokens is capped the same)
+from cluster.common.config import MAX_DRAFT_TOKENS  # the protocol caps K as every setting does
+
 _PER_TOKEN_BYTES = 6  # a varint token id (<= 5 bytes) plus slack
 _PER_SEQ_BYTES = 512  # seq id (<= MAX_SEQ_ID_CHARS), params, field tags
 _OVERHEAD_BYTES = 64 << 10

@@ -7,7 +7,10 @@ knobs the service reads — ``drafter``, ``num_draft_tokens``, ``router.enter_th
 request stops gaining, come back a third lower), ``router.min_alpha`` (the break-even α of the
 chosen drafter's measured c and v, lowered below any segment that measured a gain, so the rule
 never sends a winning segment plain) and ``router.segments`` (a segment's own thresholds where its
-crossover differs; a segment that never gained gated). Ignores: writing files (``write``) and plotting.
+crossover differs; a segment that never gained gated; a speculating segment's own ``drafter`` where
+another drafter is clearly faster on it than the global one — placement ``shared`` only — and its
+own ``num_draft_tokens`` when the speculating segments prefer different K, the global K then
+"auto" for segments the map has not seen). Ignores: writing files (``write``) and plotting.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import statistics
 from cluster.mapper.cost_model import GRID, CostModel, PathShape, fit, r_squared
 from cluster.mapper.crossover import bootstrap_crossover
 from cluster.speculative.acceptance import expected_committed
+from deployments.app_config import Placement
 
 ALPHA_FLOOR_MARGIN = 0.02  # min_alpha this far below the α of the weakest segment that gains
 EXTRAPOLATE_LEVELS = 2.0  # router thresholds trust the cost model up to 2x the highest level run
@@ -170,6 +174,44 @@ def _segment_router(segments: dict, router: dict) -> dict[str, dict]:
     return out
 
 
+def _segment_engine(gaining: dict, prof: dict, knobs: dict, app) -> dict[str, dict]:
+    """The SpecEngine's per-segment settings, and the global K: a speculating segment whose best
+    drafter is ``DRAFTER_SWITCH_GAIN`` faster on it than the global drafter gets its own
+    (placement ``shared``: a DraftServer serves the global drafter only); each segment's K is the
+    best K of the drafter in force for it — one K for all when they agree (the global K), else
+    each its own ``num_draft_tokens`` and the global K "auto" (adaptive for unseen segments)."""
+    out: dict[str, dict] = {}
+    num_draft_tokens: dict[str, int] = {}
+    switched = []
+    for seg, d in gaining.items():
+        drafters = (prof.get(seg) or {}).get("drafters", {})
+        best, glob = d.get("best_drafter"), drafters.get(knobs["drafter"])
+        drafter = knobs["drafter"]
+        if (best and best != drafter and app.placement is Placement.SHARED and (glob is None or
+                (drafters[best]["speedup"] or 0.0) > (glob["speedup"] or 0.0) * (1 + DRAFTER_SWITCH_GAIN))):
+            drafter = best
+            out[seg] = {"drafter": best}
+            switched.append(f"{seg}: {best}")
+        row = drafters.get(drafter)
+        k = row.get("best_num_draft_tokens") if row is not None else d.get("best_num_draft_tokens")
+        if k is not None:
+            num_draft_tokens[seg] = k
+    if switched:
+        knobs["why"]["segment_drafters"] = (f"faster than the global {knobs['drafter']!r} by over "
+                                            f"{DRAFTER_SWITCH_GAIN:.0%} on these segments at concurrency 1: "
+                                            + ", ".join(switched))
+    if len(set(num_draft_tokens.values())) == 1:
+        knobs["num_draft_tokens"] = next(iter(num_draft_tokens.values()))
+        knobs["why"]["num_draft_tokens"] = "every speculating segment predicts its best speedup at this K"
+    elif num_draft_tokens:
+        knobs["num_draft_tokens"] = "auto"
+        for seg, k in num_draft_tokens.items():
+            out.setdefault(seg, {})["num_draft_tokens"] = k
+        knobs["why"]["num_draft_tokens"] = (f"segments prefer different K ({dict(sorted(num_draft_tokens.items()))}): each its "
+                                           "own (router.segments.<name>.num_draft_tokens); adaptive K for the rest")
+    return out
+
+
 def _knobs(segments: dict, prof: dict, app) -> dict:
     shares = {s: d["share"] for s, d in segments.items()}
     gaining = {s: d for s, d in segments.items() if d["speculate"]}
@@ -195,20 +237,17 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
         knobs["drafter"] = "none"
         knobs["why"]["drafter"] = "no segment was faster speculated at any concurrency measured"
         return knobs
-    num_draft_tokens = {d.get("best_num_draft_tokens") for d in gaining.values() if d.get("best_num_draft_tokens")}
-    if len(num_draft_tokens) == 1:
-        knobs["num_draft_tokens"] = num_draft_tokens.pop()
-        knobs["why"]["num_draft_tokens"] = "every speculating segment predicts its best speedup at this K"
-    elif num_draft_tokens:
-        knobs["num_draft_tokens"] = "auto"
-        knobs["why"]["num_draft_tokens"] = f"segments prefer different K ({sorted(num_draft_tokens)}): adaptive K"
+    engine = _segment_engine(gaining, prof, knobs, app)
     # global thresholds from the segments that speculate (the others are gated by their own)
     x = _weighted_median({s: d["crossover_for_router"] for s, d in gaining.items()}, shares)
     if x is not None:
         knobs["router"]["enter_threshold"], knobs["router"]["exit_threshold"] = _thresholds(x)
         knobs["why"]["thresholds"] = f"traffic-weighted median crossover {x:g} concurrent requests"
-    knobs["router"]["segments"] = _segment_router(segments, knobs["router"])
-    if knobs["router"]["segments"]:
+    own = _segment_router(segments, knobs["router"])
+    for seg, settings in engine.items():
+        own.setdefault(seg, {}).update(settings)
+    knobs["router"]["segments"] = own
+    if own:
         knobs["why"]["segments"] = ("segments whose own crossover differs from the global thresholds get their "
                                     "own (router.segments); a segment that never gained gets min_alpha 1.0")
     rows = [prof[s]["drafters"][knobs["drafter"]] for s in prof if knobs["drafter"] in prof[s].get("drafters", {})]

@@ -65,6 +65,14 @@ def render(state: dict, decision: dict, plots: dict) -> str:
               f"- `router.min_alpha: {router.get('min_alpha')}` (a segment whose live α falls below goes plain)"]
     for seg, own in (router.get("segments") or {}).items():
         lines.append(f"- `router.segments.{seg}`: " + ", ".join(f"{k} {v}" for k, v in own.items()))
+    engine = {seg: own for seg, own in (router.get("segments") or {}).items()
+              if "drafter" in own or "num_draft_tokens" in own}
+    if engine:
+        lines.append("- per-segment drafter / K in the SpecEngine (segments not listed: the global "
+                     f"`{knobs.get('drafter')}`, K `{knobs.get('num_draft_tokens')}`): "
+                     + "; ".join(f"{seg} drafts with {own.get('drafter', knobs.get('drafter'))} at K "
+                                 f"{own.get('num_draft_tokens', knobs.get('num_draft_tokens'))}"
+                                 for seg, own in engine.items()))
     lines += [f"- why {k}: {v}" for k, v in knobs.get("why", {}).items()]
     lines += ["", "Files: `serve_config.yaml` (`specserve serve --config serve_config.yaml`), "
               "`values-mapped.yaml` (`helm upgrade ... -f values-mapped.yaml`), `map.json` (every number).", ""]

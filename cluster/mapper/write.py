@@ -5,7 +5,8 @@ Owns: applying the mapped knobs to the Serve config the map ran with (everything
 the result loads as is with ``specserve serve --config`` and ``serve deploy``; checked with the
 app's own ``AppConfig`` before it is written), the Helm values overlay (the chart's ``app`` keys
 the map decided), writing each file atomically (a Ctrl-C mid-write leaves the previous version),
-and the per-segment choices as comments (the app's config has no per-segment keys).
+and the per-segment measurements as comments (the per-segment choices themselves are keys:
+``router.segments.<name>`` thresholds, min_alpha, drafter, num_draft_tokens).
 Ignores: what the knobs should be (``decide``).
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ def mapped_args(app_args: dict, knobs: dict) -> dict:
 
 
 def _segment_comments(decision: dict) -> list[str]:
-    lines = ["# per-segment measurements and choices (router.segments holds the thresholds that differ):"]
+    lines = ["# per-segment measurements (router.segments holds each segment's own thresholds, drafter and K):"]
     for seg, d in decision.get("segments", {}).items():
         cross = d.get("crossover") or {}
         lines.append(f"#   {seg}: share {d.get('share')}, speculate={d.get('speculate')}, "
@@ -60,7 +61,8 @@ def serve_config_text(base_cfg: dict, args: dict, decision: dict, source: str) -
     cfg["applications"][0]["args"] = args
     head = [f"# Serve config written by `specserve map` from {source}.",
             "#   specserve serve --config serve_config.yaml    or    serve deploy serve_config.yaml",
-            "# Mapped knobs: drafter, num_draft_tokens, router.enter_threshold / exit_threshold / min_alpha / segments;",
+            "# Mapped knobs: drafter, num_draft_tokens, router.enter_threshold / exit_threshold / min_alpha /",
+            "# segments (a segment's own thresholds, min_alpha, drafter, num_draft_tokens);",
             "# everything else is the config the map ran with. Why each value: report.md, map.json."]
     head += _segment_comments(decision)
     return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

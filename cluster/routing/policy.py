@@ -33,7 +33,8 @@ Rule order (first match wins):
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
    A segment with settings of its own (``RouterConfig.segments``, written by ``specserve map``)
-   uses its thresholds and min_alpha (rule 6) and its own hysteresis bit; others the global ones.
+   uses its min_alpha (rule 6) and its thresholds with a hysteresis bit of its own; unset ones
+   (and a segment not listed) the global ones, on the global bit.
 8. overflow balance (``balance_overflow``): when rule 7 says plain but the SpecEngine would serve
    the request sooner, go speculative anyway (OVERFLOW_BALANCED); the hysteresis bit is not
    touched. A request is routed once, on arrival: without this a burst larger than the
@@ -100,7 +101,8 @@ FALLBACK_MIN_ALPHA = 0.5  # the seed's break-even rule of thumb, used until the 
 class SegmentRouting:
     """One segment's own router settings (``specserve map`` writes them from the segment's
     crossover); None falls back to the global setting. A segment with its own thresholds has its
-    own hysteresis bit, compared with the same SpecEngine in-flight count."""
+    own hysteresis bit, compared with the same SpecEngine in-flight count. (A segment's drafter
+    and K policy are the SpecEngine's: ``cluster.common.config.SegmentSpeculation``.)"""
 
     enter_threshold: int | None = None
     exit_threshold: int | None = None
@@ -347,7 +349,8 @@ class RouterPolicy:
 
     def _hysteresis_bit(self, in_flight: int, segment: str = "") -> RouteDecision:
         enter, exit_, _ = self.config.knobs(segment)
-        own = segment in self.config.segments
+        mine = self.config.segments.get(segment)
+        own = mine is not None and (mine.enter_threshold is not None or mine.exit_threshold is not None)
         with self._lock:
             is_open = self._spec_open_by_segment.get(segment, True) if own else self._spec_open
             if is_open:

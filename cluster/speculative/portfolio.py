@@ -3,7 +3,8 @@ per unit of cost.
 
 Owns: ``PortfolioProposer`` (DrafterKind.PORTFOLIO) over named member proposers (n-gram and
 suffix by default; any ``Proposer``, e.g. a model drafter, can join with its cost), the
-acceptance it measures per member and draft context, and per-member counts for the stats.
+acceptance it measures per member and draft context, per-member counts for the stats, and
+``SegmentRoutes`` (route each sequence to its segment's member instead of choosing).
 
 How it chooses. A member's acceptance α is a per-position rate, learnt as accepted draft tokens
 over (accepted + rejections) — the geometric estimate; plain accepted / drafted would count the
@@ -21,6 +22,11 @@ draft: the common prefix was accepted (exact for deterministic drafts: a rejecte
 token is never the recovered token); a mismatch inside the committed tokens is one rejection;
 a draft longer than what was committed is censored there (no rejection counted). No engine change
 is needed: the committed tokens arrive with the next ``draft_context`` or ``propose``.
+
+Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):
+no choice — each sequence drafts with its segment's member (``SegmentRoutes``), and only that
+member is asked (shadow drafts, learning and stats work as above for it); a member with nothing
+to draft leaves the sequence plain for the step.
 
 Drafts are the chosen member's, q included (a model member's q travels unchanged), so
 verification stays lossless exactly as it is for that member alone.
@@ -77,6 +83,17 @@ class MemberStats:
 
 
 @dataclass(slots=True)
+class SegmentRoutes:
+    """Which member drafts for each segment: ``by_segment``'s, else ``default``'s."""
+
+    default: str
+    by_segment: dict[str, str] = field(default_factory=dict)
+
+    def member(self, segment: str) -> str:
+        return self.by_segment.get(segment, self.default)
+
+
+@dataclass(slots=True)
 class PortfolioProposer:
     members: list[Member]
     horizon: int = 6  # draft length a cost-0 member is asked for in ``draft_context``
@@ -84,6 +101,7 @@ class PortfolioProposer:
     prior_alpha: float = 0.5  # α before anything is measured
     prior_weight: float = 2.0  # pseudo trials behind the prior
     seq_weight: float = 4.0  # pseudo trials of the global rate behind a sequence's own rate
+    routes: SegmentRoutes | None = None  # set: route each sequence by its segment, no choice
     kind: DrafterKind = field(default=DrafterKind.PORTFOLIO, init=False)
     last_choice: dict[str, str] = field(default_factory=dict, init=False)  # seq_id -> member, last propose
     _rates: dict[tuple[str, str], Rate] = field(default_factory=dict, init=False, repr=False)
@@ -99,6 +117,10 @@ class PortfolioProposer:
             raise ValueError("member costs and verify_slope must be >= 0, horizon >= 1")
         if not 0.0 < self.prior_alpha < 1.0 or self.prior_weight <= 0 or self.seq_weight <= 0:
             raise ValueError("prior_alpha must be in (0, 1), prior_weight and seq_weight > 0")
+        if self.routes is not None:
+            unknown = {self.routes.default, *self.routes.by_segment.values()} - set(names)
+            if unknown:
+                raise ValueError(f"segment routes name drafters that are not members: {sorted(unknown)}")
         self._stats = {m.name: MemberStats() for m in self.members}
 
     # -- Proposer ---------------------------------------------------------------------------------
@@ -176,7 +198,8 @@ class PortfolioProposer:
             self._learn(seq_id, pending, token_ids[pending.length:])
         pending = self._pending[seq_id] = _Pending(len(token_ids))
         best, best_value = None, 1.0  # a candidate must beat plain decoding (1 token per step)
-        for m in self.members:
+        routed = self.routes is not None
+        for m in [self._member(self.routes.member(segment))] if routed else self.members:
             context_of = getattr(m.proposer, "draft_context", None)
             ctx = context_of(seq_id, token_ids, segment) if context_of is not None else ""
             if ctx is None:
@@ -190,6 +213,9 @@ class PortfolioProposer:
                 if not k:
                     continue
             pending.drafts[m.name] = (draft, ctx)
+            if routed:  # the segment's drafter, whatever its value: adaptive K plans its K
+                best = m.name
+                break
             value = self.expected_per_cost(m, k, self.alpha(m.name, ctx, seq_id))
             if value > best_value:
                 best, best_value = m.name, value

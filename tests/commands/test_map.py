@@ -102,7 +102,11 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
     assert dec["cost_model"]["points"] > 0 and chat["predicted_crossover"] is not None
     knobs = dec["knobs"]
     assert 1 <= knobs["router"]["enter_threshold"] <= knobs["router"]["exit_threshold"]
-    _check_configs(out, knobs)
+    # chat's best K is 1, code's more: each its own K in the SpecEngine, adaptive K for the rest
+    assert knobs["num_draft_tokens"] == "auto" and knobs["router"]["segments"]["chat"]["num_draft_tokens"] == 1
+    assert knobs["router"]["segments"]["code"]["num_draft_tokens"] > 1
+    app = _check_configs(out, knobs)
+    assert app.engine_config(True).spec.k_policy("chat") == 1
 
     # the plots: real PNGs, and what they show is map.json's numbers
     for name in PNGS:
@@ -126,6 +130,7 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
     for name in PNGS:
         assert f"]({name})" in report
     assert "| chat |" in report and "exit_threshold" in report
+    assert "chat drafts with" in report and "at K 1" in report
 
 
 def test_time_budget_spent_leaves_a_partial_map(tmp_path):

@@ -1,4 +1,5 @@
-"""Segment labels bounded per Router: the first max_segments kept, the rest folded into 'other'."""
+"""Segment labels bounded per Router: the first max_segments kept, the rest folded into 'other';
+segments the config names are always kept."""
 import threading
 
 import pytest
@@ -14,6 +15,12 @@ def test_first_labels_kept_then_folded():
     assert s.admitted() == {"code", "chat", "json"}
     with pytest.raises(ValueError):
         SegmentLabels(0)
+
+
+def test_configured_segments_are_kept_beside_the_cap():
+    s = SegmentLabels(1, configured={"json"})
+    assert [s.label(x) for x in ("code", "chat", "json")] == ["code", OTHER_SEGMENT, "json"]
+    assert s.admitted() == {"code"}  # json does not take the one free place
 
 
 def test_bounded_under_concurrent_unique_labels():

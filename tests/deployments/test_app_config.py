@@ -65,3 +65,36 @@ def test_limits_reach_the_router_and_the_proxy():
     assert proxy_env([{}]) == {PROXY_MAX_MESSAGE_ENV: str(1 << 20)}
     with pytest.raises(ValueError):
         AppConfig(limits={"max_stop_strings": 0})
+
+
+def test_per_segment_drafter_and_k_reach_the_engine_and_not_the_router():
+    app = AppConfig(drafter="ngram", num_draft_tokens="auto", router={"segments": {
+        "code": {"drafter": "suffix", "num_draft_tokens": 4}, "chat": {"exit_threshold": 9, "num_draft_tokens": 1},
+        "json": {"min_alpha": 1.0}}})
+    spec = app.engine_config(True).spec
+    assert {s: (spec.drafter_for(s), spec.k_policy(s)) for s in ("code", "chat", "json", "other")} == {
+        "code": ("suffix", 4), "chat": ("ngram", 1), "json": ("ngram", "auto"), "other": ("ngram", "auto")}
+    assert set(spec.segments) == {"code", "chat"}  # json sets router knobs only
+    assert app.engine_config(False).spec is None
+    rc = app.router_config()
+    assert rc.knobs("chat") == (4, 9, "auto") and set(rc.segments) == {"code", "chat", "json"}
+    # placement separate: a segment may set its K, and name the global drafter
+    sep = AppConfig(placement="separate", drafter="ngram",
+                    router={"segments": {"chat": {"num_draft_tokens": 2, "drafter": "ngram"}}})
+    assert sep.kvsync_limits().max_draft_tokens == 6
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"router": {"segments": {"chat": {"drafter": "self:x"}}}}, "router.segments.chat.drafter"),
+    ({"router": {"segments": {"chat": {"drafter": ""}}}}, "drafter"),
+    ({"router": {"segments": {"chat": {"num_draft_tokens": 17}}}}, "num_draft_tokens"),
+    ({"router": {"segments": {"chat": {"num_draft_tokens": "some"}}}}, "num_draft_tokens"),
+    ({"drafter": "none", "router": {"segments": {"chat": {"num_draft_tokens": 2}}}},
+     "router.segments.chat: drafter / num_draft_tokens need a SpecEngine"),
+    ({"placement": "separate", "drafter": "ngram", "router": {"segments": {"code": {"drafter": "suffix"}}}},
+     "router.segments.code.drafter 'suffix': placement 'separate'"),
+])
+def test_bad_per_segment_engine_settings_are_refused(args, needle):
+    with pytest.raises(ValidationError) as e:
+        AppConfig(**args)
+    assert needle in str(e.value)

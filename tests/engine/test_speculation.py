@@ -119,7 +119,7 @@ def test_vocabulary_mismatch_is_refused(tmp_path, default_model):
     from transformers import PreTrainedTokenizerFast
 
     from cluster.common.errors import VocabularyMismatchError
-    from cluster.engine.speculation import build_draft_model_proposer
+    from cluster.engine.drafters import build_draft_model_proposer
     from tests.conftest import make_tiny_model_dir
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))

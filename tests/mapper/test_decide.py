@@ -73,8 +73,9 @@ def test_a_segment_with_its_own_crossover_gets_its_own_thresholds():
     k = decide(state, AppConfig(model="fake"))["knobs"]
     cross_b = 2 ** (3 + 0.3 / 0.4)  # between 8 (0.7) and 16 (1.1)
     assert k["router"]["exit_threshold"] == 6  # a carries the traffic-weighted median
-    assert k["router"]["segments"] == {"b": {"enter_threshold": round(round(cross_b) * 2 / 3),
-                                             "exit_threshold": round(cross_b)}}
+    b = k["router"]["segments"]["b"]
+    assert (b["enter_threshold"], b["exit_threshold"]) == (round(round(cross_b) * 2 / 3), round(cross_b))
+    assert "enter_threshold" not in k["router"]["segments"]["a"]  # a's K of its own only (below)
 
 
 def test_min_alpha_never_gates_a_gaining_segment():
@@ -183,3 +184,35 @@ def test_thresholds_extrapolate_at_most_one_doubling_past_the_sweep():
     assert _router_crossover(seg("within", 44.0, value=5.5)) == 5.5  # measured beats the model
     assert _router_crossover({"speculate": True, "predicted_crossover": 7.0}) == 7.0  # not swept
     assert _router_crossover({"speculate": False}) == 1.0
+
+
+def test_segments_preferring_different_drafters_and_k_get_their_own():
+    """a (ngram, K 3) and b (self 1.2x vs ngram 0.8x at c=1, K 1) both gain: the global drafter
+    stays ngram (traffic-weighted), b drafts with self, each keeps its K, the global K is auto —
+    and the written config loads with the app's AppConfig and puts them in the SpecEngine."""
+    state = _state()
+    state["sweep"]["cells"] = _cells("a", [0.5, 0.7, 0.9, 1.1, 1.3]) + _cells("b", [0.3, 0.4, 0.5, 0.7, 1.1])
+    d = decide(state, AppConfig(model="fake", drafter="ngram"))
+    k = d["knobs"]
+    assert k["drafter"] == "ngram" and k["num_draft_tokens"] == "auto"
+    segs = k["router"]["segments"]
+    assert segs["a"] == {"num_draft_tokens": 3}
+    assert segs["b"]["drafter"] == "self" and segs["b"]["num_draft_tokens"] == 1 and "exit_threshold" in segs["b"]
+    assert "b: self" in k["why"]["segment_drafters"] and "each its own" in k["why"]["num_draft_tokens"]
+    spec = AppConfig(**mapped_args({"model": "fake"}, k)).engine_config(True).spec
+    assert [(spec.drafter_for(s), spec.k_policy(s)) for s in ("a", "b", "unseen")] == [
+        ("ngram", 3), ("self", 1), ("ngram", "auto")]
+    from cluster.mapper.report import render
+
+    report = render({"traffic": {"rows": 2, "shares": state["traffic"]["shares"], "files": ["t"], "bad_rows": [],
+                                 "sampled_rows": 2}}, d, {})
+    assert "b drafts with self at K 1" in report and "a drafts with ngram at K 3" in report
+    # placement separate: one DraftServer serves the global drafter, so b keeps ngram (and its K)
+    sep = decide(state, AppConfig(model="fake", drafter="ngram", placement="separate"))["knobs"]
+    assert all("drafter" not in own for own in sep["router"]["segments"].values())
+    assert sep["router"]["segments"]["b"]["num_draft_tokens"] == 0
+    AppConfig(**mapped_args({"model": "fake", "placement": "separate"}, sep))
+    # segments that agree on K: one global K, nothing per segment
+    state["profile"]["segments"]["b"]["drafters"]["self"]["best_num_draft_tokens"] = 3
+    same = decide(state, AppConfig(model="fake", drafter="ngram"))["knobs"]
+    assert same["num_draft_tokens"] == 3 and "num_draft_tokens" not in same["router"]["segments"].get("b", {})

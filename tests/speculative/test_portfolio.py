@@ -1,7 +1,8 @@
 """Drafter portfolio: the member expected to commit most per cost drafts, acceptance is learnt
 from the tokens committed after each draft (chosen and shadow drafts alike, geometric: a
 censored draft counts no rejection), a costly member drafts only when chosen and its q travels
-unchanged, ragged batches with K = 0 rows, per-member stats, release reaches every member.
+unchanged, ragged batches with K = 0 rows, per-member stats, release reaches every member;
+routed by segment, each sequence drafts with its segment's member only.
 Lossless output on engines: tests/engine/test_speculation.py (greedy vs HF) and test_suffix.py (sampling)."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from cluster.common.request import SamplingParams
-from cluster.speculative.portfolio import Member, PortfolioProposer, default_portfolio
+from cluster.speculative.portfolio import Member, PortfolioProposer, SegmentRoutes, default_portfolio
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -121,3 +122,25 @@ def test_bad_portfolios_are_refused():
         PortfolioProposer([])
     with pytest.raises(ValueError):
         PortfolioProposer([Member("a", Fixed([1])), Member("a", Fixed([2]))])
+
+
+def test_routed_by_segment_each_sequence_drafts_with_its_segments_member_only():
+    bad, good = Fixed([9, 9, 9], "b"), Fixed([1, 2, 3], "g", probs=None)
+    q = torch.full((3, 10), 0.1)
+    model = Fixed([7, 7, 7], "m", probs=q)
+    pf = PortfolioProposer([Member("ngram", bad), Member("suffix", good), Member("draft", model, cost=0.5)],
+                           routes=SegmentRoutes("ngram", {"code": "suffix", "chat": "draft"}), horizon=3)
+    rows = [ProposeInput("a", [0], 3, GREEDY, segment="code"), ProposeInput("b", [0], 2, GREEDY, segment="chat"),
+            ProposeInput("c", [0], 3, GREEDY, segment="other")]
+    got = pf.propose(rows)
+    # no choice by value: "bad" (the default) drafts for "other" though "suffix" would commit more
+    assert pf.last_choice == {"a": "suffix", "b": "draft", "c": "ngram"}
+    assert got.draft_token_ids == [[1, 2, 3], [7, 7], [9, 9, 9]]
+    assert got.draft_probs[0] is None and torch.equal(got.draft_probs[1], q[:2])
+    assert (bad.asked, good.asked, model.asked) == (["c"], ["a"], ["b"])  # no shadow drafts across segments
+    assert pf.draft_context("a", [0], "code") == "suffix:g"
+    nothing = PortfolioProposer([Member("ngram", Fixed(None)), Member("suffix", good)],
+                                routes=SegmentRoutes("ngram", {"code": "suffix"}))
+    assert nothing.propose([ProposeInput("x", [0], 3, GREEDY, segment="other")]).draft_token_ids == [[]]
+    with pytest.raises(ValueError, match="not members"):
+        PortfolioProposer([Member("ngram", bad)], routes=SegmentRoutes("ngram", {"code": "suffix"}))

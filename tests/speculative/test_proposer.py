@@ -3,7 +3,7 @@ engine may ask it for, and the engine reads them only through those protocols.""
 from __future__ import annotations
 
 from cluster.engine.process_engine import DraftStandIn
-from cluster.engine.speculation import draft_cost_ratio
+from cluster.engine.drafters import draft_cost_ratio
 from cluster.kvsync.client import RemoteProposer
 from cluster.speculative.ngram import NgramProposer
 from cluster.speculative.proposer import (

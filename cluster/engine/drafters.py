@@ -1,0 +1,108 @@
+"""Building the drafter a SpecEngine's speculation controller asks: one drafter from its string,
+or — when segments have drafters of their own (``SpecConfig.segments``) — the union of every
+drafter configured as one segment-routed portfolio (``PortfolioProposer`` with ``SegmentRoutes``:
+each sequence drafts with its segment's drafter, segments without one with the global drafter).
+
+Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio, layer skip, draft model with its
+vocabulary check), the per-segment union (each distinct drafter built once, a failure naming the
+segments that asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
+any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment
+drafters are refused there by the app config), K, verification.
+"""
+from __future__ import annotations
+
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.errors import ModelLoadError
+from cluster.speculative.proposer import (
+    MODEL_FREE, DrafterKind, DrafterChoice, LocalModelProposer, Proposer, parse_drafter_choice,
+)
+
+
+def build_drafters(spec_cfg: SpecConfig, config: EngineConfig, model) -> tuple[Proposer, float | None]:
+    """(the proposer, the global drafter's draft-cost prior) for ``spec_cfg``: its one drafter, or
+    the segment-routed union when segments name drafters of their own."""
+    wanted = spec_cfg.drafters()  # drafter -> segments naming it (the global drafter first)
+    built: dict[str, Proposer] = {}
+    for name, segments in wanted.items():
+        try:
+            built[name] = build_proposer(parse_drafter_choice(name), spec_cfg, config, model)
+        except Exception as exc:
+            if not segments:
+                raise
+            where = ", ".join(f"router.segments.{s}.drafter" for s in segments)
+            raise ModelLoadError(f"{where} {name!r} cannot run in this SpecEngine: {type(exc).__name__}: "
+                                 f"{exc} (drafters: ngram, suffix, portfolio, self[:L], or a draft "
+                                 "model sharing the target's vocabulary)") from exc
+    prior = draft_cost_ratio(built[spec_cfg.drafter], model.runner)
+    if len(built) == 1:
+        return built[spec_cfg.drafter], prior
+    from cluster.speculative.portfolio import Member, PortfolioProposer, SegmentRoutes
+
+    members = []
+    for name, proposer in built.items():
+        cost = draft_cost_ratio(proposer, model.runner)
+        members.append(Member(name, proposer, 1.0 if cost is None else cost))
+    routes = SegmentRoutes(spec_cfg.drafter, {s: name for name, segs in wanted.items() for s in segs})
+    return PortfolioProposer(members, routes=routes, horizon=spec_cfg.max_draft_tokens), prior
+
+
+def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:
+    if choice.kind is DrafterKind.NGRAM:
+        from cluster.speculative.ngram import NgramProposer
+
+        return NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+    if choice.kind is DrafterKind.SUFFIX:
+        from cluster.speculative.suffix import SuffixProposer
+
+        return SuffixProposer()
+    if choice.kind is DrafterKind.PORTFOLIO:
+        from cluster.speculative.portfolio import default_portfolio
+
+        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens)
+    if choice.kind is DrafterKind.SELF:
+        from cluster.models.runner import ModelRunner
+        from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers
+
+        if not isinstance(model.runner, ModelRunner):
+            raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
+        n = model.runner.model.arch.num_layers
+        return LayerSkipProposer(model.runner, choice.self_layers or default_self_layers(n))
+    return build_draft_model_proposer(choice.model, spec_cfg, config, model.tokenizer)
+
+
+def build_draft_model_proposer(draft_source: str, spec_cfg: SpecConfig, config: EngineConfig,
+                               target_tokenizer=None):
+    """Load a draft model (own runner, own KV pool) and check its vocabulary against the target."""
+    from cluster.models.load import load_model
+    from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
+    from cluster.speculative.vocab_check import require_vocab_compatible
+
+    draft = load_model(draft_source, config)
+    if target_tokenizer is not None:
+        require_vocab_compatible(target_tokenizer, draft.tokenizer, force=spec_cfg.force_vocab_mismatch)
+    trimmed = None
+    if spec_cfg.draft_vocab_trim:
+        trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, spec_cfg.draft_vocab_trim))
+    return DraftModelProposer(draft.runner, trimmed)
+
+
+def draft_cost_ratio(proposer, target_runner) -> float | None:
+    """Prior for one draft round relative to a target decode step, before any is timed: ngram
+    (and suffix, and the model-free portfolio) ~0; self:L and local draft models their share of the weights a decode step reads (decoder
+    layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
+    kind = proposer.kind
+    if kind in MODEL_FREE:
+        return 0.0
+    runner = proposer.runner if isinstance(proposer, LocalModelProposer) else None
+    arch = getattr(getattr(runner, "model", None), "arch", None)
+    if arch is None or kind not in (DrafterKind.SELF, DrafterKind.DRAFT_MODEL):
+        return None
+
+    def weights(a, layers: int) -> float:
+        attn = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+        return layers * (attn + 3 * a.hidden_size * a.intermediate_size) + a.vocab_size * a.hidden_size
+
+    if kind is DrafterKind.SELF:
+        return weights(arch, proposer.num_layers) / weights(arch, arch.num_layers)
+    target_arch = getattr(getattr(target_runner, "model", None), "arch", None)
+    return None if target_arch is None else weights(arch, arch.num_layers) / weights(target_arch, target_arch.num_layers)
