@@ -144,7 +144,8 @@ class GrammarMatcher:
 
         self.vocab_size = compiler.vocab_size
         self.eos_token_ids = frozenset(compiler.eos_token_ids)
-        self._m = LLMatcher(compiler.tokenizer, grammar)
+        self._tokenizer = compiler.tokenizer
+        self._m = LLMatcher(self._tokenizer, grammar)
         self._raise_if_error()
 
     def _raise_if_error(self) -> None:
@@ -175,6 +176,18 @@ class GrammarMatcher:
         out = list(self._m.compute_ff_tokens())
         self._raise_if_error()
         return out
+
+    def forced_text(self) -> bytes:
+        """The text the grammar forces next; it may run past ``forced_tokens()`` (the tail whose
+        tokenization is not settled yet, e.g. '":"' before a string value)."""
+        if self._m.is_stopped():
+            return b""
+        out = bytes(self._m.compute_ff_bytes())
+        self._raise_if_error()
+        return out
+
+    def token_bytes(self, tokens: list[int]) -> bytes:
+        return bytes(self._tokenizer.decode_bytes(list(tokens)))
 
     def accept(self, token: int) -> None:
         """Advance by one committed token (not EOS); GrammarError if the grammar forbids it."""

@@ -32,7 +32,7 @@ from cluster.common.config import AUTO_K, EngineConfig, SpecConfig
 from cluster.common.request import SpecMode, SpecStats
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
-from cluster.engine.grammar_drafts import forced_prefix, grammar_draft, mask_rows
+from cluster.engine.grammar_drafts import ForcedText, forced_prefix, grammar_draft, mask_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
@@ -88,6 +88,7 @@ class SpecController:
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}  # seq_id -> K this step (forced tokens + the drafter's)
         self._forced: dict[str, list[int]] = {}  # seq_id -> the tokens its grammar forces this step
+        self.forced_text = ForcedText()  # the target's tokenization of held-back forced text
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
@@ -107,7 +108,7 @@ class SpecController:
         eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1 and self._moe_allows(s)]
         if not eligible:
             return
-        self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := forced_prefix(s))}
+        self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := self._forced_of(s))}
         # a remote drafter holds committed tokens only: after forced tokens it is not asked
         remote = isinstance(self.proposer, RemoteDraft)
         drafting = [s for s in eligible if not (remote and s.seq_id in self._forced)]
@@ -122,6 +123,16 @@ class SpecController:
             k = len(self._forced.get(s.seq_id, ())) + drafter_k.get(s.seq_id, 0)
             if k:
                 self._plan[s.seq_id] = k
+
+    def _forced_of(self, seq: Sequence) -> list[int]:
+        """The grammar's drafts of a constrained sequence: its forced tokens, then the learnt
+        tokenization of the forced text held back after them."""
+        forced = forced_prefix(seq)
+        try:
+            return forced + self.forced_text.draft(seq, forced)
+        except Exception:  # noqa: BLE001 (an optimisation: the forced tokens stand alone)
+            log.exception("request %s: drafting the forced text failed", seq.seq_id)
+            return forced
 
     def _context(self, seq: Sequence) -> list[int]:
         """The tokens the drafter drafts after: committed tokens + this step's forced tokens."""
@@ -374,6 +385,7 @@ class SpecController:
 
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
+        self.forced_text.release(seq_id)
         if self.adaptive is not None:
             self.adaptive.release(seq_id)
             for sub_id in self._derived.pop(seq_id, ()):

@@ -100,3 +100,34 @@ def test_mask_rows_masks_constrained_rows_only(tiny, compiler):
     assert torch.equal(out[draft.k + 1:], logits[draft.k + 1:]) and bool(torch.isfinite(logits).all())
     plain = logits[:3]
     assert mask_rows(plain, [batch[1]], StepDrafts({"u": SeqDraft([5, 6])})) is plain  # nothing to mask: no copy
+
+
+def test_forced_text_learns_how_the_target_tokenizes_held_back_text(tiny, compiler):
+    from cluster.engine.grammar_drafts import ForcedText
+
+    learnt = ForcedText()
+    s = seq(compiler)
+    s.token_ids = [1, 2, 3]
+    forced = forced_prefix(s)
+    text = s.grammar.forced_text()
+    rest = text[len(s.grammar.token_bytes(forced)):]
+    assert text.startswith(b'{"name') and rest  # the grammar engine holds the tail back
+    assert learnt.draft(s, forced) == []  # never seen
+    target = encode(tiny, rest.decode()[:-1]) + encode(tiny, rest.decode()[-1])  # a non-canonical split
+    assert s.grammar.token_bytes(target) == rest
+    s.token_ids += forced  # committed the forced tokens, not yet the rest: still pending
+    assert learnt.draft(s, []) == []
+    s.token_ids += target + encode(tiny, "Ann")
+    other = seq(compiler)
+    other.seq_id, other.token_ids = "o", [7]
+    assert learnt.draft(other, forced_prefix(other)) == []  # learnt from s's committed tokens only when s drafts again
+    learnt.draft(s, [])  # s resolves its pending text: its committed tokens spell it exactly
+    assert learnt.draft(other, forced_prefix(other)) == target
+    learnt.release("s")
+    bad = seq(compiler)
+    bad.seq_id, bad.token_ids = "b", [1]
+    learnt2 = ForcedText()
+    learnt2.draft(bad, forced)
+    bad.token_ids += forced + encode(tiny, "xyz")  # not the text: nothing learnt
+    learnt2.draft(bad, [])
+    assert learnt2.draft(other, forced_prefix(other)) == []
