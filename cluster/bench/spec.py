@@ -69,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every method on each prompt, round-robin; the median-time run counts")
     p.add_argument("--constrained", action="store_true",
-                   help="structured output instead: each row's json_schema (default segment json), constrained "
-                        "plain vs constrained n-gram speculation, unconstrained beside them "
-                        "(cluster/bench/spec_constrained.py)")
+                   help="structured output instead: each row's json_schema or regex (default segments json and "
+                        "regex), constrained plain vs jump-forward and constrained speculation with each drafter "
+                        "(default: ngram, suffix, portfolio; self and draft on request), unconstrained beside "
+                        "them (cluster/bench/spec_constrained.py)")
 
 
 # -- one request at a time, timed per step ------------------------------------------------------

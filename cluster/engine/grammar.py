@@ -5,7 +5,8 @@ Owns: ``check_grammar`` (the model-free check: syntax
 and unsupported features, refused with a message naming them), ``GrammarCompiler`` (one per
 engine: the tokenizer's token trie built once, a bounded LRU cache of checked grammars, a compile
 time limit), ``GrammarMatcher`` (one per sequence, single owner: the grammar state after the
-sequence's committed output tokens, masks, draft walks with rollback) and ``apply_masks`` (allowed
+sequence's committed output tokens, masks, draft walks with rollback), ``DraftCursor`` (the
+grammar state along a draft while a model drafter drafts it under the mask) and ``apply_masks`` (allowed
 [N, V] -> -inf on the logits). Ignores: sampling (``cluster.sampling.sampler`` sees masked logits)
 and verification (``cluster.speculative``).
 
@@ -143,7 +144,8 @@ class GrammarMatcher:
 
         self.vocab_size = compiler.vocab_size
         self.eos_token_ids = frozenset(compiler.eos_token_ids)
-        self._m = LLMatcher(compiler.tokenizer, grammar)
+        self._tokenizer = compiler.tokenizer
+        self._m = LLMatcher(self._tokenizer, grammar)
         self._raise_if_error()
 
     def _raise_if_error(self) -> None:
@@ -175,11 +177,22 @@ class GrammarMatcher:
         self._raise_if_error()
         return out
 
+    def forced_text(self) -> bytes:
+        """The text the grammar forces next; it may run past ``forced_tokens()`` (the tail whose
+        tokenization is not settled yet, e.g. '":"' before a string value)."""
+        if self._m.is_stopped():
+            return b""
+        out = bytes(self._m.compute_ff_bytes())
+        self._raise_if_error()
+        return out
+
+    def token_bytes(self, tokens: list[int]) -> bytes:
+        return bytes(self._tokenizer.decode_bytes(list(tokens)))
+
     def accept(self, token: int) -> None:
         """Advance by one committed token (not EOS); GrammarError if the grammar forbids it."""
-        if self._m.validate_tokens([token]) != 1 or not self._m.consume_token(token):
+        if not self._try_consume(token):
             raise GrammarError(f"token {token} is not allowed by the grammar here")
-        self._raise_if_error()
 
     def walk(self, drafts: list[int], keep_illegal: bool) -> tuple[int, torch.Tensor]:
         """Masks along a draft: (k, allowed [k + 1, V]) where row j is the mask after
@@ -208,6 +221,56 @@ class GrammarMatcher:
         while len(rows) < k + 1:
             rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
         return k, torch.stack(rows[: k + 1])
+
+
+    def draft_cursor(self, prefix: list[int]) -> "DraftCursor":
+        """A cursor that follows a draft while a model drafter drafts it, after ``prefix`` (the
+        step's forced tokens); ``close()`` rolls the matcher back to the committed state."""
+        cursor = DraftCursor(self)
+        try:
+            for t in prefix:
+                cursor.advance(t)
+        except BaseException:
+            cursor.close()
+            raise
+        return cursor
+
+    def _try_consume(self, token: int) -> bool:
+        """Consume ``token`` if the grammar allows it here (never EOS) -> whether it did."""
+        if token in self.eos_token_ids or not 0 <= token < self.vocab_size:
+            return False
+        if self._m.validate_tokens([token]) != 1 or not self._m.consume_token(token):
+            return False
+        self._raise_if_error()
+        return True
+
+
+class DraftCursor:
+    """The grammar state along a draft being drafted (``cluster.speculative.types.DraftGrammar``):
+    ``allowed()`` [V] bool after the tokens so far, ``advance(t)`` follows the drafted token
+    (an illegal or EOS token ends the cursor: ``alive`` False, nothing after it is masked — the
+    walk cuts the draft there), ``close()`` rolls the matcher back. Single owner, one step."""
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self._matcher = matcher
+        self._consumed = 0
+        self.alive = True
+
+    def allowed(self) -> torch.Tensor:  # [V] bool
+        return self._matcher.allowed()
+
+    def advance(self, token: int) -> None:
+        if self.alive and self._matcher._try_consume(int(token)):
+            self._consumed += 1
+        else:
+            self.alive = False
+
+    def close(self) -> None:
+        if self._consumed:
+            self._matcher._m.rollback(self._consumed)
+            self._consumed = 0
+        self.alive = False
+        self._matcher._raise_if_error()
 
 
 def apply_masks(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,12 @@ Owns: K per sequence by its segment's policy (``SpecConfig.k_policy``: fixed, or
 ``cluster.engine.drafters`` routes a union of drafters by segment), the MoE gate (in a closed
 segment only probes draft, and their acceptance opens it), draft-side failure handling (a ``DraftUnavailableError`` makes
 this step plain and backs off before asking again: no request waits on a dead drafter), checking
-each sequence's drafts (ids inside the target vocabulary; a constrained sequence's draft cut
-where its grammar rejects it, and its verification rows masked by the grammar state after the
-draft prefix before them, so rejection sampling sees the masked target p'; q of shape [K_i, V] with finite
+each sequence's drafts (ids inside the target vocabulary; q of shape [K_i, V] with finite
 non-negative entries; anything else drops that sequence's drafts for the step — a lossless plain
-step for it — counted as a draft fallback), isolating a drafter exception to the sequence that
+step for it — counted as a draft fallback), a constrained sequence's K as its forced tokens plus
+the drafter's K for the context after them (``cluster.engine.grammar_drafts`` cuts the draft under
+the grammar and masks its verification rows, so rejection sampling sees the masked target p';
+adaptive K learns the drafter's share only), isolating a drafter exception to the sequence that
 causes it (that sequence decodes plainly from then on), verification with per-sequence faults
 (``cluster.engine.faults``), and speculation statistics per traffic segment: lifetime counters
 (``SpecStats``) and the live α the Router gates on (``LiveAlpha``, per-position like the
@@ -33,7 +34,7 @@ from cluster.common.request import SpecMode, SpecStats
 from cluster.engine.drafters import build_drafters, draft_cost_ratio
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
-from cluster.engine.grammar import apply_masks
+from cluster.engine.grammar_drafts import ForcedText, forced_prefix, grammar_draft, mask_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
@@ -42,7 +43,7 @@ from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import (
-    ContextualProposer, MemberStatsProposer, Proposer, RemoteDraft, parse_drafter_choice,
+    ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft, parse_drafter_choice,
 )
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
@@ -62,6 +63,7 @@ class SpecTiming:
     proposals: int = 0  # propose calls that returned (one per speculating step)
     draft_rounds: int = 0  # sum over proposals of max K asked (draft rounds run)
     verify_forward_s: float = 0.0
+    verify_s: float = 0.0  # rejection sampling of the verification rows, grammar masks included
     verify_steps: int = 0
     plain_forward_s: float = 0.0
     plain_steps: int = 0
@@ -85,7 +87,9 @@ class SpecController:
             self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior, **priors))
         self.draft_fallbacks = 0
         self._retry_at = 0.0
-        self._plan: dict[str, int] = {}
+        self._plan: dict[str, int] = {}  # seq_id -> K this step (forced tokens + the drafter's)
+        self._forced: dict[str, list[int]] = {}  # seq_id -> the tokens its grammar forces this step
+        self.forced_text = ForcedText()  # the target's tokenization of held-back forced text
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
@@ -97,22 +101,48 @@ class SpecController:
 
     # -- before scheduling: K per running sequence -----------------------------------------------
     def plan(self, running: list[Sequence]) -> None:
-        self._plan = {}
+        """K per sequence this step: a constrained sequence's forced tokens (jump-forward, free
+        drafts the drafter is not asked for) plus the drafter's K for the context after them."""
+        self._plan, self._forced = {}, {}
         if time.monotonic() < self._retry_at:
             return
         eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1 and self._moe_allows(s)]
         if not eligible:
             return
-        # each sequence's segment policy: a fixed K, or adaptive K (planned together, as one batch)
-        policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in eligible}
-        self._plan = {sid: int(k) for sid, k in policy.items() if k != AUTO_K}
-        auto = [s for s in eligible if policy[s.seq_id] == AUTO_K]
+        self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := self._forced_of(s))}
+        # a remote drafter holds committed tokens only: after forced tokens it is not asked
+        remote = isinstance(self.proposer, RemoteDraft)
+        drafting = [s for s in eligible if not (remote and s.seq_id in self._forced)]
+        # the drafter's K: each sequence's segment policy, a fixed K or adaptive K (planned
+        # together, as one batch); forced tokens come on top of it
+        policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in drafting}
+        drafter_k = {sid: int(k) for sid, k in policy.items() if k != AUTO_K}
+        auto = [s for s in drafting if policy[s.seq_id] == AUTO_K]
         self._keys = {}
         if auto:  # self.adaptive is set whenever some policy is "auto"
             auto, keys = self._adaptive_keys(auto)
             num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens)
             self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
-            self._plan.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
+            drafter_k.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
+        for s in eligible:
+            k = len(self._forced.get(s.seq_id, ())) + drafter_k.get(s.seq_id, 0)
+            if k:
+                self._plan[s.seq_id] = k
+
+    def _forced_of(self, seq: Sequence) -> list[int]:
+        """The grammar's drafts of a constrained sequence: its forced tokens, then the learnt
+        tokenization of the forced text held back after them."""
+        forced = forced_prefix(seq)
+        try:
+            return forced + self.forced_text.draft(seq, forced)
+        except Exception:  # noqa: BLE001 (an optimisation: the forced tokens stand alone)
+            log.exception("request %s: drafting the forced text failed", seq.seq_id)
+            return forced
+
+    def _context(self, seq: Sequence) -> list[int]:
+        """The tokens the drafter drafts after: committed tokens + this step's forced tokens."""
+        forced = self._forced.get(seq.seq_id)
+        return seq.token_ids + forced if forced else seq.token_ids
 
     def _moe_allows(self, seq: Sequence) -> bool:
         """MoE gate: a segment speculates once open; while closed only the Router's probes
@@ -144,7 +174,7 @@ class SpecController:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible]
         kept, keys = [], []
         for s in eligible:
-            ctx = context(s.seq_id, s.token_ids, s.request.segment)
+            ctx = context(s.seq_id, self._context(s), s.request.segment)
             if ctx is None:
                 continue
             sub_id = with_context(s.seq_id, ctx)
@@ -160,89 +190,98 @@ class SpecController:
 
     # -- drafting ---------------------------------------------------------------------------------
     def propose(self, scheduled: list[ScheduledSeq]) -> StepDrafts:
-        """Ask the drafter for every sequence with draft-token slots; check each draft (a bad one
-        drops that sequence's drafts for the step) -> the step's drafts."""
+        """Ask the drafter for every sequence with draft-token slots left after its forced tokens
+        (a constrained sequence's drafter drafts after them); check each draft (a bad one is
+        dropped for the step: that sequence verifies its forced tokens only, or decodes
+        plainly) -> the step's drafts."""
         drafts = StepDrafts()
         asks = [s for s in scheduled if s.samples and s.num_draft_tokens > 0]
         if not asks:
             return drafts
-        inputs = [ProposeInput(s.seq.seq_id, s.seq.token_ids, s.num_draft_tokens, s.seq.request.params,
-                               segment=s.seq.request.segment) for s in asks]
-        t0 = time.perf_counter()
-        try:
-            with kvsync_context(s.seq.trace for s in asks):  # KVSync spans under these requests
-                proposals = per_row(len(asks), lambda rows: self._propose_rows(inputs, rows),
-                                    FaultStage.PROPOSE, [i.seq_id for i in inputs],
-                                    not_theirs=(DraftUnavailableError,))
-        except DraftUnavailableError as exc:
-            self._drafter_unavailable(asks, exc)
-            return drafts
-        elapsed = time.perf_counter() - t0
-        self.timing.propose_s += elapsed
-        self.timing.proposals += 1
-        self.timing.draft_rounds += max(s.num_draft_tokens for s in asks)
-        resynced = self.proposer.last_resynced if isinstance(self.proposer, RemoteDraft) else ()
+        forced = {s.seq.seq_id: self._forced.get(s.seq.seq_id, [])[: s.num_draft_tokens] for s in asks}
+        drafting = [s for s in asks if s.num_draft_tokens > len(forced[s.seq.seq_id])]
+        proposals = dict(zip([s.seq.seq_id for s in drafting], self._ask_drafter(drafting, forced)))
         for s in asks:
-            if s.seq.seq_id in resynced:
-                s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
-        if self.adaptive is not None:
-            self.adaptive.costs.observe_draft(max(s.num_draft_tokens for s in asks), elapsed)
-        for s, got in zip(asks, proposals):
+            got = proposals.get(s.seq.seq_id, ([], None))
             if isinstance(got, SeqFault):  # its drafting raises: no more drafts for it
                 self._no_drafts.add(s.seq.seq_id)
                 self._draft_fallback(s, got.message)
                 continue
-            draft, problem = self._checked(s, *got)
+            draft, problem = self._checked(s, forced[s.seq.seq_id], *got)
             if problem is not None:
                 self._draft_fallback(s, problem)
             elif draft is not None:
                 drafts.by_seq[s.seq.seq_id] = draft
         return drafts
 
-    def _checked(self, s: ScheduledSeq, ids: list[int], probs) -> tuple[SeqDraft | None, str | None]:
-        """One sequence's proposal -> (its draft, None), (None, None) when nothing is left to
-        verify, or (None, why it cannot be verified)."""
+    def _ask_drafter(self, drafting: list[ScheduledSeq], forced: dict[str, list[int]]) -> list:
+        """The proposer on ``drafting`` (each asked for its draft-token slots left after its forced tokens)
+        -> per sequence (draft ids, q | None) or its SeqFault; all ([], None) when the drafter
+        is unavailable (forced tokens still stand: they are the grammar's, not the drafter's)."""
+        if not drafting:
+            return []
+        cursors = self._draft_cursors(drafting, forced)
+        inputs = [ProposeInput(s.seq.seq_id, self._context(s.seq), s.num_draft_tokens - len(forced[s.seq.seq_id]),
+                               s.seq.request.params, segment=s.seq.request.segment,
+                               grammar=cursors.get(s.seq.seq_id)) for s in drafting]
+        t0 = time.perf_counter()
+        try:
+            with kvsync_context(s.seq.trace for s in drafting):  # KVSync spans under these requests
+                proposals = per_row(len(drafting), lambda rows: self._propose_rows(inputs, rows),
+                                    FaultStage.PROPOSE, [i.seq_id for i in inputs],
+                                    not_theirs=(DraftUnavailableError,))
+        except DraftUnavailableError as exc:
+            self._drafter_unavailable(drafting, exc)
+            return [([], None)] * len(drafting)
+        finally:
+            for c in cursors.values():  # back to the committed state before the walk
+                c.close()
+        elapsed = time.perf_counter() - t0
+        rounds = max(i.num_draft_tokens for i in inputs)
+        self.timing.propose_s += elapsed
+        self.timing.proposals += 1
+        self.timing.draft_rounds += rounds
+        resynced = self.proposer.last_resynced if isinstance(self.proposer, RemoteDraft) else ()
+        for s in drafting:
+            if s.seq.seq_id in resynced:
+                s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_draft(rounds, elapsed)
+        return proposals
+
+    def _draft_cursors(self, drafting: list[ScheduledSeq], forced: dict[str, list[int]]) -> dict:
+        """seq_id -> its grammar's draft cursor after its forced tokens, for a drafter that runs
+        a model here (it drafts under the mask); none for model-free or remote drafters."""
+        if not isinstance(self.proposer, LocalModelProposer) or self.proposer.runner is None:
+            return {}
+        out = {}
+        for s in drafting:
+            if s.seq.grammar is not None:
+                try:
+                    out[s.seq.seq_id] = s.seq.grammar.draft_cursor(forced[s.seq.seq_id])
+                except Exception:  # noqa: BLE001 (drafting unmasked is still lossless: the walk cuts it)
+                    log.exception("request %s: opening a draft cursor failed", s.seq.seq_id)
+        return out
+
+    def _checked(self, s: ScheduledSeq, forced: list[int], ids: list[int], probs) -> tuple[SeqDraft | None, str | None]:
+        """One sequence's forced tokens and proposal -> (its draft, None), (None, None) when
+        nothing is left to verify, or (None, why it cannot be verified). A drafter's draft that
+        cannot be verified is dropped (reported through the fallback) and the forced tokens
+        stand alone."""
         problem = self._check_draft(ids, probs)
         if problem is not None:
-            return None, problem
-        forced, allowed = 0, None
-        if s.seq.grammar is not None:
-            ids, probs, forced = self._forced_first(s, ids, probs)
-            if ids:
-                ids, probs, allowed, problem = self._under_grammar(s.seq, ids, probs)
-        if problem is not None or not ids:
-            return None, problem
-        return SeqDraft(ids, probs, min(forced, len(ids)), allowed), None
-
-    def _forced_first(self, s: ScheduledSeq, ids: list[int], probs):
-        """Jump-forward: when the grammar forces the next tokens (its only legal continuation),
-        they are the draft — one-hot, accepted by verification under any sampling settings
-        since the masked target is one-hot there too, and verified like any draft (lossless
-        whatever the grammar engine returns). The drafter's own draft is dropped for the step
-        (it was drafted for the position before the forced tokens) -> (ids, q, forced count)."""
+            if not forced:
+                return None, problem
+            self._draft_fallback(s, problem)
+            ids, probs = [], None
+        if s.seq.grammar is None:
+            return (SeqDraft(ids, probs) if ids else None), None
         try:
-            forced = [int(t) for t in s.seq.grammar.forced_tokens()][: s.num_draft_tokens]
-        except Exception:  # noqa: BLE001 (an optimisation: without it the drafter's draft stands)
-            log.exception("request %s: computing forced tokens failed", s.seq.seq_id)
-            return ids, probs, 0
-        if not forced:
-            return ids, probs, 0
-        return forced, None, len(forced)
-
-    def _under_grammar(self, seq: Sequence, ids: list[int], probs):
-        """Cut a constrained sequence's draft where the grammar rejects it and keep the masks
-        along it for verification -> (ids, q, allowed [K + 1, V] | None, problem). A deterministic draft (q None, or a
-        greedy / seeded request, whose verification ignores q) is cut before its first illegal
-        token; a sampled draft keeps that token (p' = 0 there rejects it and the residual is
-        drawn under the mask: cutting it would bias rejection sampling)."""
-        sp = seq.request.params
-        keep_illegal = probs is not None and not (sp.greedy or sp.coupled)
-        try:
-            k, allowed = seq.grammar.walk(ids, keep_illegal)
+            draft, cut = grammar_draft(s.seq, forced, ids, probs)
         except Exception as exc:  # noqa: BLE001 (its grammar; verification masks it again or fails it)
-            return [], None, None, f"grammar walk over the draft failed: {type(exc).__name__}: {exc}"
-        self.grammar_cut_tokens += len(ids) - k
-        return ids[:k], (probs[:k] if probs is not None else None), (allowed if k else None), None
+            return None, f"grammar walk over the draft failed: {type(exc).__name__}: {exc}"
+        self.grammar_cut_tokens += cut
+        return draft, None
 
     def _propose_rows(self, inputs: list[ProposeInput], rows: list[int]) -> list[tuple[list, object]]:
         """The proposer on inputs[rows] -> per row (draft ids, q [K_i, V] | None), trimmed to K_i.
@@ -301,13 +340,15 @@ class SpecController:
             seqs, ids = [sampling[r] for r in rows], [seq_ids[r] for r in rows]
             target_rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
             result = rejection_sample(
-                self._masked(logits[target_rows], seqs, drafts),  # [sum(K_i + 1), V]
+                mask_rows(logits[target_rows], seqs, drafts),  # [sum(K_i + 1), V]
                 drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
                 SpecBatchMetadata.from_num_draft_tokens([num_draft_tokens[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
             return [(result.committed(i), int(result.num_accepted[i])) for i in range(len(rows))]
 
+        t0 = time.perf_counter()
         verdicts = per_row(len(sampling), run, FaultStage.VERIFY, seq_ids)
+        self.timing.verify_s += time.perf_counter() - t0
         self._observe_verdicts(sampling, num_draft_tokens, verdicts, drafts)
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
@@ -327,32 +368,15 @@ class SpecController:
             if not (k and o):
                 continue
             segment, accepted = s.seq.request.segment, v[1]
-            self.segment_stats.setdefault(segment, SpecStats()).record(k, accepted, drafts.by_seq[s.seq.seq_id].num_forced)
-            self.live_alpha.observe(segment, k, accepted)
-            if s.seq.seq_id in self._keys:  # planned by adaptive K (a fixed-K segment's K needs no α)
+            forced = drafts.by_seq[s.seq.seq_id].num_forced
+            self.segment_stats.setdefault(segment, SpecStats()).record(k, accepted, forced)
+            self.live_alpha.observe(segment, k, accepted)  # the grammar's drafts count in the segment's α
+            # adaptive K plans the drafter's share: it learns from the draft tokens after the
+            # forced ones, when verification reached them
+            # (a fixed-K segment's K needs no α: only sequences adaptive K planned teach it)
+            if k > forced and accepted >= forced and s.seq.seq_id in self._keys:
                 sub_id, key = self._keys[s.seq.seq_id]
-                self.adaptive.observe(sub_id, key, k, accepted)
-
-    def _masked(self, logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDrafts) -> torch.Tensor:
-        """logits [sum(K_i + 1), V] of seqs with each constrained sequence's rows masked: row j
-        by the grammar state after its first j draft tokens (the walk's masks; a sequence
-        without drafts gets its committed state's mask)."""
-        out = logits
-        start = 0
-        for s in seqs:
-            draft = drafts.get(s.seq.seq_id)
-            k = 0 if draft is None else draft.k
-            if s.seq.grammar is not None:
-                allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
-                if allowed is None:
-                    allowed = s.seq.grammar.allowed()[None, :]  # no drafts: [1, V]
-                if allowed.shape[0] != k + 1:
-                    raise RuntimeError(f"{allowed.shape[0]} grammar masks for {k + 1} verified positions")
-                if out is logits:
-                    out = logits.clone()
-                out[start : start + k + 1] = apply_masks(out[start : start + k + 1], allowed)
-            start += k + 1
-        return out
+                self.adaptive.observe(sub_id, key, k - forced, accepted - forced)
 
     def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
         self.timing.plain_forward_s += forward_s
@@ -367,6 +391,7 @@ class SpecController:
 
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
+        self.forced_text.release(seq_id)
         if self.adaptive is not None:
             self.adaptive.release(seq_id)
             for sub_id in self._derived.pop(seq_id, ()):

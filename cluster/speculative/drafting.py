@@ -13,6 +13,9 @@ token i), per-sequence drop-out when its K is reached, and how each draft token 
   output does not depend on the drafts at all (``cluster.sampling.sampler``);
 - other sampling requests: a draw from q = ``logits_to_probs`` under the request's sampling
   params (so p and q are processed the same way) with the input's generator (None: global RNG).
+A constrained sequence (``ProposeInput.grammar``) drafts under its grammar's mask: the draft's
+logits are masked before choosing, so q is the masked distribution and the draft stays legal
+(rejection sampling is exact for any q; a legal draft is simply accepted more often).
 Ignores: where K/V live (the caller's ``forward`` closure).
 """
 from __future__ import annotations
@@ -27,6 +30,15 @@ from cluster.speculative.types import DraftProposal, ProposeInput
 
 # forward(chunks) -> logits [len(chunks), V] for the last position of each chunk
 ForwardFn = Callable[[list[SeqChunk]], torch.Tensor]
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [1, W] with -inf where the grammar's allowed [V] bool is False (a draft vocabulary
+    wider than the target's: the extra ids are masked; a narrower one: the mask is cut)."""
+    w = logits.shape[-1]
+    if allowed.shape[0] < w:
+        allowed = torch.cat([allowed, allowed.new_zeros(w - allowed.shape[0])])
+    return logits.masked_fill(~allowed[:w].to(logits.device), float("-inf"))
 
 
 def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list[int]],
@@ -44,15 +56,23 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
         still = []
         for row, i in enumerate(active):
             p = inputs[i].params
+            grammar = inputs[i].grammar
+            row_logits = logits[row : row + 1]  # [1, V]
+            if grammar is not None and grammar.alive:
+                under = masked(row_logits, grammar.allowed())
+                if float(under.max()) > float("-inf"):  # else (a trimmed head misses every legal id): unmasked
+                    row_logits = under
             if p.greedy:
-                t = int(logits[row].argmax())
+                t = int(row_logits[0].argmax())
             elif p.coupled:  # draft token for absolute position len(token_ids) + drafted so far
                 position = len(inputs[i].token_ids) + len(tokens[i])
-                t = int(coupled_tokens(filtered_logits(logits[row : row + 1], p), p.seed, position)[0])
+                t = int(coupled_tokens(filtered_logits(row_logits, p), p.seed, position)[0])
             else:
-                q = logits_to_probs(logits[row : row + 1], p)  # [1, V]
+                q = logits_to_probs(row_logits, p)  # [1, V]
                 t = int(sample_from_probs(q, inputs[i].generator)[0])
                 probs[i].append(q[0])
+            if grammar is not None:
+                grammar.advance(t)
             tokens[i].append(t)
             pos[i] += len(feed[i])
             feed[i] = [t]

@@ -9,6 +9,7 @@ Outputs are padded to [B, max_K + 1] with PLACEHOLDER_TOKEN_ID.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,6 +50,20 @@ class SpecBatchMetadata:
         return slice(int(self.cu_num_draft_tokens[i]), int(self.cu_num_draft_tokens[i + 1]))
 
 
+class DraftGrammar(Protocol):
+    """A constrained sequence's grammar state along the draft being drafted: a model drafter
+    masks its logits with ``allowed()`` [V] bool (so q is the masked distribution) and reports
+    each drafted token with ``advance``; once ``alive`` is False (an EOS or illegal token was
+    drafted) nothing more is masked. The engine opens it after the step's forced tokens and
+    rolls it back after ``propose``."""
+
+    alive: bool
+
+    def allowed(self) -> torch.Tensor: ...
+
+    def advance(self, token: int) -> None: ...
+
+
 @dataclass(slots=True)
 class ProposeInput:
     """One sequence asking its drafter for up to ``num_draft_tokens`` draft tokens.
@@ -57,6 +72,7 @@ class ProposeInput:
     for this seq_id holds a prefix of it and must roll back or extend to match exactly.
     segment: the request's traffic segment (a drafter that learns from traffic keeps what it
     learns per segment; the others ignore it).
+    grammar: see ``DraftGrammar`` (model-free drafters ignore it: their drafts are cut by the walk).
     """
 
     seq_id: str
@@ -65,6 +81,9 @@ class ProposeInput:
     params: SamplingParams
     generator: torch.Generator | None = None
     segment: str = ""
+    # a constrained sequence's grammar along the draft, for drafters that run a model in this
+    # process (they draft under its mask); None: unconstrained, or a drafter that cannot use it
+    grammar: DraftGrammar | None = None
 
 
 @dataclass(slots=True)

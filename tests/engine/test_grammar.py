@@ -232,8 +232,13 @@ class OracleWithBadTokens:
         pass
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
-def test_greedy_constrained_speculation_equals_plain_token_for_token(tiny, drafter):
+@pytest.mark.parametrize("drafter", ["ngram", "ngram/auto", "oracle", "self:1"])
+def test_greedy_constrained_speculation_equals_plain_token_for_token(tiny, drafter, monkeypatch):
+    from cluster.engine.grammar import GrammarMatcher
+
+    opened = []
+    draft_cursor = GrammarMatcher.draft_cursor
+    monkeypatch.setattr(GrammarMatcher, "draft_cursor", lambda self, prefix: opened.append(prefix) or draft_cursor(self, prefix))
     params = SamplingParams(max_tokens=60)
     plain = run_to_completion(engine(tiny), batch(params))
     proposer = None
@@ -241,7 +246,8 @@ def test_greedy_constrained_speculation_equals_plain_token_for_token(tiny, draft
         bad = tiny.tokenizer.encode("~")[0]
         proposer = OracleWithBadTokens({r.request_id: plain[r.request_id]["ids"] for r in batch(params)},
                                        {r.request_id: len(r.prompt_token_ids) for r in batch(params)}, bad)
-    eng = engine(tiny, "ngram" if drafter == "ngram" else "default", 4, proposer)
+    name = {"oracle": "default", "ngram/auto": "ngram"}.get(drafter, drafter)
+    eng = engine(tiny, name, "auto" if drafter == "ngram/auto" else 4, proposer)
     spec = run_to_completion(eng, batch(params))
     for r in batch(params):
         assert spec[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
@@ -252,7 +258,80 @@ def test_greedy_constrained_speculation_equals_plain_token_for_token(tiny, draft
     if drafter == "oracle":  # the legal prefix of each draft was accepted, the bad token cut
         assert eng.spec.grammar_cut_tokens > 0
         assert sum(spec[r.request_id]["spec"].accepted_tokens for r in batch(params)) > 0
+    # a model drafter in this process drafts under the mask (after forced tokens, when there are
+    # some); the model-free drafters do not open a cursor
+    assert bool(opened) == drafter.startswith("self") and any(opened) == drafter.startswith("self")
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks and not eng.seqs
+
+
+class RecordingOracle:
+    """Drafts each sequence's reference output after whatever context it is given (forced
+    tokens included) and records, per call, whether that context ran past the committed tokens."""
+
+    kind = DrafterKind.DRAFT_MODEL
+
+    def __init__(self, reference: dict[str, list[int]], prompts: dict[str, int]) -> None:
+        self.reference, self.prompts = reference, prompts
+        self.engine = None
+        self.calls: list[tuple[str, int]] = []  # (seq_id, context tokens past the committed ones)
+
+    def propose(self, inputs):
+        ids = []
+        for inp in inputs:
+            committed = self.engine.seqs[inp.seq_id].token_ids
+            assert inp.token_ids[: len(committed)] == committed  # the committed prefix, then forced tokens
+            self.calls.append((inp.seq_id, len(inp.token_ids) - len(committed)))
+            done = len(inp.token_ids) - self.prompts[inp.seq_id]
+            ids.append(self.reference[inp.seq_id][done: done + inp.num_draft_tokens])
+        return DraftProposal(ids, [None] * len(inputs))
+
+    def release(self, seq_id):
+        pass
+
+
+def oracle_run(tiny, k, params: SamplingParams):
+    plain = run_to_completion(engine(tiny), batch(params))
+    oracle = RecordingOracle({r.request_id: plain[r.request_id]["ids"] for r in batch(params)},
+                             {r.request_id: len(r.prompt_token_ids) for r in batch(params)})
+    eng = engine(tiny, "default", k, oracle)
+    oracle.engine = eng
+    return plain, run_to_completion(eng, batch(params)), oracle, eng
+
+
+def test_forced_tokens_and_the_drafters_draft_after_them_verify_in_one_step(tiny):
+    params = SamplingParams(max_tokens=60)
+    plain, spec, oracle, eng = oracle_run(tiny, 1, params)
+    for r in batch(params):
+        assert spec[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+    # the drafter was asked after the forced tokens (its context ran past the committed tokens)
+    assert any(past > 0 for sid, past in oracle.calls if sid == "r2")
+    stats = spec["r2"]["spec"]
+    # forced tokens come on top of the drafter's K = 1: some steps verified more than 1 draft token
+    assert stats.forced_tokens > 0 and len(stats.steps_by_num_draft_tokens) > 2 and sum(stats.steps_by_num_draft_tokens[2:]) > 0
+    assert stats.accepted_tokens > stats.forced_tokens  # the oracle's drafts after them were accepted too
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks and not eng.seqs
+
+
+def test_jump_forward_alone_asks_no_drafter_and_equals_plain(tiny):
+    params = SamplingParams(max_tokens=60)
+    plain, spec, oracle, eng = oracle_run(tiny, 0, params)  # fixed K = 0: forced tokens only
+    for r in batch(params):
+        assert spec[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+    assert not oracle.calls
+    assert spec["r2"]["spec"].forced_tokens > 0 and spec["r1"]["spec"].draft_tokens == 0
+
+
+def test_seeded_model_drafts_after_forced_tokens_equal_plain(tiny):
+    from cluster.models.runner import ModelRunner
+    from cluster.speculative.draft_model import DraftModelProposer
+
+    params = SamplingParams(max_tokens=60, temperature=0.9, seed=11)
+    plain = run_to_completion(engine(tiny), batch(params))
+    eng = engine(tiny, "default", 2, DraftModelProposer(ModelRunner(tiny.runner.model, 64, 16, 64)))
+    res = run_to_completion(eng, batch(params))
+    for r in batch(params):
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+    assert res["r2"]["spec"].forced_tokens > 0
 
 
 def test_seeded_constrained_speculation_equals_plain(tiny):
