@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster.api.requests import Limits
 from cluster.common.config import EngineConfig, SpecConfig
 from cluster.routing.policy import RouterConfig
+from cluster.speculative.proposer import EAGLE_SHARED_ONLY, is_eagle_choice
 
 
 class Placement(str, enum.Enum):
@@ -183,7 +184,7 @@ class EngineImpl(_Strict):
 class AppConfig(_Strict):
     model: str = "default"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | a draft model spec | none
+    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | eagle:DIR (shared only) | a draft model spec | none
     num_spec_tokens: int | Literal["auto"] = "auto"
     force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED
@@ -207,6 +208,8 @@ class AppConfig(_Strict):
         self.spec_config()
         if self.placement is Placement.SEPARATE and not self.speculative:
             raise ValueError("placement 'separate' needs a drafter (got drafter='none')")
+        if self.placement is Placement.SEPARATE and is_eagle_choice(self.drafter):
+            raise ValueError(EAGLE_SHARED_ONLY)
         return self
 
     @property

@@ -25,7 +25,7 @@ AUTO_K = "auto"
 
 @dataclass(slots=True)
 class SpecConfig:
-    """Speculative decoding. drafter: "ngram", "suffix", "portfolio", "self" / "self:L" (first L target layers), or a model
+    """Speculative decoding. drafter: "ngram", "suffix", "portfolio", "self" / "self:L" (first L target layers), "eagle:DIR" (a trained head), or a model
     spec sharing the target vocabulary. num_spec_tokens: fixed K, or "auto" (adaptive K in [0, k_max])."""
 
     drafter: str = "ngram"
