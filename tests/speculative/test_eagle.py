@@ -122,3 +122,38 @@ def test_drafter_choice_is_parsed_and_refused_where_it_cannot_run(tiny, head_dir
         engine(other, f"eagle:{head_dir}")
     with pytest.raises(Exception, match="not an EAGLE head directory"):
         engine(tiny[1], f"eagle:{tmp_path}")
+
+
+def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
+    """Draft tokens of a sampling request are draws from the q the drafter returns (chi-square over
+    q's support), q is the same on every call for the same committed tokens, and zero outside the
+    head's draft vocabulary."""
+    from scipy.stats import chisquare
+
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.types import ProposeInput
+
+    _, model = tiny
+    m = model.with_fresh_kv(EngineConfig(model="tiny"))
+    proposer = EagleProposer.from_dir(head_dir, m.runner)
+    ids = prompts()[3]
+    m.runner.forward([SeqChunk("s", ids[:-1], 0, 1)])
+    params = SamplingParams(temperature=3.0, top_k=4, max_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    counts: dict[int, int] = {}
+    q0 = None
+    n = 600
+    for _ in range(n):
+        out = proposer.propose([ProposeInput("s", ids, 1, params, gen)])
+        tok, q = out.draft_token_ids[0][0], out.draft_probs[0][0]  # q [V]
+        q0 = q if q0 is None else q0
+        torch.testing.assert_close(q, q0)
+        counts[tok] = counts.get(tok, 0) + 1
+    support = q0.nonzero().flatten().tolist()
+    assert len(support) == 4 and set(counts) <= set(support)
+    assert set(support) <= set(proposer.head.draft_to_target.tolist())
+    observed = [counts.get(t, 0) for t in support]
+    mass = sum(float(q0[t]) for t in support)  # 1 up to float32 rounding
+    expected = [float(q0[t]) / mass * n for t in support]
+    assert min(expected) > 20, expected  # the test has power on every category
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
