@@ -45,10 +45,10 @@ def head_dir(tiny, tmp_path_factory):
     return out
 
 
-def engine(model, drafter: str | None, k=3) -> LLMEngine:
+def engine(model, drafter: str | None, k=3, num_blocks: int | None = None) -> LLMEngine:
     spec = SpecConfig(drafter=drafter, num_spec_tokens=k) if drafter else None
     config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8)
-    m = model.with_fresh_kv(config)
+    m = model.with_fresh_kv(config, num_blocks)
     return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
 
 
@@ -82,6 +82,23 @@ def test_greedy_with_eagle_equals_plain_and_hf(tiny, head_dir, k):
     assert eng.spec.draft_fallbacks == 0
     assert not eng.spec.proposer._seqs  # every sequence's features and head K/V released
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_preempted_sequences_draft_again_from_fresh_features(tiny, head_dir):
+    """A tiny KV pool preempts sequences (their features and head K/V released, recorded again
+    by the re-prefill): output still equals plain decoding."""
+    _, model = tiny
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    longest = max(len(p) for p in prompts()) + MAX_TOKENS
+    blocks = -(-longest // 16) + 2  # the longest fits alone, two together barely
+    eng = engine(model, f"eagle:{head_dir}", 3, num_blocks=blocks)
+    got = run_to_completion(eng, requests(params))
+    assert eng.scheduler.num_preemptions > 0
+    for rid in plain:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert sum(got[r]["spec"].draft_tokens for r in got if got[r]["spec"] is not None) > 0
+    assert not eng.spec.proposer._seqs
 
 
 def test_sampled_and_seeded_requests_verify_their_q(tiny, head_dir):
