@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.common.errors import ModelLoadError
+from cluster.common.errors import InvalidRequestError, ModelLoadError
 
 
 def add_parser(sub) -> None:
@@ -50,12 +50,17 @@ def run(args: argparse.Namespace) -> int:
     from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_prompts
 
     t0 = time.monotonic()
-    deadline = t0 + args.minutes * 60 if args.minutes else math.inf
+    if args.minutes is not None and args.minutes <= 0:
+        raise InvalidRequestError(f"--minutes must be > 0, got {args.minutes}")
+    deadline = t0 + args.minutes * 60 if args.minutes is not None else math.inf
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
-                      ttt_steps=args.ttt_steps, lr=args.lr, row_tokens=args.row_tokens,
-                      max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed)
+    try:
+        cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
+                          ttt_steps=args.ttt_steps, lr=args.lr, row_tokens=args.row_tokens,
+                          max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
     target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2))
     if not isinstance(target.runner, ModelRunner):
         raise ModelLoadError(f"train-draft needs a Llama-family target; {args.model!r} runs on the HF fallback")

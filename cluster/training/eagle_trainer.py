@@ -69,6 +69,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.epochs < 1 or self.ttt_steps < 1 or self.row_tokens < 8:
             raise ValueError("tokens, epochs and ttt_steps must be >= 1, row_tokens >= 8")
+        if self.draft_vocab_size < 1 or self.max_new_tokens < 1 or self.lr <= 0:
+            raise ValueError("draft_vocab_size and max_new_tokens must be >= 1, lr > 0")
         if self.heldout_every < 2:
             raise ValueError("heldout_every must be >= 2 (some prompts must be trained on)")
 

@@ -87,3 +87,11 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     accepted = sum(v["spec"].accepted_tokens for v in spec.values())
     assert drafted > 0
     print(f"tiny model through the engine: {accepted}/{drafted} draft tokens accepted")
+
+
+def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
+    assert train(tiny_llama_dir, tmp_path / "x", "--minutes", "0") == 2
+    assert "--minutes must be > 0" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--ttt-steps", "0") == 2
+    assert "ttt_steps must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
