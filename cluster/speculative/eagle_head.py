@@ -7,7 +7,8 @@ RMS-normed embedding of the next token concatenated with the RMS-normed hidden, 
 carries the hidden; a final norm and an LM head over the trimmed draft vocabulary with its
 draft -> target id map), ``target_identity`` (architecture + a hash of the target's config and
 weight shapes), and ``save_head`` / ``load_head`` (safetensors weights + ``eagle_config.json``),
-which refuse a head trained for another target with an ``EagleTargetMismatch``.
+which refuse a head trained for another target with an ``EagleTargetMismatch``. Weights are
+stored in bfloat16 and computed in float32.
 Ignores: where the hidden comes from (catch-up vs draft steps: ``cluster.speculative.eagle``;
 training-time test: ``cluster.training.eagle_trainer``), the token embedding (the target's, frozen,
 passed in), KV bookkeeping (callers pass past K/V and the mask).
@@ -187,7 +188,9 @@ def save_head(head: EagleHead, out_dir: Path, extra: dict | None = None) -> None
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    # bfloat16 on disk (an 8k-vocabulary head for SmolLM2 is ~20 MB); loaded back into float32
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+             for k, v in head.state_dict().items()}
     save_file(state, str(out_dir / WEIGHTS_FILE))
     (out_dir / CONFIG_FILE).write_text(json.dumps({**head.cfg.to_json(), **(extra or {})}, indent=1) + "\n")
 

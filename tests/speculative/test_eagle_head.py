@@ -8,7 +8,8 @@ import torch
 
 from cluster.models.llama import LlamaModel
 from cluster.speculative.eagle_head import (
-    EagleConfig, EagleHead, EagleTargetMismatch, default_feature_layers, load_head, save_head, target_identity,
+    WEIGHTS_FILE, EagleConfig, EagleHead, EagleTargetMismatch, default_feature_layers, load_head, save_head,
+    target_identity,
 )
 from tests.conftest import make_tiny_model_dir
 
@@ -26,9 +27,14 @@ def test_saved_head_round_trips_and_is_refused_for_another_target(tmp_path):
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(a, 64))
     head.draft_to_target.copy_(torch.arange(0, 128, 2))
+    with torch.no_grad():  # weights are stored in bfloat16: compare against the rounded head
+        for t in head.parameters():
+            t.copy_(t.to(torch.bfloat16).float())
     save_head(head, tmp_path / "head", extra={"training": {"step": 3}})
+    assert (tmp_path / "head" / WEIGHTS_FILE).stat().st_size < 2.2 * sum(t.numel() for t in head.parameters())
     loaded = load_head(tmp_path / "head", a)
     assert loaded.cfg == head.cfg and loaded.cfg.feature_layers == (2, 2, 1)
+    assert all(t.dtype == torch.float32 for t in loaded.parameters())
     hidden, emb = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
     mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
