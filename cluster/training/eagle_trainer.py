@@ -276,7 +276,8 @@ class Trainer:
         finished = self._train(head, opt, train, d2t, state, deadline)
         save_head(head, self.out, extra={"training": {**asdict(cfg), **state, "finished": finished}})
         alphas, anchors = self._evaluate(head, held, d2t)
-        self._log(event="eval", alpha_by_position=alphas, anchors=anchors, finished=finished, **state)
+        self._log(event="eval", alpha_by_position=[None if math.isnan(a) else a for a in alphas],  # strict JSON
+                  anchors=anchors, finished=finished, **state)
         return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors)
 
     def _runner(self) -> ModelRunner:
