@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"cluster.kernels", "cluster.sampling", "cluster.telemetry", "cluster.routing"},
     {"cluster.models"},  # forward passes, runners over the block KV cache, loading
     {"cluster.speculative"},  # drafters, rejection sampler, adaptive K, gates
-    {"cluster.engine"},  # scheduler, the step (with its speculation phase), async/process engines
+    {"cluster.engine", "cluster.training"},  # the step (scheduler, speculation phase, async/process engines); draft-head training
     {"cluster.api"},  # gRPC / OpenAI request validation and responses
     {"cluster.kvsync"},  # the remote drafter protocol (client, server)
     {"deployments"},  # Ray Serve deployments and the local service

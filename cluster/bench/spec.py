@@ -1,8 +1,8 @@
 """`specserve bench spec`: speculative decoding per workload segment and drafter, at concurrency 1,
 against our own plain decoding and against Hugging Face's assisted generation on the same prompts.
 
-Owns: building engines that share one loaded target (plain; ngram, self:L and draft model, each
-with a fixed K and with ``auto`` K; suffix and portfolio with ``auto`` K, on request — one engine
+Owns: building engines that share one loaded target (plain; ngram, self:L, draft model and an
+EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix and portfolio with ``auto`` K, on request — one engine
 per method for the whole run, so they learn from the segment's earlier prompts as a service
 would), deriving the draft model (first L target layers, see
 ``cluster.models.derive``), picking L by a quick measurement, driving one request at a time with
@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="output JSON file")
     p.add_argument("--segments", default=",".join(SEGMENTS), help="comma-separated segment names")
     p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
-                   help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows)")
+                   help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows), "
+                        "eagle:DIR (a trained head)")
     p.add_argument("--prompts-per-segment", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
     p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
@@ -320,9 +321,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     segments = [s.strip() for s in args.segments.split(",") if s.strip()]
     kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    bad = [d for d in kinds if d not in DRAFTER_KINDS]
+    bad = [d for d in kinds if d not in DRAFTER_KINDS and not d.startswith("eagle:")]
     if bad:
-        _log(f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}")
+        _log(f"unknown drafters {bad}; expected some of {DRAFTER_KINDS} or eagle:DIR")
         return 2
     target = load_model(args.model, EngineConfig())
     tok = target.tokenizer
@@ -350,6 +351,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("suffix", "portfolio"):  # model-free, learning from the prompts run before
         if name in kinds:
             methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_draft_tokens="auto")), "auto")
+    for head in (d for d in kinds if d.startswith("eagle:")):  # a head made by `specserve train-draft`
+        for k in (args.model_k, "auto"):
+            methods[f"eagle/{'k' + str(k) if k != 'auto' else k}"] = (
+                _engine(target, SpecConfig(drafter=head, num_draft_tokens=k)), k)
     if "self" in kinds:
         for k in (args.model_k, "auto"):
             methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (

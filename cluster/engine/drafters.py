@@ -59,6 +59,10 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
         from cluster.speculative.portfolio import default_portfolio
 
         return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens)
+    if choice.kind is DrafterKind.EAGLE:
+        from cluster.speculative.eagle import EagleProposer
+
+        return EagleProposer.from_dir(choice.model, model.runner)
     if choice.kind is DrafterKind.SELF:
         from cluster.models.runner import ModelRunner
         from cluster.speculative.layer_skip import LayerSkipProposer, default_self_layers
@@ -89,10 +93,15 @@ def build_draft_model_proposer(draft_source: str, spec_cfg: SpecConfig, config: 
 def draft_cost_ratio(proposer, target_runner) -> float | None:
     """Prior for one draft round relative to a target decode step, before any is timed: ngram
     (and suffix, and the model-free portfolio) ~0; self:L and local draft models their share of the weights a decode step reads (decoder
-    layers + LM head); None (absolute prior) for drafters we cannot size, e.g. remote ones."""
+    layers + LM head); eagle its head's decoder layer + trimmed LM head over the target's
+    parameters; None (absolute prior) for drafters we cannot size, e.g. remote ones."""
     kind = proposer.kind
     if kind in MODEL_FREE:
         return 0.0
+    if kind is DrafterKind.EAGLE:  # one decoder layer + the trimmed LM head (parameters read per round)
+        target_model = getattr(target_runner, "model", None)
+        return None if target_model is None else (
+            proposer.round_parameters() * target_model.embed.element_size() / target_model.weight_bytes())
     runner = proposer.runner if isinstance(proposer, LocalModelProposer) else None
     arch = getattr(getattr(runner, "model", None), "arch", None)
     if arch is None or kind not in (DrafterKind.SELF, DrafterKind.DRAFT_MODEL):

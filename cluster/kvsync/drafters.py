@@ -24,7 +24,7 @@ from cluster.models.llama import LlamaModel
 from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
 from cluster.speculative.layer_skip import default_self_layers
-from cluster.speculative.proposer import DrafterKind, DrafterChoice, Proposer
+from cluster.speculative.proposer import EAGLE_SHARED_ONLY, DrafterChoice, DrafterKind, Proposer
 
 _MIN_BLOCKS = 2  # KV pool of a model loaded only for its weights (the draft gets its own pool)
 
@@ -62,6 +62,8 @@ def build_remote_proposer(choice: DrafterChoice, target_model: str, dtype: str, 
     target: an already loaded target ``LoadedModel`` to take weights/tokenizer from (tests, or a
     process that holds the target anyway); it is not modified.
     """
+    if choice.kind is DrafterKind.EAGLE:
+        raise ValueError(EAGLE_SHARED_ONLY)
     if choice.kind is DrafterKind.SELF:
         model = _target_llama(target, target_model, dtype, block_size)
         proposer = self_draft_proposer(model, choice.self_layers, block_size=block_size,

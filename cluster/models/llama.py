@@ -2,8 +2,10 @@
 KV cache.
 
 Owns: weights (fused QKV and gate/up projections), RoPE, RMSNorm, grouped-query attention over a
-ragged batch whose K/V live in flat paged storage, logits for the positions asked for, and the
-layer-skip entry (run the first L layers + LM head) used by self-speculation.
+ragged batch whose K/V live in flat paged storage, logits for the positions asked for, the
+layer-skip entry (run the first L layers + LM head) used by self-speculation, and the feature
+entry (``forward_features``: the same pass also returning the residual stream entering chosen
+layers at every fed position, what an EAGLE head drafts from).
 Ignores: which sequences are in the batch and where their blocks are (``ForwardBatch`` is built
 by ``cluster.models.runner``), sampling, and architectures outside the family (HF fallback).
 """
@@ -205,6 +207,27 @@ class LlamaModel:
         v_cache: list[torch.Tensor],
         num_layers: int | None = None,
     ) -> torch.Tensor:  # [N, V] float32
+        return self._run(batch, k_cache, v_cache, num_layers, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(
+        self,
+        batch: ForwardBatch,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V] float32, [T, len(layers) * hidden] float32
+        """The full forward plus, for every fed token, the residual stream entering each of
+        ``layers`` (HF ``hidden_states[i]`` for i < num_layers: pre-norm), concatenated in the
+        order given. No extra target work: the states are read on the way."""
+        bad = [i for i in layers if not 0 <= i < self.arch.num_layers]
+        if bad or not layers:
+            raise ValueError(f"feature layers {list(layers)} must be non-empty and in [0, {self.arch.num_layers})")
+        logits, feats = self._run(batch, k_cache, v_cache, None, tuple(layers))
+        return logits, feats
+
+    def _run(self, batch: ForwardBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+             num_layers: int | None, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         a = self.arch
         T = batch.input_ids.shape[0]
         assert batch.positions.shape == (T,) and batch.slot_mapping.shape == (T,), "ragged batch shapes disagree"
@@ -213,7 +236,10 @@ class LlamaModel:
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[batch.positions].unsqueeze(1)
         n_layers = a.num_layers if num_layers is None else num_layers
+        captured: dict[int, torch.Tensor] = {}
         for li in range(n_layers):
+            if li in capture:
+                captured[li] = x.float()  # [T, hidden]
             L = self.layers[li]
             h = _rms_norm(x, L["ln1"], a.rms_norm_eps)
             qkv = L["wqkv"](h, L["bqkv"])  # [T, (H + 2Hkv) * D]
@@ -235,7 +261,8 @@ class LlamaModel:
             x = L["wd"](F.silu(gate) * up, x)
         x = x[batch.logits_index]  # [N, hidden]
         x = _rms_norm(x, self.norm, a.rms_norm_eps)
-        return self.lm_head(x).float()  # [N, V]
+        feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None  # [T, |capture| * hidden]
+        return self.lm_head(x).float(), feats  # [N, V]
 
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    groups: list[AttentionGroup], T: int) -> torch.Tensor:

@@ -3,12 +3,16 @@ cache.
 
 Owns: the KV storage tensors and the ``KVCacheManager`` of one model, building ``ForwardBatch``
 metadata (positions, slot mapping, attention groups with padding masks, logits rows) from
-``SeqChunk``s, and updating each sequence's cached length after the pass.
+``SeqChunk``s, updating each sequence's cached length after the pass, and the feature tap: when
+one is installed, every committed full forward also hands the tap the chosen layers' states of
+every fed token (an EAGLE drafter reads the target's features from the verification pass), and
+is told when a sequence is freed.
 Ignores: which chunks to run (scheduler) and what to do with the logits (sampler, verifier).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,6 +44,18 @@ class SeqChunk:
             raise ValueError(f"{self.seq_id}: num_logits {self.num_logits} outside [0, {len(self.token_ids)}]")
 
 
+class FeatureTap(Protocol):
+    """Receives the target's features of every committed full forward."""
+
+    feature_layers: tuple[int, ...]
+
+    def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
+        """features: [sum len(token_ids), len(feature_layers) * hidden] float32, chunk rows in order."""
+
+    def forget(self, seq_id: str) -> None:
+        """The runner freed this sequence: its features are stale."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int | None, block_size: int,
                  kv_cache_memory_mb: int = 512) -> None:
@@ -52,12 +68,15 @@ class ModelRunner:
         self.k_cache, self.v_cache = model.new_kv_storage(num_blocks * block_size)
         self.vocab_size = a.vocab_size
         self.max_model_len = a.max_position_embeddings
+        self.feature_tap: FeatureTap | None = None
 
     def reserve(self, seq_id: str, total_tokens: int) -> None:
         self.kv.reserve(seq_id, total_tokens)
 
     def free(self, seq_id: str) -> None:
         self.kv.free(seq_id)
+        if self.feature_tap is not None:
+            self.feature_tap.forget(seq_id)
 
     def truncate(self, seq_id: str, length: int) -> None:
         self.kv.truncate(seq_id, length)
@@ -132,8 +151,14 @@ class ModelRunner:
                 raise ValueError(f"{c.seq_id}: chunk starts at {c.start_pos} but {self.kv.num_tokens(c.seq_id)} cached")
             self.kv.reserve(c.seq_id, c.start_pos + len(c.token_ids))
         batch = self.build_batch(chunks)
-        logits = self.model.forward(batch, self.k_cache, self.v_cache, num_layers=num_layers)
+        tap = self.feature_tap if commit and num_layers is None else None
+        if tap is not None:
+            logits, feats = self.model.forward_features(batch, self.k_cache, self.v_cache, tap.feature_layers)
+        else:
+            logits = self.model.forward(batch, self.k_cache, self.v_cache, num_layers=num_layers)
         if commit:
             for c in chunks:
                 self.kv.set_num_tokens(c.seq_id, c.start_pos + len(c.token_ids))
+        if tap is not None:
+            tap.record(chunks, feats)
         return logits

@@ -1,5 +1,6 @@
-"""Speculative decoding: proposers (draft model, n-gram prompt lookup, layer-skip self-draft),
-lossless verification (rejection sampler), adaptive K, and safety gates (vocabulary, MoE).
+"""Speculative decoding: proposers (draft model, n-gram prompt lookup, layer-skip self-draft,
+suffix, portfolio, a trained EAGLE head), lossless verification (rejection sampler), adaptive K,
+and safety gates (vocabulary, MoE).
 
 Vocabulary (arXiv 2211.17192), used everywhere: the drafter proposes K *draft tokens*; the target
 verifies all K+1 positions in one forward pass; the longest agreeing prefix are the *accepted

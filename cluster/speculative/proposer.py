@@ -24,6 +24,7 @@ class DrafterKind(enum.Enum):
     REMOTE = "remote"  # a draft model living in a DraftServer, reached over KVSync
     SUFFIX = "suffix"  # continuations learnt from the segment's earlier prompts and outputs
     PORTFOLIO = "portfolio"  # per sequence and step, the drafter expected to commit most per cost
+    EAGLE = "eagle"  # a trained head drafting from the target's own features (eagle:DIR)
 
 
 @runtime_checkable
@@ -109,7 +110,7 @@ class DraftStatus(Protocol):
 class DrafterChoice:
     kind: DrafterKind
     self_layers: int | None = None  # SELF only; None lets the engine pick a default depth
-    model: str | None = None  # DRAFT_MODEL / REMOTE only: a model source (path or hub id)
+    model: str | None = None  # DRAFT_MODEL / REMOTE: a model source (path or hub id); EAGLE: the head's directory
 
     def __post_init__(self) -> None:
         if self.self_layers is not None:
@@ -117,16 +118,26 @@ class DrafterChoice:
                 raise ValueError(f"self_layers only applies to the self drafter, not {self.kind.value}")
             if self.self_layers < 1:
                 raise ValueError(f"self-speculation needs at least 1 layer, got {self.self_layers}")
-        if self.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.REMOTE) and not self.model:
-            raise ValueError(f"a {self.kind.value} drafter needs a model source")
+        if self.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.REMOTE, DrafterKind.EAGLE) and not self.model:
+            raise ValueError(f"a {self.kind.value} drafter needs a model source (eagle: eagle:DIR)")
+
+
+# placement ``separate``: KVSync does not carry target features (yet), so a DraftServer cannot host it
+EAGLE_SHARED_ONLY = ("the eagle drafter runs only in placement 'shared' (in-process, next to the target) "
+                     "for now: a DraftServer gets no target features over KVSync")
+
+
+def is_eagle_choice(s: str | None) -> bool:
+    low = (s or "").strip().lower()
+    return low == "eagle" or low.startswith("eagle:")
 
 
 MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # vocabulary-agnostic
 
 
 def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
-    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "none" / "" (no speculation) |
-    anything else: a draft model.
+    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "eagle:DIR" (a head made by
+    ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
 
     >>> parse_drafter_choice("self:4")
     DrafterChoice(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
@@ -143,6 +154,14 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
         return DrafterChoice(DrafterKind.PORTFOLIO)
     if low == "self":
         return DrafterChoice(DrafterKind.SELF)
+    if low == "eagle":
+        raise ValueError("drafter 'eagle': no head is shipped for the default model yet; train one with "
+                         "`specserve train-draft --out DIR` and use 'eagle:DIR'")
+    if low.startswith("eagle:"):
+        head_dir = text[len("eagle:"):].strip()
+        if not head_dir:
+            raise ValueError("drafter 'eagle:DIR' needs the head's directory")
+        return DrafterChoice(DrafterKind.EAGLE, model=head_dir)
     if low.startswith("self:"):
         raw = text[len("self:"):].strip()
         try:

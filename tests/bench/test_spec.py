@@ -83,3 +83,31 @@ def test_summarize_row_predicts_from_alpha_not_acceptance_rate():
     e = (1 - row["alpha"] ** 5) / (1 - row["alpha"])
     assert row["predicted_speedup"] == pytest.approx(e / 1.1, rel=1e-3)
     assert row["speedup"] == 2.0
+
+
+def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
+    """An ``eagle:DIR`` head (untrained: the target's own LM-head rows, random layer) gets fixed
+    and auto K rows on the default model, lossless, with its draft cost c measured."""
+    import torch
+
+    from cluster.speculative.eagle_head import EagleConfig, EagleHead, save_head
+
+    target = default_model.runner.model
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target, 8192))
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight()[:, :8192].t())
+    save_head(head, tmp_path / "head")
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    out = tmp_path / "spec.json"
+    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                         "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "12",
+                         "--drafters", f"eagle:{tmp_path / 'head'}", "--no-hf", "--threads", "2"])
+    assert bench_spec.run(args) == 0
+    rows = json.loads(out.read_text())["segments"]["chat"]
+    assert set(rows) == {"eagle/k3", "eagle/auto"}
+    for name, row in rows.items():
+        assert row["outputs_equal_plain"] == 1, name
+        assert math.isfinite(row["c"]) and row["c"] > 0, (name, row["c"])
+    print(f"untrained eagle head on the default model: c = {rows['eagle/k3']['c']} of a decode step per draft round")

@@ -82,3 +82,43 @@ def test_out_of_vocab_token_raises(tmp_path):
     runner = ModelRunner(LlamaModel.load(path, torch.float32), num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         runner.forward([SeqChunk("x", [1, 512], 0, 1)])
+
+
+def test_forward_features_are_hf_hidden_states_from_the_same_pass(tmp_path):
+    """The runner's feature tap gets HF ``hidden_states[i]`` (the input of layer i) of every fed
+    token, across a ragged batch, and the logits are those of the plain forward."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model_dir(tmp_path, "llama", num_hidden_layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ours = LlamaModel.load(path, torch.float32)
+    runner = ModelRunner(ours, num_blocks=32, block_size=4)
+    plain = ModelRunner(ours, num_blocks=32, block_size=4)
+    layers = (2, 0, 3)
+
+    class Tap:
+        feature_layers = layers
+        got: list = []
+
+        def record(self, chunks, features):
+            self.got.append(([(c.seq_id, c.start_pos, len(c.token_ids)) for c in chunks], features))
+
+    runner.feature_tap = Tap()
+    seqs = {"a": list(range(5, 25)), "b": list(range(100, 107))}
+    chunks = [SeqChunk("a", seqs["a"][:12], 0, 1), SeqChunk("b", seqs["b"], 0, 3)]
+    torch.testing.assert_close(runner.forward(chunks), plain.forward(chunks))
+    runner.forward([SeqChunk("a", seqs["a"][12:], 12, 8)])
+    with torch.inference_mode():
+        ref = {k: hf(torch.tensor([v]), output_hidden_states=True).hidden_states for k, v in seqs.items()}
+    rows = {k: [] for k in seqs}
+    for spans, feats in Tap.got:
+        assert feats.shape == (sum(n for _, _, n in spans), len(layers) * 64)
+        row = 0
+        for seq_id, _, n in spans:
+            rows[seq_id].append(feats[row : row + n])
+            row += n
+    for k, v in seqs.items():
+        want = torch.cat([ref[k][i][0] for i in layers], dim=-1)  # [L, 3H]
+        torch.testing.assert_close(torch.cat(rows[k]), want, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="feature layers"):
+        ours.forward_features(runner.build_batch([SeqChunk("b", [1], 7, 1)]), runner.k_cache, runner.v_cache, (4,))

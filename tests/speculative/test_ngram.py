@@ -164,13 +164,13 @@ def test_4k_token_search_is_fast():
     ("HuggingFaceTB/SmolLM2-135M-Instruct", DrafterKind.DRAFT_MODEL, None, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     ("/models/draft", DrafterKind.DRAFT_MODEL, None, "/models/draft"),
 ])
-def test_parse_drafter_spec(text, kind, layers, model):
+def test_parse_drafter_choice(text, kind, layers, model):
     spec = parse_drafter_choice(text)
     assert (spec.kind, spec.self_layers, spec.model) == (kind, layers, model)
 
 
 @pytest.mark.parametrize("text", ["none", "None", "", "  ", None])
-def test_parse_drafter_spec_none(text):
+def test_parse_drafter_choice_none(text):
     assert parse_drafter_choice(text) is None
 
 
@@ -180,6 +180,6 @@ def test_parse_drafter_spec_none(text):
     ("self:abc", "positive number of target layers"),
     ("self:", "positive number of target layers"),
 ])
-def test_parse_drafter_spec_errors(text, message):
+def test_parse_drafter_choice_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_drafter_choice(text)

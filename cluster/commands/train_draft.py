@@ -1,0 +1,90 @@
+"""`specserve train-draft`: train an EAGLE draft head for a target on its own generations.
+
+Owns: the arguments (-> ``TrainConfig``), loading the target, building the prompt corpus (held
+out from ``../shared/workloads``), the ``--minutes`` deadline, and the final report (α by draft
+position on held-out prompts, where the head is, how to use it). The training itself lives in
+``cluster.training.eagle_trainer``; run the same command again to resume a stopped run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from cluster.common.errors import InvalidRequestError, ModelLoadError
+
+
+def add_parser(sub) -> None:
+    from cluster.training.eagle_trainer import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train-draft", help="train an EAGLE draft head on the target's own features")
+    p.add_argument("--model", default="default", help="the target: default | HF model dir | hub id")
+    p.add_argument("--out", type=Path, required=True, help="run directory (head, checkpoint, data, log)")
+    p.add_argument("--minutes", type=float, default=None, help="stop after this many minutes (resumable)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="self-distillation data size (prompt + output tokens)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab_size, help="draft vocabulary size")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test unrolled steps")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--row-tokens", type=int, default=d.row_tokens, help="packed tokens per optimizer step")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generated tokens per prompt")
+    p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
+    p.add_argument("--workloads", type=Path, default=None,
+                   help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cluster.common.config import EngineConfig
+    from cluster.models.load import load_model
+    from cluster.models.runner import ModelRunner
+    from cluster.models.tokenizer import chat_token_ids
+    from cluster.training.eagle_trainer import Trainer, TrainConfig, expected_tokens_per_round
+    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_prompts
+
+    t0 = time.monotonic()
+    if args.minutes is not None and args.minutes <= 0:
+        raise InvalidRequestError(f"--minutes must be > 0, got {args.minutes}")
+    deadline = t0 + args.minutes * 60 if args.minutes is not None else math.inf
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
+                          ttt_steps=args.ttt_steps, lr=args.lr, row_tokens=args.row_tokens,
+                          max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2))
+    if not isinstance(target.runner, ModelRunner):
+        raise ModelLoadError(f"train-draft needs a Llama-family target; {args.model!r} runs on the HF fallback")
+    workloads = args.workloads or DEFAULT_WORKLOADS
+    texts = build_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed)
+    tok = target.tokenizer
+    use_chat = getattr(tok, "chat_template", None) is not None
+    encoded = [(chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat
+                else tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    # longer prompts are skipped, not cut (the template's end matters); indices count the kept ones
+    prompts = list(enumerate([int(t) for t in ids] for ids in encoded if len(ids) <= cfg.max_prompt_tokens))
+    print(f"train-draft: target {target.name}, {len(prompts)} corpus prompts "
+          f"({'chat template' if use_chat else 'raw'}; workload prompts under {workloads} excluded), "
+          f"out {args.out}", file=sys.stderr)
+    trainer = Trainer(args.out, target.runner.model, target.eos_token_ids, cfg,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    result = trainer.run(prompts, deadline)
+    if result is None:
+        return 0
+    alphas = ", ".join(f"{a:.3f}" for a in result.alpha_by_position)
+    print(f"train-draft: {'finished' if result.finished else 'stopped by --minutes (resumable)'} after "
+          f"{result.steps} steps, {result.train_tokens} training tokens, {(time.monotonic() - t0) / 60:.1f} min")
+    print(f"held-out α by draft position (greedy, {result.heldout_anchors} anchors): [{alphas}]; "
+          f"expected tokens per round at K={len(result.alpha_by_position)}: "
+          f"{expected_tokens_per_round(result.alpha_by_position):.2f}")
+    print(f"head: {args.out} (use it with --draft eagle:{args.out})")
+    return 0

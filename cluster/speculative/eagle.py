@@ -1,0 +1,178 @@
+"""EAGLE drafter (``eagle:DIR``, placement shared): a trained head that drafts from the target's
+own features, read from the target's forward passes (no extra target work).
+
+Owns: ``EagleProposer`` (DrafterKind.EAGLE). It is the target runner's feature tap: every
+committed target forward (prefill, plain decode, verification) hands it the fused features of the
+fed tokens, kept per sequence by position. To propose for a sequence with committed tokens
+x_0..x_{n-1} (features known for positions 0..n-2; the last token is the one the target has not
+run yet) it
+- catches up: runs the pairs (feature t, token t+1) for the anchors t it has not run yet
+  (rolled back to the longest common prefix with what it ran before) into its own persistent KV;
+- drafts: the last catch-up output gives draft token 1; draft step j feeds the head's own output
+  and the embedding of draft token j, with temporary K/V dropped after the round (only K/V from
+  target features at committed positions persist);
+over a ragged batch (padding masks), greedy, seeded or sampled through ``draft_rounds``, with q over
+the full target vocabulary (zero outside the trimmed draft vocabulary).
+Ignores: verification, K, training (``cluster.training``), placement ``separate`` (refused at
+config time: the DraftServer has no target features yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.models.runner import ModelRunner, SeqChunk
+from cluster.speculative.drafting import draft_rounds
+from cluster.speculative.eagle_head import EagleHead, load_head
+from cluster.speculative.proposer import DrafterKind
+from cluster.speculative.types import DraftProposal, ProposeInput
+
+
+@dataclass(slots=True)
+class _SeqState:
+    feats: torch.Tensor  # [capacity, H] fused target features by position
+    filled: int = 0  # positions [0, filled) were written by some committed target forward
+    k: torch.Tensor | None = None  # [Hkv, anchors, D] persistent head K/V (anchors 0..held-1)
+    v: torch.Tensor | None = None
+    tokens: list[int] | None = None  # the committed tokens the persistent K/V was computed from
+
+    @property
+    def held(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+
+class EagleProposer:
+    kind = DrafterKind.EAGLE
+
+    def __init__(self, head: EagleHead, target_runner: ModelRunner) -> None:
+        self.head = head.eval()
+        self.embed = target_runner.model.embed  # [V, H] the target's, frozen
+        self.feature_layers = tuple(head.cfg.feature_layers)
+        self._seqs: dict[str, _SeqState] = {}
+        self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
+        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per propose: K/V incl. drafts
+        if target_runner.feature_tap is not None:
+            raise ValueError("the target runner already feeds another EAGLE drafter")
+        target_runner.feature_tap = self
+
+    @classmethod
+    def from_dir(cls, head_dir, target_runner) -> "EagleProposer":
+        from cluster.common.errors import ModelLoadError
+
+        if not isinstance(target_runner, ModelRunner):
+            raise ModelLoadError("the eagle drafter needs a Llama-family target (native runner)")
+        return cls(load_head(head_dir, target_runner.model), target_runner)
+
+    def round_parameters(self) -> int:
+        """Weights one draft round reads: the decoder layer and the trimmed LM head (fc runs once
+        per committed token, in the catch-up)."""
+        return sum(p.numel() for name, p in self.head.named_parameters() if not name.startswith("fc."))
+
+    # -- feature tap -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
+        """features [sum len(token_ids), |layers| * H] of a committed target forward."""
+        fused = self.head.fuse(features.float())  # [T, H]
+        row = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            st = self._seqs.get(c.seq_id)
+            end = c.start_pos + n
+            if st is None:
+                st = self._seqs[c.seq_id] = _SeqState(fused.new_zeros(max(64, 2 * end), fused.shape[1]))
+            elif end > st.feats.shape[0]:
+                grown = fused.new_zeros(max(2 * st.feats.shape[0], end), fused.shape[1])
+                grown[: st.feats.shape[0]] = st.feats
+                st.feats = grown
+            st.feats[c.start_pos : end] = fused[row : row + n]
+            st.filled = max(st.filled, end) if c.start_pos <= st.filled else st.filled
+            row += n
+
+    # -- drafting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
+        starts, feeds = [], []
+        self._round, self._scratch = {}, {}
+        for inp in inputs:
+            n = len(inp.token_ids)
+            st = self._seqs.get(inp.seq_id)
+            # features of positions 0..n-2 must come from the target (recorded since its prefill)
+            if st is None or n < 2 or st.filled < n - 1 or inp.num_draft_tokens <= 0:
+                starts.append(0)
+                feeds.append([])
+                continue
+            held = self._rollback(st, inp.token_ids)
+            starts.append(held + 1)  # the pair of anchor t sits at position t + 1
+            feeds.append(list(inp.token_ids[held + 1 :]))
+        proposal = draft_rounds(inputs, starts, feeds, self._forward)
+        for inp, feed in zip(inputs, feeds):
+            st = self._seqs.get(inp.seq_id)
+            if feed and st is not None:  # keep the catch-up K/V (anchors 0..n-2), drop the drafts'
+                held = len(inp.token_ids) - 1
+                k, v = self._scratch[inp.seq_id]
+                st.k, st.v, st.tokens = k[:, :held].clone(), v[:, :held].clone(), list(inp.token_ids)
+        self._round, self._scratch = {}, {}
+        return proposal
+
+    def _rollback(self, st: _SeqState, token_ids: list[int]) -> int:
+        """Anchors kept: those whose pair (tokens up to t + 1) is unchanged, and at most n - 2 so
+        that at least one pair is fed (its output gives draft token 1)."""
+        old = st.tokens or []
+        common = 0
+        limit = min(len(old), len(token_ids))
+        while common < limit and old[common] == token_ids[common]:
+            common += 1
+        held = max(0, min(st.held, common - 1, len(token_ids) - 2))
+        if st.k is not None:
+            st.k, st.v = st.k[:, :held], st.v[:, :held]
+        return held
+
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:  # [len(chunks), V]
+        """One draft round for a ragged batch: catch-up pairs for a sequence's first round (its
+        feed starts at position held + 1), one draft pair after that."""
+        head = self.head
+        H, Hkv, D = head.cfg.hidden_size, head.cfg.num_kv_heads, head.cfg.head_dim
+        B = len(chunks)
+        q_lens = [len(c.token_ids) for c in chunks]
+        Q = max(q_lens)
+        past = []
+        hidden = torch.zeros(B, Q, H)
+        tokens = torch.zeros(B, Q, dtype=torch.int64)
+        positions = torch.zeros(B, Q, dtype=torch.int64)
+        for b, c in enumerate(chunks):
+            n = q_lens[b]
+            st = self._seqs[c.seq_id]
+            if c.seq_id in self._round:  # a draft step: the head's own output carries on
+                hidden[b, 0] = self._round[c.seq_id]
+                past.append(self._scratch[c.seq_id])
+            else:  # catch-up: anchors start-1 .. start+n-2 from the target's features
+                hidden[b, :n] = st.feats[c.start_pos - 1 : c.start_pos - 1 + n]
+                past.append((st.k, st.v) if st.k is not None else (torch.zeros(Hkv, 0, D), torch.zeros(Hkv, 0, D)))
+            tokens[b, :n] = torch.tensor(c.token_ids)
+            positions[b, :n] = torch.arange(c.start_pos, c.start_pos + n)
+        L = max(k.shape[1] for k, _ in past)
+        past_k = torch.zeros(B, Hkv, L, D)
+        past_v = torch.zeros(B, Hkv, L, D)
+        mask = torch.zeros(B, 1, Q, L + Q, dtype=torch.bool)
+        causal = torch.ones(Q, Q, dtype=torch.bool).tril()
+        for b, (k, v) in enumerate(past):
+            lb = k.shape[1]
+            past_k[b, :, :lb], past_v[b, :, :lb] = k, v
+            mask[b, 0, :, :lb] = True
+            mask[b, 0, :, L : L + q_lens[b]] = causal[:, : q_lens[b]]
+        emb = self.embed[tokens].float()  # [B, Q, H]
+        out, new_k, new_v = head.layer(hidden, emb, positions, past_k, past_v, mask)
+        last = torch.tensor([n - 1 for n in q_lens])
+        final = out[torch.arange(B), last]  # [B, H]
+        for b, c in enumerate(chunks):
+            k, v = past[b]
+            n = q_lens[b]
+            self._scratch[c.seq_id] = (torch.cat([k, new_k[b, :, :n]], dim=1), torch.cat([v, new_v[b, :, :n]], dim=1))
+            self._round[c.seq_id] = final[b]
+        return head.to_target_logits(head.draft_logits(final))  # [B, V]
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    forget = release  # the target runner freed the sequence (e.g. its start-up calibration run)

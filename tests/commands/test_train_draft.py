@@ -1,0 +1,97 @@
+"""`specserve train-draft` end to end on a tiny random model (CPU, about a minute): data from the
+target's own generations, a head with its config and log, α by position printed; a run stopped
+by --minutes and a finished one both resume; a head or run directory for another target is
+refused; the trained head drafts losslessly through the engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
+from cluster.models.load import load_model
+from cluster.speculative.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleTargetMismatch, load_head
+from cluster.training.eagle_trainer import CHECKPOINT, LOG, SAMPLES
+from tests.conftest import make_tiny_model_dir
+from tests.engine.helpers import run_to_completion
+
+ARGS = ["--tokens", "2500", "--draft-vocab", "512", "--max-new-tokens", "32", "--max-prompts", "60",
+        "--row-tokens", "256", "--ttt-steps", "3", "--threads", "2"]
+
+
+def train(model_dir, out, *extra) -> int:
+    return main(["train-draft", "--model", str(model_dir), "--out", str(out), *ARGS, *extra])
+
+
+def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "head"
+    # --minutes already spent: nothing generated yet, and a clear note to run again
+    assert train(tiny_llama_dir, out, "--epochs", "1", "--minutes", "0.000001") == 0
+    assert "stopped by --minutes" in capsys.readouterr().err
+    assert not (out / CONFIG_FILE).exists()
+
+    assert train(tiny_llama_dir, out, "--epochs", "1") == 0
+    cap = capsys.readouterr()
+    assert "held-out α by draft position" in cap.out and "finished after" in cap.out
+    cfg = json.loads((out / CONFIG_FILE).read_text())
+    assert cfg["target"]["model_type"] == "llama" and len(cfg["feature_layers"]) == 3
+    assert cfg["draft_vocab_size"] == 512 and cfg["training"]["finished"]
+    steps1 = cfg["training"]["step"]
+    assert steps1 > 0 and (out / WEIGHTS_FILE).is_file() and (out / CHECKPOINT).is_file()
+    samples = [json.loads(l) for l in (out / SAMPLES).read_text().splitlines()]
+    assert any(s["index"] % 20 == 0 for s in samples) and any(s["index"] % 20 for s in samples)
+    log = [json.loads(l) for l in (out / LOG).read_text().splitlines()]
+    alphas = log[-1]["alpha_by_position"]
+    assert log[-1]["event"] == "eval" and len(alphas) == 3 and log[-1]["anchors"] > 0
+    print(f"tiny model, α by position after {steps1} steps: {alphas}")
+
+    # resume: a finished run trains one more epoch from its checkpoint (head + optimizer + step)
+    assert train(tiny_llama_dir, out, "--epochs", "2") == 0
+    cap = capsys.readouterr()
+    assert f"resumed at step {steps1}" in cap.err
+    step2 = json.loads((out / CONFIG_FILE).read_text())["training"]["step"]
+    assert step2 >= steps1 + steps1 // 2  # counted on from the checkpoint (epoch 2 packs rows anew)
+    # the recipe must match to resume
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(out),
+                 *[a if a != "512" else "256" for a in ARGS]]) == 2
+    assert "another recipe" in capsys.readouterr().err
+
+    # another target: the head and the run directory are refused
+    other_dir = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny_llama_dir, hidden_size=32,
+                                    head_dim=8)
+    other = load_model(str(other_dir), EngineConfig(model=str(other_dir)))
+    with pytest.raises(EagleTargetMismatch, match="trained for another target"):
+        load_head(out, other.runner.model)
+    assert train(other_dir, out, "--epochs", "2") == 2
+    assert "checkpoint for another target" in capsys.readouterr().err
+
+    # the trained head drafts through the engine; greedy output equals plain decoding
+    target = load_model(str(tiny_llama_dir), EngineConfig(model=str(tiny_llama_dir)))
+    prompts = [s["prompt_ids"] for s in samples[:4]]
+
+    def run(spec):
+        config = EngineConfig(model="tiny", spec=spec)
+        m = target.with_fresh_kv(config)
+        eng = LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+        reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)]
+        return run_to_completion(eng, reqs)
+
+    plain = run(None)
+    spec = run(SpecConfig(drafter=f"eagle:{out}", num_draft_tokens=3))
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    drafted = sum(v["spec"].draft_tokens for v in spec.values())
+    accepted = sum(v["spec"].accepted_tokens for v in spec.values())
+    assert drafted > 0
+    print(f"tiny model through the engine: {accepted}/{drafted} draft tokens accepted")
+
+
+def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
+    assert train(tiny_llama_dir, tmp_path / "x", "--minutes", "0") == 2
+    assert "--minutes must be > 0" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--ttt-steps", "0") == 2
+    assert "ttt_steps must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,176 @@
+"""The eagle drafter through the engine on a tiny model: greedy output equals plain decoding and
+HF generate (ragged batch, some sequences without speculation in the same steps), sampled and
+seeded requests verify their q without fallbacks, all draft state is freed; the drafter choice
+is parsed and refused where it cannot run (no head, placement separate, another target)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
+from cluster.models.load import load_model
+from cluster.speculative.eagle import EagleProposer
+from cluster.speculative.eagle_head import EagleConfig, EagleHead, EagleTargetMismatch, save_head
+from cluster.speculative.proposer import EAGLE_SHARED_ONLY, DrafterKind, parse_drafter_choice
+from tests.conftest import make_tiny_model_dir
+from tests.engine.helpers import run_to_completion
+from tests.reference import HFReference, check_greedy_match
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, default_model_dir):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-eagle"), "llama", tokenizer_dir=default_model_dir,
+                               num_hidden_layers=4)
+    return path, load_model(str(path), EngineConfig(model=str(path)))
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny, tmp_path_factory):
+    """An untrained head (random weights, random draft vocabulary): losslessness cannot depend
+    on the drafts being good."""
+    _, model = tiny
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.runner.model, 96))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        head.draft_to_target.copy_(torch.randperm(model.runner.vocab_size)[:96].sort().values)
+    out = tmp_path_factory.mktemp("head")
+    save_head(head, out)
+    return out
+
+
+def engine(model, drafter: str | None, k=3, num_blocks: int | None = None) -> LLMEngine:
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
+    config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8)
+    m = model.with_fresh_kv(config, num_blocks)
+    return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12)]
+
+
+def requests(params_for) -> list[GenerationRequest]:
+    reqs = [GenerationRequest(f"r{i}", p, params_for(i)) for i, p in enumerate(prompts())]
+    for r in reqs[::3]:  # decode plainly in the same steps (K = 0 rows)
+        r.mode = SpecMode.PLAIN
+    return reqs
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_with_eagle_equals_plain_and_hf(tiny, head_dir, k):
+    path, model = tiny
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    eng = engine(model, f"eagle:{head_dir}", k)
+    assert isinstance(eng.spec.proposer, EagleProposer)
+    got = run_to_completion(eng, requests(params))
+    for rid in plain:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    ref = HFReference(path, model.eos_token_ids)
+    for i, p in enumerate(prompts()):
+        check_greedy_match(got[f"r{i}"]["ids"], ref.greedy(p, MAX_TOKENS))  # equal, or a reference near-tie
+    drafted = sum(got[r]["spec"].draft_tokens for r in got if got[r]["spec"] is not None)
+    assert drafted > 0
+    assert eng.spec.draft_fallbacks == 0
+    assert not eng.spec.proposer._seqs  # every sequence's features and head K/V released
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_preempted_sequences_draft_again_from_fresh_features(tiny, head_dir):
+    """A tiny KV pool preempts sequences (their features and head K/V released, recorded again
+    by the re-prefill): output still equals plain decoding."""
+    _, model = tiny
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    longest = max(len(p) for p in prompts()) + MAX_TOKENS
+    blocks = -(-longest // 16) + 2  # the longest fits alone, two together barely
+    eng = engine(model, f"eagle:{head_dir}", 3, num_blocks=blocks)
+    got = run_to_completion(eng, requests(params))
+    assert eng.scheduler.num_preemptions > 0
+    for rid in plain:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert sum(got[r]["spec"].draft_tokens for r in got if got[r]["spec"] is not None) > 0
+    assert not eng.spec.proposer._seqs
+
+
+def test_sampled_and_seeded_requests_verify_their_q(tiny, head_dir):
+    _, model = tiny
+    eng = engine(model, f"eagle:{head_dir}", 3)
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50,  # noqa: E731
+                                      seed=i if i % 2 else None, ignore_eos=True)
+    got = run_to_completion(eng, requests(params))
+    assert all(len(got[r]["ids"]) == MAX_TOKENS for r in got)
+    assert sum(got[r]["spec"].draft_tokens for r in got if got[r]["spec"] is not None) > 0
+    assert eng.spec.draft_fallbacks == 0  # every q was [K, V], finite, non-negative
+    seeded = run_to_completion(engine(model, None), [r for r in requests(params) if r.params.seed is not None])
+    for rid, res in seeded.items():  # seeded sampling: same tokens with and without drafts
+        assert got[rid]["ids"] == res["ids"], rid
+
+
+def test_drafter_choice_is_parsed_and_refused_where_it_cannot_run(tiny, head_dir, tmp_path):
+    assert parse_drafter_choice(f"eagle:{head_dir}").kind is DrafterKind.EAGLE
+    with pytest.raises(ValueError, match="no head is shipped"):
+        parse_drafter_choice("eagle")
+    with pytest.raises(ValueError, match="eagle:DIR"):
+        parse_drafter_choice("eagle:")
+    from pydantic import ValidationError
+
+    from deployments.app_config import AppConfig
+
+    with pytest.raises(ValidationError, match="placement 'shared'"):
+        AppConfig(drafter=f"eagle:{head_dir}", placement="separate")
+    assert AppConfig(drafter=f"eagle:{head_dir}").drafter.startswith("eagle:")
+    from cluster.kvsync.drafters import build_remote_proposer
+
+    with pytest.raises(ValueError) as err:
+        build_remote_proposer(parse_drafter_choice(f"eagle:{head_dir}"), "default", "float32")
+    assert str(err.value) == EAGLE_SHARED_ONLY
+    other_path = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny[0], num_hidden_layers=3)
+    other = load_model(str(other_path), EngineConfig(model=str(other_path)))
+    with pytest.raises(EagleTargetMismatch, match="trained for another target"):
+        engine(other, f"eagle:{head_dir}")
+    with pytest.raises(Exception, match="not an EAGLE head directory"):
+        engine(tiny[1], f"eagle:{tmp_path}")
+
+
+def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
+    """Draft tokens of a sampling request are draws from the q the drafter returns (chi-square over
+    q's support), q is the same on every call for the same committed tokens, and zero outside the
+    head's draft vocabulary."""
+    from scipy.stats import chisquare
+
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.types import ProposeInput
+
+    _, model = tiny
+    m = model.with_fresh_kv(EngineConfig(model="tiny"))
+    proposer = EagleProposer.from_dir(head_dir, m.runner)
+    ids = prompts()[3]
+    m.runner.forward([SeqChunk("s", ids[:-1], 0, 1)])
+    params = SamplingParams(temperature=3.0, top_k=4, max_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    counts: dict[int, int] = {}
+    q0 = None
+    n = 600
+    for _ in range(n):
+        out = proposer.propose([ProposeInput("s", ids, 1, params, gen)])
+        tok, q = out.draft_token_ids[0][0], out.draft_probs[0][0]  # q [V]
+        q0 = q if q0 is None else q0
+        torch.testing.assert_close(q, q0)
+        counts[tok] = counts.get(tok, 0) + 1
+    support = q0.nonzero().flatten().tolist()
+    assert len(support) == 4 and set(counts) <= set(support)
+    assert set(support) <= set(proposer.head.draft_to_target.tolist())
+    observed = [counts.get(t, 0) for t in support]
+    mass = sum(float(q0[t]) for t in support)  # 1 up to float32 rounding
+    expected = [float(q0[t]) / mass * n for t in support]
+    assert min(expected) > 20, expected  # the test has power on every category
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)

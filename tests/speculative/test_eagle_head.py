@@ -1,0 +1,46 @@
+"""The EAGLE head's files and identity: a saved head loads to the same function and config, the
+feature layers follow EAGLE-3 (inputs of layers 2, N/2, N-3), the identity changes with the
+target's shapes, and a head for another target is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.models.llama import LlamaModel
+from cluster.speculative.eagle_head import (
+    WEIGHTS_FILE, EagleConfig, EagleHead, EagleTargetMismatch, default_feature_layers, load_head, save_head,
+    target_identity,
+)
+from tests.conftest import make_tiny_model_dir
+
+
+def test_feature_layers_follow_eagle3():
+    assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2-135M: HF hidden_states 2, 15, 27
+    assert all(0 <= i < 2 for i in default_feature_layers(2))
+
+
+def test_saved_head_round_trips_and_is_refused_for_another_target(tmp_path):
+    a = LlamaModel.load(make_tiny_model_dir(tmp_path / "a", "llama", num_hidden_layers=4), torch.float32)
+    b = LlamaModel.load(make_tiny_model_dir(tmp_path / "b", "llama", num_hidden_layers=4, intermediate_size=96),
+                        torch.float32)
+    assert target_identity(a) != target_identity(b)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(a, 64))
+    head.draft_to_target.copy_(torch.arange(0, 128, 2))
+    with torch.no_grad():  # weights are stored in bfloat16: compare against the rounded head
+        for t in head.parameters():
+            t.copy_(t.to(torch.bfloat16).float())
+    save_head(head, tmp_path / "head", extra={"training": {"step": 3}})
+    assert (tmp_path / "head" / WEIGHTS_FILE).stat().st_size < 2.2 * sum(t.numel() for t in head.parameters())
+    loaded = load_head(tmp_path / "head", a)
+    assert loaded.cfg == head.cfg and loaded.cfg.feature_layers == (2, 2, 1)
+    assert all(t.dtype == torch.float32 for t in loaded.parameters())
+    hidden, emb = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        want = head.to_target_logits(head.draft_logits(head.layer(hidden, emb, torch.arange(3)[None], None, None, mask)[0][0]))
+        got = loaded.to_target_logits(loaded.draft_logits(loaded.layer(hidden, emb, torch.arange(3)[None], None, None, mask)[0][0]))
+    torch.testing.assert_close(got, want)
+    assert torch.isneginf(got[:, 1::2]).all() and torch.isfinite(got[:, 0:128:2]).all()
+    with pytest.raises(EagleTargetMismatch, match="trained for another target"):
+        load_head(tmp_path / "head", b)

@@ -1,0 +1,130 @@
+"""The EAGLE trainer's pieces: training-time test computes exactly what drafting computes at
+inference (same anchors, same attention, same q), α by position is conditional, the draft
+vocabulary keeps EOS and the most frequent output tokens, packing keeps samples whole."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.common.request import SamplingParams
+from cluster.models.llama import LlamaModel
+from cluster.models.runner import ModelRunner, SeqChunk
+from cluster.speculative.eagle import EagleProposer
+from cluster.speculative.eagle_head import EagleConfig, EagleHead
+from cluster.speculative.types import ProposeInput
+from cluster.training.eagle_trainer import (
+    TrainConfig, draft_vocabulary, expected_tokens_per_round, pack_rows, target_row, ttt_loss,
+    ttt_unroll,
+)
+from cluster.training.self_distill import Sample
+from tests.conftest import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny4"), "llama", num_hidden_layers=4)
+    return LlamaModel.load(path, torch.float32)
+
+
+def random_head(model: LlamaModel, draft_vocab: int = 128, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(model, draft_vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+        head.draft_to_target.copy_(torch.randperm(model.arch.vocab_size)[:draft_vocab].sort().values)
+    return head.eval()
+
+
+def test_training_time_test_equals_inference_drafting(target):
+    """Sampled drafts with q: rebuild the sequence from those drafts, and TTT at that anchor
+    gives the same q at every step; also after a catch-up that reuses persistent head K/V."""
+    head = random_head(target)
+    runner = ModelRunner(target, 64, 4)
+    proposer = EagleProposer(head, runner)
+    g = torch.Generator().manual_seed(3)
+    committed = torch.randint(0, 512, (9,), generator=g).tolist()
+    k = 3
+    params = SamplingParams(temperature=1.0, max_tokens=64)
+    runner.forward([SeqChunk("s", committed[:-1], 0, 1)])  # the target has run all but the last token
+    for round_ in range(2):
+        out = proposer.propose([ProposeInput("s", list(committed), k, params, torch.Generator().manual_seed(round_))])
+        drafts, q = out.draft_token_ids[0], out.draft_probs[0]  # q [K, V]
+        assert len(drafts) == k and q.shape == (k, 512)
+        outside = torch.ones(512, dtype=torch.bool)
+        outside[head.draft_to_target] = False
+        assert float(q[:, outside].abs().sum()) == 0.0 and all(not outside[d] for d in drafts)
+        seq = committed + drafts
+        sample = Sample(0, seq[:2], seq[2:], True)
+        row = target_row(ModelRunner(target, 64, 4), [sample], 64, head.draft_to_target, head.cfg.feature_layers)
+        anchor = len(committed) - 2
+        with torch.no_grad():
+            for step, logits, _, _ in ttt_unroll(head, target.embed, row, k):
+                want = torch.softmax(logits[anchor], dim=-1)
+                torch.testing.assert_close(q[step, head.draft_to_target], want, atol=1e-5, rtol=1e-4)
+        # verification accepted the first draft and added a bonus token: the target commits them
+        bonus = int(torch.randint(0, 512, (1,), generator=g))
+        runner.forward([SeqChunk("s", [committed[-1], drafts[0]], len(committed) - 1, 2)])
+        drafted_from = len(committed)
+        committed = committed + [drafts[0], bonus]
+    assert proposer._seqs["s"].held == drafted_from - 1  # anchors 0..n-2 of the last round persist
+    proposer.release("s")
+    assert "s" not in proposer._seqs
+
+
+def test_alpha_by_position_is_conditional(target, monkeypatch):
+    """α_k counts only anchors whose drafts 1..k-1 were all correct (and still inside a sample)."""
+    import cluster.training.eagle_trainer as trainer
+
+    ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    row = trainer._Row(ids, torch.zeros(6, dtype=torch.int64), torch.arange(6), torch.ones(6, dtype=torch.bool),
+                       torch.zeros(6, 1), torch.zeros(6, 1))
+    head = random_head(target, draft_vocab=512)
+    head.draft_to_target.copy_(torch.arange(512))
+    wrong = 0
+    predicted = {0: [12, 13, wrong, 15, wrong, wrong],  # anchors 0..3 valid: 3 of 4 correct
+                 1: [13, wrong, 15, wrong, wrong, wrong]}  # anchors 0..2 valid; anchor 2 failed step 0
+
+    def fake_unroll(head_, embed, row_, steps):
+        idx = torch.arange(6)
+        for k in range(steps):
+            logits = torch.full((6, 512), -1.0)
+            logits[idx, torch.tensor(predicted[k])] = 1.0
+            yield k, logits, idx + 2 + k < 6, (idx + 1 + k).clamp(max=5)
+
+    monkeypatch.setattr(trainer, "ttt_unroll", fake_unroll)
+    alphas, anchors = trainer.alpha_by_position(head, target.embed, [row], 2)
+    assert anchors == 4 and alphas == [0.75, 0.5]  # unconditional step-1 accuracy would be 2/3
+
+
+def test_ttt_loss_trains_and_masks_prompts(target):
+    head = random_head(target)
+    runner = ModelRunner(target, 64, 4)
+    cfg = TrainConfig(ttt_steps=2, row_tokens=32)
+    samples = [Sample(0, [1, 2, 3], [4, 5, 6, 7, 8], True), Sample(1, [9, 10], [11, 12, 13], False)]
+    row = target_row(runner, samples, 32, head.draft_to_target, head.cfg.feature_layers)
+    assert row.ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    valid0 = next(ttt_unroll(head, target.embed, row, 1))[2]
+    # anchor t counts when token t+2 is an output token of the same sample
+    assert valid0.tolist() == [False, True, True, True, True, True, False, False, True, True, True, False, False]
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    first = None
+    for _ in range(15):
+        loss, _ = ttt_loss(head, target.embed, row, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = loss.item() if first is None else first
+    assert loss.item() < first
+
+
+def test_draft_vocabulary_and_packing():
+    samples = [Sample(i, [1] * 3, [5, 5, 9, 2], True) for i in range(3)]
+    d2t = draft_vocabulary(samples, 4, 100, frozenset({2, 99}))
+    assert d2t.tolist() == sorted(d2t.tolist()) and {2, 99, 5, 9} == set(d2t.tolist())
+    assert draft_vocabulary(samples, 6, 100, frozenset({2})).tolist() == [0, 1, 2, 3, 5, 9]
+    rows = pack_rows([Sample(i, [1] * 4, [2] * n, True) for i, n in enumerate([2, 3, 20, 1])], 10)
+    assert [[s.index for s in r] for r in rows] == [[0], [1], [2], [3]]
+    assert [[s.index for s in r] for r in pack_rows([Sample(i, [1], [2], True) for i in range(5)], 4)] == [[0, 1], [2, 3], [4]]
+    assert expected_tokens_per_round([0.5, 0.5]) == 1.75
