@@ -22,7 +22,7 @@ def test_segment_settings_fall_back_to_the_global_ones():
     assert not SpecConfig(num_draft_tokens=3, segments={"a": {"num_draft_tokens": 1}}).adaptive
 
 
-def test_k_max_covers_every_fixed_k():
+def test_max_draft_tokens_covers_every_fixed_k():
     assert SpecConfig().max_draft_tokens == 6
     assert SpecConfig(segments={"code": {"num_draft_tokens": 9}}).max_draft_tokens == 9
     assert SpecConfig(num_draft_tokens=2, segments={"code": {"num_draft_tokens": 0}}).max_draft_tokens == 6

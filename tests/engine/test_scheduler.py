@@ -57,7 +57,7 @@ def test_budget_never_exceeded_and_sequences_capped():
     assert [s.seq_id for s in sched.waiting] == ["r3", "r4", "r5"]
 
 
-def test_lookahead_only_when_the_chunk_samples_and_the_budget_allows():
+def test_draft_slots_only_when_the_chunk_samples_and_the_budget_allows():
     sched = Scheduler(KVCacheManager(64, 16), SchedulerBudget(max_num_seqs=2, max_num_batched_tokens=8))
     sched.add(seq("a", 4))
     run_step(sched)

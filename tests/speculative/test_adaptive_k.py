@@ -149,7 +149,7 @@ def test_exploration_probes_plain_sequences_on_a_fixed_schedule():
     ak.release("s")
 
 
-def test_k_max_zero_means_plain():
+def test_max_draft_tokens_zero_means_plain():
     ak = _fixed_adaptive(LinearCosts(0.0, 0.02, 0.0), 0.9, explore_every=1)
     assert ak.choose([("a", "x"), ("b", "x")], max_draft_tokens=0) == [0, 0]
     assert choose_k(0.99, 0, LinearCosts(0.0, 0.02, 0.0)) == 0
