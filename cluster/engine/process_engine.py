@@ -38,6 +38,7 @@ from cluster.engine.core_messages import (
 from cluster.engine.protocol import EngineStats
 
 log = logging.getLogger(__name__)
+EXIT_CODE_WAIT_S = 2.0  # how long the reader waits for a closed core to be reaped
 DEFAULT_START_TIMEOUT_S = 900.0  # first start converts the default GGUF (~35 s here); hub models take longer
 
 
@@ -78,6 +79,7 @@ class ProcessEngine(AsyncEngine):
         self._draft = DraftStandIn(self, proposer.address) if proposer is not None else None
         self._conn: Connection | None = None
         self._proc: subprocess.Popen | None = None
+        self._code: int | None = None  # the core's exit code, once its pipe closed
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._starting: asyncio.Future | None = None
@@ -233,15 +235,25 @@ class ProcessEngine(AsyncEngine):
                     break
                 case _:
                     log.error("engine process sent an unexpected message: %r", msg)
+        self._code = self._exit_code()  # before _gone: whoever sees _gone reads the code
         with self._routes_lock:
             self._gone = True
             open_ids = list(self._queues)
             self._unstarted.clear()
         if not self._stopping:
-            log.error("engine process exited (code %s); failing %d open requests",
-                      self._proc.poll(), len(open_ids))
+            log.error("engine process exited (code %s); failing %d open requests", self._code, len(open_ids))
         self._deliver([(rid, self._gone_error()) for rid in open_ids])
 
+    def _exit_code(self) -> int | None:
+        """The core's exit code. Its pipe closes a moment before the kernel reaps it, so wait
+        briefly for the code rather than report None (this runs on the reader thread)."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=EXIT_CODE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
+
     def _gone_error(self) -> EngineUnavailableError:
-        code = self._proc.poll() if self._proc is not None else None
+        code = self._code if self._code is not None else (self._proc.poll() if self._proc is not None else None)
         return EngineUnavailableError(f"engine process exited (code {code})")
