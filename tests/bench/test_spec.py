@@ -109,5 +109,7 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     assert set(rows) == {"eagle/k3", "eagle/auto"}
     for name, row in rows.items():
         assert row["outputs_equal_plain"] == 1, name
-        assert math.isfinite(row["c"]) and row["c"] > 0, (name, row["c"])
+        # a fixed K drafts every step, so its draft cost is measured; auto K may give an untrained
+        # head K = 0 throughout (nothing drafted, c = 0)
+        assert math.isfinite(row["c"]) and (row["c"] > 0 if name == "eagle/k3" else row["c"] >= 0), (name, row["c"])
     print(f"untrained eagle head on the default model: c = {rows['eagle/k3']['c']} of a decode step per draft round")
