@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, run_ours
+from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, position_counts, run_ours
 from cluster.common.prompt_rows import read_prompt_rows
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
@@ -187,14 +187,7 @@ def _phase_ms(got: list[dict], wall: float) -> dict | None:
 
 
 def _per_position(runs) -> list[float | None]:
-    acc, drafted = [], []
-    for r in runs:
-        for i, (a, d) in enumerate(zip(r.accepted_per_position, r.drafted_per_position)):
-            while len(acc) <= i:
-                acc.append(0)
-                drafted.append(0)
-            acc[i] += a
-            drafted[i] += d
+    acc, drafted = position_counts(runs)
     return [_r(a / d, 3) if d else None for a, d in zip(acc, drafted)]
 
 

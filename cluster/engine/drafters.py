@@ -3,8 +3,8 @@ or — when segments have drafters of their own (``SpecConfig.segments``) — th
 drafter configured as one segment-routed portfolio (``PortfolioProposer`` with ``SegmentRoutes``:
 each sequence drafts with its segment's drafter, segments without one with the global drafter).
 
-Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio, layer skip, draft model with its
-vocabulary check), the per-segment union (each distinct drafter built once, a failure naming the
+Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio — with the shipped EAGLE head as a
+member when it fits the target —, eagle, layer skip, draft model with its vocabulary check), the per-segment union (each distinct drafter built once, a failure naming the
 segments that asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
 any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment
 drafters are refused there by the app config), K, verification.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from cluster.common.config import EngineConfig, SpecConfig
 from cluster.common.errors import ModelLoadError
 from cluster.speculative.proposer import (
-    MODEL_FREE, DrafterKind, DrafterChoice, LocalModelProposer, Proposer, parse_drafter_choice,
+    MODEL_FREE, SHIPPED_EAGLE_HEAD, DrafterKind, DrafterChoice, LocalModelProposer, Proposer, parse_drafter_choice,
 )
 
 
@@ -56,9 +56,7 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
 
         return SuffixProposer()
     if choice.kind is DrafterKind.PORTFOLIO:
-        from cluster.speculative.portfolio import default_portfolio
-
-        return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens)
+        return build_portfolio(spec_cfg, model)
     if choice.kind is DrafterKind.EAGLE:
         from cluster.speculative.eagle import EagleProposer
 
@@ -72,6 +70,34 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
         n = model.runner.model.arch.num_layers
         return LayerSkipProposer(model.runner, choice.self_layers or default_self_layers(n))
     return build_draft_model_proposer(choice.model, spec_cfg, config, model.tokenizer)
+
+
+def build_portfolio(spec_cfg: SpecConfig, model) -> Proposer:
+    """``portfolio``: n-gram and suffix drafting, plus the EAGLE head shipped for the default model
+    (member ``eagle``) when this target is the one it was trained for — a costly member, drafting
+    only when chosen, at its draft-cost prior until measured."""
+    from cluster.speculative.portfolio import Member, default_portfolio
+
+    extra = []
+    if shipped_head_fits(model):
+        from cluster.speculative.eagle import EagleProposer
+
+        eagle = EagleProposer.from_dir(SHIPPED_EAGLE_HEAD, model.runner)
+        extra.append(Member("eagle", eagle, draft_cost_ratio(eagle, model.runner) or 0.1))
+    return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra)
+
+
+def shipped_head_fits(model) -> bool:
+    """Whether the shipped EAGLE head was trained for ``model`` (a loaded target) and it runs natively."""
+    import json
+
+    from cluster.models.runner import ModelRunner
+    from cluster.speculative.eagle_head import CONFIG_FILE, EagleConfig, target_identity
+
+    path = SHIPPED_EAGLE_HEAD / CONFIG_FILE
+    if not isinstance(getattr(model, "runner", None), ModelRunner) or not path.is_file():
+        return False
+    return EagleConfig.from_json(json.loads(path.read_text())).target == target_identity(model.runner.model)
 
 
 def build_draft_model_proposer(draft_source: str, spec_cfg: SpecConfig, config: EngineConfig,

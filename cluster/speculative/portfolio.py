@@ -238,10 +238,12 @@ class PortfolioProposer:
                 self._stats[name].accepted_tokens += accepted
 
 
-def default_portfolio(ngram_min: int = 1, ngram_max: int = 4, horizon: int = 6) -> PortfolioProposer:
-    """The model-free portfolio (``--draft portfolio``): n-gram prompt lookup and suffix drafting."""
+def default_portfolio(ngram_min: int = 1, ngram_max: int = 4, horizon: int = 6,
+                      extra: list[Member] | tuple[Member, ...] = ()) -> PortfolioProposer:
+    """``--draft portfolio``: n-gram prompt lookup and suffix drafting, then ``extra`` members (the
+    engine adds an EAGLE head trained for its target: ``cluster.engine.drafters.build_portfolio``)."""
     from cluster.speculative.ngram import NgramProposer
     from cluster.speculative.suffix import SuffixProposer
 
     return PortfolioProposer([Member("ngram", NgramProposer(ngram_min, ngram_max)),
-                              Member("suffix", SuffixProposer())], horizon=horizon)
+                              Member("suffix", SuffixProposer()), *extra], horizon=horizon)

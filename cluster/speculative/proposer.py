@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the protocols load without torch (the fake engine reads them)
@@ -127,6 +128,11 @@ EAGLE_SHARED_ONLY = ("the eagle drafter runs only in placement 'shared' (in-proc
                      "for now: a DraftServer gets no target features over KVSync")
 
 
+# the head shipped for the default model (SmolLM2-135M-Instruct): drafter ``eagle``; its README.md
+# gives the command that made it. Any other target refuses it (target fingerprint).
+SHIPPED_EAGLE_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-instruct"
+
+
 def is_eagle_choice(s: str | None) -> bool:
     low = (s or "").strip().lower()
     return low == "eagle" or low.startswith("eagle:")
@@ -136,8 +142,8 @@ MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # v
 
 
 def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
-    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "eagle:DIR" (a head made by
-    ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
+    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "eagle" (the head shipped for the
+    default model) | "eagle:DIR" (a head made by ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
 
     >>> parse_drafter_choice("self:4")
     DrafterChoice(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
@@ -155,8 +161,10 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
     if low == "self":
         return DrafterChoice(DrafterKind.SELF)
     if low == "eagle":
-        raise ValueError("drafter 'eagle': no head is shipped for the default model yet; train one with "
-                         "`specserve train-draft --out DIR` and use 'eagle:DIR'")
+        if not (SHIPPED_EAGLE_HEAD / "eagle_config.json").is_file():
+            raise ValueError(f"drafter 'eagle': the shipped head ({SHIPPED_EAGLE_HEAD}) is missing; train one "
+                             "with `specserve train-draft --out DIR` and use 'eagle:DIR'")
+        return DrafterChoice(DrafterKind.EAGLE, model=str(SHIPPED_EAGLE_HEAD))
     if low.startswith("eagle:"):
         head_dir = text[len("eagle:"):].strip()
         if not head_dir:

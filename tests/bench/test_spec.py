@@ -85,6 +85,37 @@ def test_summarize_row_predicts_from_alpha_not_acceptance_rate():
     assert row["speedup"] == 2.0
 
 
+def test_alpha_by_position_is_conditional_and_exact_only_where_every_draft_reaches_the_position():
+    """Fixed K = 3, 10 drafts: 8 accept token 1, 4 of those token 2, 1 token 3 -> α = 0.8, 0.5,
+    0.25. Auto K (drafts of mixed lengths) gives position 1 alone."""
+    run = bench_spec.Run(1.0, 0, [])
+    run.accepted_per_position, run.drafted_per_position = [8, 4, 1], [10, 10, 10]
+    assert bench_spec.alpha_by_position([run], fixed=True) == [0.8, 0.5, 0.25]
+    assert bench_spec.alpha_by_position([run], fixed=False) == [0.8]
+    assert bench_spec.alpha_by_position([bench_spec.Run(1.0, 0, [])], fixed=True) == []
+
+
+def test_drafter_goals_are_ratios_to_ngram_in_the_same_run():
+    def row(speedup, alpha=None):
+        return {"speedup": speedup, "alpha_by_position": alpha or []}
+
+    segments = {
+        "chat": {"ngram/auto": row(1.0), "portfolio/auto": row(1.3), "eagle/k3": row(1.2, [0.65, 0.5])},
+        "json": {"ngram/auto": row(1.2), "portfolio/auto": row(1.44)},
+        "code": {"ngram/auto": row(1.0), "portfolio/auto": row(1.05)},
+        "edit": {"ngram/auto": row(2.0), "portfolio/auto": row(1.9)},
+    }
+    g = bench_spec.drafter_goals(segments)
+    assert g["portfolio_over_ngram"]["measured"] == {"chat": 1.3, "json": 1.2, "code": 1.05, "edit": 0.95}
+    assert set(g["portfolio_over_ngram"]["failing"]) == {"json", "code", "edit"}
+    assert not g["portfolio_over_ngram"]["pass"]
+    assert g["eagle_alpha_position_1_chat"] == {"goal": g["eagle_alpha_position_1_chat"]["goal"],
+                                                "measured": {"eagle/k3": 0.65}, "pass": True}
+    segments["chat"]["eagle/k3"] = row(1.2, [0.55])
+    assert not bench_spec.drafter_goals(segments)["eagle_alpha_position_1_chat"]["pass"]
+    assert bench_spec.drafter_goals({"chat": {"ngram/auto": row(1.0)}}) == {}  # rows not run: no goal
+
+
 def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     """An ``eagle:DIR`` head (untrained: the target's own LM-head rows, random layer) gets fixed
     and auto K rows on the default model, lossless, with its draft cost c measured."""

@@ -14,7 +14,9 @@ from cluster.engine.speculation import build_spec_controller
 from cluster.models.load import load_model
 from cluster.speculative.eagle import EagleProposer
 from cluster.speculative.eagle_head import EagleConfig, EagleHead, EagleTargetMismatch, save_head
-from cluster.speculative.proposer import EAGLE_SHARED_ONLY, DrafterKind, parse_drafter_choice
+from cluster.speculative.proposer import (
+    EAGLE_SHARED_ONLY, DrafterChoice, DrafterKind, parse_drafter_choice,
+)
 from tests.conftest import make_tiny_model_dir
 from tests.engine.helpers import run_to_completion
 from tests.reference import HFReference, check_greedy_match
@@ -115,9 +117,12 @@ def test_sampled_and_seeded_requests_verify_their_q(tiny, head_dir):
         assert got[rid]["ids"] == res["ids"], rid
 
 
-def test_drafter_choice_is_parsed_and_refused_where_it_cannot_run(tiny, head_dir, tmp_path):
+def test_drafter_choice_is_parsed_and_refused_where_it_cannot_run(tiny, head_dir, tmp_path, monkeypatch):
     assert parse_drafter_choice(f"eagle:{head_dir}").kind is DrafterKind.EAGLE
-    with pytest.raises(ValueError, match="no head is shipped"):
+    monkeypatch.setattr("cluster.speculative.proposer.SHIPPED_EAGLE_HEAD", head_dir)
+    assert parse_drafter_choice("eagle") == DrafterChoice(DrafterKind.EAGLE, model=str(head_dir))
+    monkeypatch.setattr("cluster.speculative.proposer.SHIPPED_EAGLE_HEAD", tmp_path / "none")
+    with pytest.raises(ValueError, match="shipped head .* is missing"):
         parse_drafter_choice("eagle")
     with pytest.raises(ValueError, match="eagle:DIR"):
         parse_drafter_choice("eagle:")
@@ -139,6 +144,28 @@ def test_drafter_choice_is_parsed_and_refused_where_it_cannot_run(tiny, head_dir
         engine(other, f"eagle:{head_dir}")
     with pytest.raises(Exception, match="not an EAGLE head directory"):
         engine(tiny[1], f"eagle:{tmp_path}")
+
+
+def test_portfolio_holds_the_eagle_head_trained_for_its_target(tiny, head_dir, tmp_path, monkeypatch):
+    """``portfolio`` adds the shipped head as member ``eagle`` when it was trained for the target
+    (here a head for the tiny model stands in for the shipped one): it drafts for some steps, the
+    output equals plain decoding, its state is freed; another target's portfolio leaves it out."""
+    monkeypatch.setattr("cluster.engine.drafters.SHIPPED_EAGLE_HEAD", head_dir)
+    _, model = tiny
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    eng = engine(model, "portfolio", "auto")
+    members = {m.name: m for m in eng.spec.proposer.members}
+    assert list(members) == ["ngram", "suffix", "eagle"]
+    assert isinstance(members["eagle"].proposer, EagleProposer) and 0 < members["eagle"].cost < 1
+    got = run_to_completion(eng, requests(params))
+    for rid in plain:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert eng.spec.proposer.drafter_stats()["eagle"]["steps"] > 0
+    assert not members["eagle"].proposer._seqs
+    other_path = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny[0], num_hidden_layers=3)
+    other = load_model(str(other_path), EngineConfig(model=str(other_path)))
+    assert [m.name for m in engine(other, "portfolio", "auto").spec.proposer.members] == ["ngram", "suffix"]
 
 
 def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
