@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster.api.requests import Limits
 from cluster.common.config import MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig
 from cluster.routing.policy import RouterConfig
-from cluster.speculative.proposer import EAGLE_SHARED_ONLY, is_eagle_choice
 
 
 class Placement(str, enum.Enum):
@@ -192,7 +191,7 @@ class EngineImpl(_Strict):
 class AppConfig(_Strict):
     model: str = "default"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | eagle:DIR (shared only) | a draft model source | none
+    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | eagle:DIR | a draft model source | none
     num_draft_tokens: int | Literal["auto"] = "auto"
     force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED
@@ -217,8 +216,6 @@ class AppConfig(_Strict):
         if self.placement is Placement.SEPARATE and not self.speculative:
             raise ValueError("placement 'separate' needs a drafter (got drafter='none')")
         self._check_segment_engine_settings()
-        if self.placement is Placement.SEPARATE and is_eagle_choice(self.drafter):
-            raise ValueError(EAGLE_SHARED_ONLY)
         return self
 
     def _check_segment_engine_settings(self) -> None:

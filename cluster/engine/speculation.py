@@ -43,7 +43,8 @@ from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import (
-    ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft, parse_drafter_choice,
+    ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft, TargetFeatureReader,
+    parse_drafter_choice,
 )
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
@@ -439,6 +440,8 @@ def build_spec_controller(config: EngineConfig, model, proposer: Proposer | None
                              "(placement 'separate' serves the global drafter only)")
         if isinstance(proposer, RemoteDraft) and proposer.expected_vocab_size is None:  # q must be this wide
             proposer.expected_vocab_size = model.runner.vocab_size
+        if isinstance(proposer, TargetFeatureReader):  # a remote EAGLE head reads this target's features
+            proposer.attach_target(model.runner)
         prior = draft_cost_ratio(proposer, model.runner)
     gate = MoeGate.for_config(model.hf_config, validated=spec_cfg.moe_validated,
                               min_draft_tokens=spec_cfg.moe_min_draft_tokens)

@@ -13,7 +13,14 @@ or non-speculating engine) are sent by a background thread (``flush_releases`` s
 never a synchronous RPC inside a step. Every call carries the bearer token (when auth is on) and this engine's
 caller name; the channel uses TLS when certificates are configured. After a connection failure it
 stays quiet for ``retry_after_s`` and then reconnects (possibly to a new address set by
-``set_address``: the DraftServer replica moved).
+``set_address``: the DraftServer replica moved). It speaks KVSync ``PROTOCOL_VERSION``; for a
+DraftServer whose drafter reads the target's features (Info names ``feature_layers``: an EAGLE
+head) it checks the head's target and width against this engine's target, has its
+``FeatureBuffer`` (the tap ``attach_target`` installs on the target runner) record those layers,
+and sends with each sequence's tokens the features of the committed positions the server lacks
+(all of them on a resync); a sequence without features from position 0 (prefilled before the
+server named its layers: Info is asked on attach and on a new address, not only at the first
+propose) is not drafted.
 Ignores: verification, adaptive K, which drafter the server runs.
 """
 from __future__ import annotations
@@ -32,7 +39,7 @@ from cluster.api.auth import bearer_metadata
 from cluster.common.errors import VocabularyMismatchError
 from cluster.kvsync.budget import DraftBudget
 from cluster.kvsync.limits import KVSyncLimits
-from cluster.kvsync.server import CALLER_METADATA
+from cluster.kvsync.server import CALLER_METADATA, PROTOCOL_VERSION
 from cluster.kvsync.tls import KVSyncTLS
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput
@@ -56,9 +63,10 @@ class RemoteProposer:
                  retry_after_s: float = 1.0, expected_vocab_size: int | None = None,
                  token: str | None = None, tls: KVSyncTLS | None = None,
                  budget: DraftBudget | None = None, limits: KVSyncLimits | None = None,
-                 release_idle_s: float = 0.5) -> None:
+                 release_idle_s: float = 0.5, feature_dtype: str = "bfloat16") -> None:
         """timeout_s: the longest a propose may take (the budget's cap); budget: how long it may
-        take given the measured step time (default: ``DraftBudget(cap_s=timeout_s)``)."""
+        take given the measured step time (default: ``DraftBudget(cap_s=timeout_s)``);
+        feature_dtype: how target features travel (float32, float16 or bfloat16)."""
         if timeout_s <= 0 or retry_after_s < 0 or release_idle_s <= 0:
             raise ValueError("timeout_s and release_idle_s must be > 0 and retry_after_s >= 0")
         self.timeout_s = timeout_s
@@ -67,6 +75,9 @@ class RemoteProposer:
         self.expected_vocab_size = expected_vocab_size
         self.budget = budget or DraftBudget(cap_s=timeout_s, floor_s=min(0.02, timeout_s))
         self.limits = limits or KVSyncLimits()
+        self.feature_dtype = feature_dtype
+        self._features = None  # FeatureBuffer on the target runner (attach_target)
+        self._channel_feature_width = 0  # feature width the channel's message limits allow
         self._token = token
         self._tls = tls or KVSyncTLS()
         self.caller = uuid.uuid4().hex  # this engine's namespace on the server
@@ -84,6 +95,7 @@ class RemoteProposer:
         self._flusher: threading.Thread | None = None  # started by the first release
         self._stop = threading.Event()
         self._down_until = 0.0
+        self._refused = ""  # why the last connect was refused (shown while it stays down)
         self._lock = threading.RLock()
         self.num_resyncs = 0  # sequences whose full prefix was resent
         self.num_epoch_changes = 0
@@ -94,7 +106,7 @@ class RemoteProposer:
     def __getstate__(self) -> dict:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
         connection, the lock and what the server holds are not carried."""
-        local = ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop")
+        local = ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop", "_features")
         state = {k: v for k, v in self.__dict__.items() if k not in local}
         state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
                      _unsure=set())
@@ -104,8 +116,35 @@ class RemoteProposer:
         self.__dict__.update(state)
         self._channel = self._stub = None
         self._confirmed = False
+        self._features = None  # attach_target installs one on the runner of this process
         self._lock = threading.RLock()
         self._flusher, self._stop = None, threading.Event()
+
+    def attach_target(self, runner) -> None:
+        """Install this proposer's feature tap on the target runner (``TargetFeatureReader``); it
+        records nothing until a DraftServer asks for features. A runner without a feature tap (not
+        the native Llama runner) gets none: a feature-reading DraftServer is then refused."""
+        if not hasattr(runner, "feature_tap"):
+            return
+        if runner.feature_tap is not None:
+            raise ValueError("the target runner already feeds another feature tap")
+        from cluster.kvsync.features import FeatureBuffer
+        from cluster.speculative.eagle_head import target_identity
+
+        self._features = FeatureBuffer(runner.model.arch.hidden_size,
+                                       target_identity(runner.model).fingerprint, self.feature_dtype)
+        runner.feature_tap = self._features
+        if self._address:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Ask Info now (engine start, new address), not at the first propose: sequences prefilled
+        before the server named its feature layers have no features to draft from."""
+        with self._lock:
+            try:
+                self._connect(time.monotonic() + self.timeout_s)
+            except DraftUnavailableError:
+                pass  # logged where refused; the next propose retries
 
     @property
     def resyncs(self) -> int:  # the name the engine's stats read
@@ -126,6 +165,8 @@ class RemoteProposer:
                 self._address = address
                 self._disconnect()
                 self._down_until = 0.0
+                if address and self._features is not None:  # off the caller's thread (a step may wait)
+                    threading.Thread(target=self._probe, name="kvsync-info", daemon=True).start()
 
     def _disconnect(self) -> None:
         if self._channel is not None:
@@ -141,7 +182,8 @@ class RemoteProposer:
             return DraftUnavailableError(f"draft server {self._address} gave no answer within the "
                                          f"step's budget; this step runs without drafts")
         if isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
-                                                             grpc.StatusCode.INVALID_ARGUMENT):
+                                                             grpc.StatusCode.INVALID_ARGUMENT,
+                                                             grpc.StatusCode.FAILED_PRECONDITION):
             log.error("draft server %s refused KVSync (%s: %s): check auth.token_env, the kvsync "
                       "section and num_draft_tokens on both sides", self._address, exc.code().name, exc.details())
         self._disconnect()
@@ -162,7 +204,8 @@ class RemoteProposer:
 
     def _open_channel(self) -> grpc.Channel:
         vocab = self.expected_vocab_size or _UNKNOWN_VOCAB
-        options = [("grpc.max_send_message_length", self.limits.request_bytes),
+        sends = dataclasses.replace(self.limits, feature_width=self._channel_feature_width)
+        options = [("grpc.max_send_message_length", sends.request_bytes),
                    ("grpc.max_receive_message_length",
                     dataclasses.replace(self.limits, vocab_size=vocab).response_bytes)]
         return self._tls.open_channel(self._address, options)
@@ -174,14 +217,11 @@ class RemoteProposer:
             raise DraftUnavailableError("no draft server address")
         if self._channel is None:
             if time.monotonic() < self._down_until:
-                raise DraftUnavailableError(f"draft server {self._address} down; retrying later")
-            self._channel = self._open_channel()
-            if tracing_enabled():  # CLIENT spans + traceparent in metadata; no wrapper when tracing is off
-                self._channel = grpc.intercept_channel(self._channel, *client_interceptors())
-            self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
+                raise DraftUnavailableError(f"draft server {self._address} down; retrying later{self._refused}")
+            self._new_channel()
         try:
-            info = self._stub.Info(stubs.kvsync_pb2().InfoRequest(), timeout=self._left(deadline),
-                                   metadata=self._metadata())
+            info = self._stub.Info(stubs.kvsync_pb2().InfoRequest(protocol_version=PROTOCOL_VERSION),
+                                   timeout=self._left(deadline), metadata=self._metadata())
         except grpc.RpcError as exc:
             # late: the channel keeps connecting (TCP, TLS) in the background and the next step
             # asks again; anything else: dropped, and retried after retry_after_s
@@ -189,17 +229,51 @@ class RemoteProposer:
         if (self.expected_vocab_size is not None and info.vocab_size  # 0: a vocabulary-agnostic drafter
                 and info.vocab_size != self.expected_vocab_size):
             raise self._vocab_mismatch(f"draft server vocabulary has {info.vocab_size} tokens")
+        self._take_feature_request(info)
+        if info.feature_width != self._channel_feature_width:  # message limits for its feature rows
+            self._channel_feature_width = info.feature_width
+            self._channel.close()
+            self._new_channel()
         self._set_epoch(info.epoch)
         self._confirmed = True
+        self._refused = ""
+
+    def _new_channel(self) -> None:
+        self._channel = self._open_channel()
+        if tracing_enabled():  # CLIENT spans + traceparent in metadata; no wrapper when tracing is off
+            self._channel = grpc.intercept_channel(self._channel, *client_interceptors())
+        self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
+
+    def _take_feature_request(self, info) -> None:
+        """Record the layers a feature-reading drafter asks for, or refuse it: this engine's target
+        gives no features, or the head was trained for another target."""
+        layers = tuple(info.feature_layers)
+        if not layers:
+            if self._features is not None:
+                self._features.want(())
+            return
+        if self._features is None:
+            raise self._refuse(DraftUnavailableError, f"draft server runs {info.drafter!r}, which reads the target's "
+                               f"features, but this engine's target runner gives none (not the native runner)")
+        if info.feature_target and info.feature_target != self._features.fingerprint:
+            raise self._refuse(DraftUnavailableError, f"draft server runs {info.drafter!r}, trained for target "
+                               f"{info.feature_target}; this engine's target is {self._features.fingerprint}")
+        if info.feature_width != len(layers) * self._features.hidden_size:
+            raise self._refuse(DraftUnavailableError, f"draft server reads {info.feature_width} feature values per "
+                               f"position; this target gives {len(layers)} x {self._features.hidden_size}")
+        self._features.want(layers)
 
     def _vocab_mismatch(self, what: str) -> RemoteVocabularyMismatchError:
+        return self._refuse(RemoteVocabularyMismatchError, f"{what}, target has {self.expected_vocab_size}")
+
+    def _refuse(self, cls: type[DraftUnavailableError], what: str) -> DraftUnavailableError:
         self.num_failures += 1
         self._disconnect()
         self._down_until = time.monotonic() + self.retry_after_s
-        msg = (f"{what}, target has {self.expected_vocab_size}: refused, the engine decodes without "
-               f"speculation (draft server {self._address})")
+        msg = f"{what}: refused, the engine decodes without speculation (draft server {self._address})"
+        self._refused = f" (refused: {what})"
         log.error("%s", msg)
-        return RemoteVocabularyMismatchError(msg)
+        return cls(msg)
 
     def _set_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
@@ -224,14 +298,23 @@ class RemoteProposer:
         params = pb2.DraftSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         if p.seed is not None:
             params.seed = p.seed
-        return pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new,
-                              num_draft_tokens=min(inp.num_draft_tokens, self.limits.max_draft_tokens),
-                              params=params, segment=inp.segment)
+        seq = pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new,
+                             num_draft_tokens=min(inp.num_draft_tokens, self.limits.max_draft_tokens),
+                             params=params, segment=inp.segment)
+        # features the server lacks: it holds [0, base - 1) (sent with the tokens it holds), and
+        # the last committed token's has not been computed yet
+        start, end = max(base - 1, 0), len(tokens) - 1
+        if self._wants_features() and end > start:
+            seq.features.CopyFrom(self._features.encode(inp.seq_id, start, end))
+        return seq
+
+    def _wants_features(self) -> bool:
+        return self._features is not None and bool(self._features.feature_layers)
 
     def _call(self, inputs: list[ProposeInput], full: bool, deadline: float, releases=()):
         pb2 = stubs.kvsync_pb2()
         req = pb2.ProposeRequest(epoch=self._epoch, seqs=[self._seq_pb(i, full) for i in inputs],
-                                 release_seq_ids=list(releases))
+                                 release_seq_ids=list(releases), protocol_version=PROTOCOL_VERSION)
         try:
             return self._stub.Propose(req, timeout=self._left(deadline), metadata=self._metadata())
         except (grpc.RpcError, DraftUnavailableError) as exc:
@@ -253,6 +336,11 @@ class RemoteProposer:
             deadline = self._last_propose + self.budget.seconds
             self.last_resynced = set()
             self._connect(deadline)
+            every = inputs
+            if self._wants_features():  # those without features from position 0 cannot be drafted
+                inputs = [i for i in every if self._features.covers(i.seq_id, len(i.token_ids) - 1)]
+                if not inputs:
+                    return DraftProposal(draft_token_ids=[[] for _ in every], draft_probs=[None for _ in every])
             resp = self._call(inputs, full=False, deadline=deadline, releases=self._take_releases())
             if resp.status == pb2.BATCH_STATUS_EPOCH_MISMATCH:  # the server restarted
                 self._set_epoch(resp.epoch)  # marks the tracked sequences lost (counted below)
@@ -277,8 +365,12 @@ class RemoteProposer:
                 by_id.update({s.seq_id: s for s in again.seqs})
             tokens: list[list[int]] = []
             probs: list = []
-            for inp in inputs:
-                s = by_id[inp.seq_id]
+            for inp in every:
+                s = by_id.get(inp.seq_id)
+                if s is None:  # not sent: no features to draft from
+                    tokens.append([])
+                    probs.append(None)
+                    continue
                 if s.status != pb2.SEQ_STATUS_OK:
                     self._sent.pop(inp.seq_id, None)
                     tokens.append([])
@@ -308,6 +400,8 @@ class RemoteProposer:
         """Queue ``seq_id`` for release: sent with the next propose (or ``flush_releases``)."""
         with self._lock:
             self._lost.discard(seq_id)
+            if self._features is not None:
+                self._features.forget(seq_id)
             held = self._sent.pop(seq_id, None) is not None
             if held or seq_id in self._unsure:
                 self._unsure.discard(seq_id)

@@ -2,6 +2,9 @@
 without a target engine next to them.
 
 Owns: ``build_remote_proposer`` -> (proposer, vocabulary size) for the model drafters.
+``EAGLE``: the head (checked against the target it was trained for) over the target's embedding;
+the target's features of the committed tokens come with each Propose (``cluster.kvsync.features``)
+and feed the head's ``record`` on the server (``cluster.kvsync.server``).
 ``DRAFT_MODEL``: load the draft model (own runner, own KV pool), check its tokenizer against the
 target's (``require_vocab_compatible``, refused unless forced), optional trimmed LM head.
 ``SELF``: layer skip without the target's KV. In the shared placement layer skip reads the
@@ -24,7 +27,7 @@ from cluster.models.llama import LlamaModel
 from cluster.models.runner import ModelRunner
 from cluster.speculative.draft_model import DraftModelProposer, TrimmedHead, frequent_ids
 from cluster.speculative.layer_skip import default_self_layers
-from cluster.speculative.proposer import EAGLE_SHARED_ONLY, DrafterChoice, DrafterKind, Proposer
+from cluster.speculative.proposer import DrafterChoice, DrafterKind, Proposer
 
 _MIN_BLOCKS = 2  # KV pool of a model loaded only for its weights (the draft gets its own pool)
 
@@ -63,7 +66,12 @@ def build_remote_proposer(choice: DrafterChoice, target_model: str, dtype: str, 
     process that holds the target anyway); it is not modified.
     """
     if choice.kind is DrafterKind.EAGLE:
-        raise ValueError(EAGLE_SHARED_ONLY)
+        from cluster.speculative.eagle import EagleProposer
+
+        # the head reads the target's embedding (and is checked against the target's identity);
+        # its features arrive over KVSync, so this runner over the target weights never runs
+        runner = ModelRunner(_target_llama(target, target_model, dtype, block_size), _MIN_BLOCKS, block_size)
+        return EagleProposer.from_dir(choice.model, runner), runner.vocab_size
     if choice.kind is DrafterKind.SELF:
         model = _target_llama(target, target_model, dtype, block_size)
         proposer = self_draft_proposer(model, choice.self_layers, block_size=block_size,
@@ -85,7 +93,7 @@ def build_remote_proposer(choice: DrafterChoice, target_model: str, dtype: str, 
         if draft_vocab_trim:
             trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, draft_vocab_trim))
         return DraftModelProposer(draft.runner, trimmed), draft.runner.vocab_size
-    raise ValueError(f"build_remote_proposer builds model drafters (draft model, self), "
+    raise ValueError(f"build_remote_proposer builds model drafters (draft model, self, eagle), "
                      f"not {choice.kind.value}")
 
 
@@ -97,7 +105,7 @@ def _target_llama(target, target_model: str, dtype: str, block_size: int) -> Lla
         target = load_model(target_model, EngineConfig(model=target_model, dtype=dtype,
                                                        block_size=block_size), num_blocks=_MIN_BLOCKS)
     if not isinstance(target.runner, ModelRunner):
-        raise ModelLoadError("the self (layer-skip) drafter needs a Llama-family target")
+        raise ModelLoadError("the self (layer-skip) and eagle drafters need a Llama-family target")
     return target.runner.model
 
 

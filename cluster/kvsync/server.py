@@ -8,8 +8,12 @@ are refused with INVALID_ARGUMENT before any state changes), per-caller namespac
 eviction past ``max_sequences`` per caller, dropping requests whose deadline passed while they
 waited (a resumed server does not chew through a backlog nobody waits for), the draft's own
 sampling seed (derived from the request's seed with a fixed salt, so drafting and the engine's
-acceptance test never share one random stream) — and starting a ``grpc.Server`` for it with the
-bearer-token check, TLS and message size limits.
+acceptance test never share one random stream), the protocol version, and for a drafter that
+reads the target's features (``feature_layers``: an EAGLE head) the positions of each sequence
+whose features it holds — features of a Propose go to its ``record`` after the tokens are
+applied; a version-1 caller is refused with FAILED_PRECONDITION and a sequence that asks for
+drafts without the features of its committed positions but the last with INVALID_ARGUMENT —
+and starting a ``grpc.Server`` for it with the bearer-token check, TLS and message size limits.
 The wrapped proposer keeps its own KV state and is told the full committed token list each call
 (its contract), so it rolls back exactly what the server's state implies.
 Ignores: Ray (the DraftServer deployment wraps this), which drafter runs (draft model, layer skip,
@@ -44,6 +48,8 @@ from cluster.telemetry.tracing import add_event
 log = logging.getLogger(__name__)
 
 CALLER_METADATA = "kvsync-caller"  # a caller's stable name (RemoteProposer: one per instance)
+PROTOCOL_VERSION = 2  # 1: tokens only; 2: + target features (protos/specserve/v1/kvsync.proto)
+FEATURES_VERSION = 2  # the first version that carries target features
 _DRAFT_SEED_SALT = b"specserve/kvsync/draft"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -77,14 +83,20 @@ class DraftServerCore:
         self.vocab_size = vocab_size
         self.drafter = drafter
         self.vocab_hash = vocab_hash
-        # limits: what callers may ask (``max_sequences`` only applies without them); the q width is
-        # this drafter's vocabulary whatever the caller's limits said
+        # a drafter that reads the target's features (EAGLE head): the layers, values per position
+        # and the target it was trained for, as Info tells the caller
+        self.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
+        self.feature_width = int(getattr(proposer, "feature_width", 0)) if self.feature_layers else 0
+        self.feature_target = str(getattr(proposer, "target_fingerprint", "")) if self.feature_layers else ""
+        # limits: what callers may ask (``max_sequences`` only applies without them); the q and
+        # feature widths are this drafter's whatever the caller's limits said
         self.limits = dataclasses.replace(limits or KVSyncLimits(max_sequences=max_sequences),
-                                          vocab_size=vocab_size)
+                                          vocab_size=vocab_size, feature_width=self.feature_width)
         self.epoch = secrets.randbits(63) or 1  # new on every start: restarts are detectable
         # caller -> (seq id -> committed tokens), both least recently used first
         self._callers: OrderedDict[str, OrderedDict[str, list[int]]] = OrderedDict()
         self._generators: dict[str, object] = {}  # keyed like the wrapped proposer: caller/seq id
+        self._features: dict[str, int] = {}  # caller/seq id -> positions [0, n) whose features are held
         self._lock = threading.Lock()  # the wrapped proposer is not assumed thread-safe
         self.num_resyncs_requested = 0
         self.num_expired = 0  # requests dropped because their deadline passed while waiting
@@ -116,6 +128,7 @@ class DraftServerCore:
             return False
         key = self._key(caller, seq_id)
         self._generators.pop(key, None)
+        self._features.pop(key, None)
         self.proposer.release(key)
         return True
 
@@ -139,6 +152,12 @@ class DraftServerCore:
     def _check(self, request) -> None:
         """Refuse a request past the limits as a whole, before any state changes."""
         lim = self.limits
+        if self.feature_width and request.protocol_version < FEATURES_VERSION:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"this DraftServer runs {self.drafter or 'a drafter'} that reads the target's "
+                               f"features (layers {list(self.feature_layers)}); the caller speaks KVSync protocol "
+                               f"version {request.protocol_version or 1}, which carries none: upgrade the "
+                               f"SpecEngine to version {PROTOCOL_VERSION}")
         if len(request.seqs) > lim.max_batch or len(request.release_seq_ids) > lim.max_batch:
             raise ServiceError(_INVALID, f"at most {lim.max_batch} sequences per call "
                                          f"(got {len(request.seqs)}, releasing {len(request.release_seq_ids)})")
@@ -160,6 +179,56 @@ class DraftServerCore:
                 raise ServiceError(_INVALID, f"sequence {s.seq_id!r} has token ids outside [0, {self.vocab_size})")
             if any(t < 0 for t in s.new_tokens):
                 raise ServiceError(_INVALID, f"sequence {s.seq_id!r} has negative token ids")
+            if s.HasField("features"):
+                self._check_feature_rows(s)
+
+    def _check_feature_rows(self, s) -> None:
+        from cluster.kvsync.features import check_features
+
+        if not self.feature_width:
+            raise ServiceError(_INVALID, f"sequence {s.seq_id!r} carries target features; this drafter reads none")
+        try:
+            check_features(s.features, self.feature_width)
+        except ValueError as exc:
+            raise ServiceError(_INVALID, f"sequence {s.seq_id!r}: {exc}") from None
+        if s.features.start_pos + s.features.num_positions > s.base_len + len(s.new_tokens):
+            raise ServiceError(_INVALID, f"sequence {s.seq_id!r} has features past its committed tokens")
+
+    def _check_feature_coverage(self, request, caller: str) -> None:
+        """Refuse, before any state changes, a sequence that asks for drafts while the features of
+        its committed positions but the last are not all held (held rows stay contiguous from 0)."""
+        seqs = self._callers.get(caller, {})
+        released = set(request.release_seq_ids)
+        for s in request.seqs:
+            have = 0
+            if s.base_len:
+                held = None if s.seq_id in released else seqs.get(s.seq_id)
+                if held is None or len(held) < s.base_len:
+                    continue  # answered RESYNC
+                have = min(self._features.get(self._key(caller, s.seq_id), 0), s.base_len)
+            if s.HasField("features"):
+                if s.features.start_pos > have:
+                    raise ServiceError(_INVALID, f"sequence {s.seq_id!r}: features start at position "
+                                                 f"{s.features.start_pos} but only [0, {have}) are held")
+                have = max(have, s.features.start_pos + s.features.num_positions)
+            needed = s.base_len + len(s.new_tokens) - 1
+            if s.num_draft_tokens > 0 and have < needed:
+                raise ServiceError(_INVALID, f"sequence {s.seq_id!r} asks for drafts with target features of "
+                                             f"positions [0, {have}); this drafter needs [0, {needed}) "
+                                             f"(every committed position but the last)")
+
+    def _record_features(self, key: str, s, held: list[int]) -> None:
+        """Hand the Propose's feature rows of this sequence to the drafter; track what it holds."""
+        have = min(self._features.get(key, 0), s.base_len)  # rows past the rollback are stale
+        if s.HasField("features"):
+            from cluster.kvsync.features import decode_features
+            from cluster.models.runner import SeqChunk
+
+            f = s.features
+            end = f.start_pos + f.num_positions
+            self.proposer.record([SeqChunk(key, held[f.start_pos:end], f.start_pos, 0)], decode_features(f))
+            have = max(have, end)
+        self._features[key] = have
 
     @staticmethod
     def _params(seq) -> SamplingParams:
@@ -211,6 +280,8 @@ class DraftServerCore:
         self._check(request)
         params = [self._params(s) for s in request.seqs]
         with self._locked(time_left):
+            if self.feature_width:
+                self._check_feature_coverage(request, caller)
             for seq_id in request.release_seq_ids:
                 self._forget(caller, seq_id)
             seqs = self._seqs_of(caller)
@@ -235,6 +306,8 @@ class DraftServerCore:
                     continue
                 seqs[s.seq_id] = held
                 seqs.move_to_end(s.seq_id)
+                if self.feature_width:
+                    self._record_features(self._key(caller, s.seq_id), s, held)
                 results[i].committed_len = len(held)
                 if s.num_draft_tokens > 0:
                     key = self._key(caller, s.seq_id)
@@ -272,7 +345,11 @@ class DraftServerCore:
     def info(self):
         return stubs.kvsync_pb2().InfoResponse(epoch=self.epoch, vocab_size=self.vocab_size,
                                                drafter=self.drafter, vocab_hash=self.vocab_hash,
-                                               num_sequences=self.num_sequences)
+                                               num_sequences=self.num_sequences,
+                                               protocol_version=PROTOCOL_VERSION,
+                                               feature_layers=self.feature_layers,
+                                               feature_width=self.feature_width,
+                                               feature_target=self.feature_target)
 
 
 def _servicer(core: DraftServerCore):

@@ -47,7 +47,7 @@ class SeqChunk:
 class FeatureTap(Protocol):
     """Receives the target's features of every committed full forward."""
 
-    feature_layers: tuple[int, ...]
+    feature_layers: tuple[int, ...]  # empty: no features wanted (yet)
 
     def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
         """features: [sum len(token_ids), len(feature_layers) * hidden] float32, chunk rows in order."""
@@ -152,6 +152,8 @@ class ModelRunner:
             self.kv.reserve(c.seq_id, c.start_pos + len(c.token_ids))
         batch = self.build_batch(chunks)
         tap = self.feature_tap if commit and num_layers is None else None
+        if tap is not None and not tap.feature_layers:  # a KVSync tap before its DraftServer named layers
+            tap = None
         if tap is not None:
             logits, feats = self.model.forward_features(batch, self.k_cache, self.v_cache, tap.feature_layers)
         else:

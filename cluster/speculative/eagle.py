@@ -1,5 +1,7 @@
-"""EAGLE drafter (``eagle:DIR``, placement shared): a trained head that drafts from the target's
-own features, read from the target's forward passes (no extra target work).
+"""EAGLE drafter (``eagle:DIR``): a trained head that drafts from the target's own features, read
+from the target's forward passes (no extra target work). Placement ``shared``: it is the target
+runner's feature tap. Placement ``separate``: a DraftServer hosts it and feeds ``record`` with the
+features the SpecEngine sends over KVSync (``cluster.kvsync.features``).
 
 Owns: ``EagleProposer`` (DrafterKind.EAGLE). It is the target runner's feature tap: every
 committed target forward (prefill, plain decode, verification) hands it the fused features of the
@@ -13,8 +15,7 @@ run yet) it
   target features at committed positions persist);
 over a ragged batch (padding masks), greedy, seeded or sampled through ``draft_rounds``, with q over
 the full target vocabulary (zero outside the trimmed draft vocabulary).
-Ignores: verification, K, training (``cluster.training``), placement ``separate`` (refused at
-config time: the DraftServer has no target features yet).
+Ignores: verification, K, training (``cluster.training``), transport (``cluster.kvsync``).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class EagleProposer:
         self.head = head.eval()
         self.embed = target_runner.model.embed  # [V, H] the target's, frozen
         self.feature_layers = tuple(head.cfg.feature_layers)
+        self.feature_width = len(self.feature_layers) * head.cfg.hidden_size  # values per position
+        self.target_fingerprint = head.cfg.target.fingerprint  # the target it was trained for
         self._seqs: dict[str, _SeqState] = {}
         self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per propose: K/V incl. drafts

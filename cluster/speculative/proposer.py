@@ -2,7 +2,8 @@
 
 Owns: ``DrafterKind`` (which family of drafter), the ``Proposer`` protocol the engine calls once
 per step for all speculating sequences, the optional capabilities a drafter may add
-(``ContextualProposer``, ``LocalModelProposer``, ``RemoteDraft``, ``DraftStatus``), and
+(``ContextualProposer``, ``LocalModelProposer``, ``RemoteDraft``, ``TargetFeatureReader``,
+``DraftStatus``), and
 ``parse_drafter_choice`` (the ``--drafter`` / ``SpecConfig.drafter`` string -> typed
 ``DrafterChoice``). Ignores: building drafters (the engine does that from the choice), loading
 models, and verification (``rejection_sampler``).
@@ -93,6 +94,14 @@ class RemoteDraft(Protocol):
 
 
 @runtime_checkable
+class TargetFeatureReader(Protocol):
+    """A drafter elsewhere that may read the target's features (a DraftServer hosting an EAGLE
+    head): the engine hands it the target runner, on which it installs its feature tap."""
+
+    def attach_target(self, runner: Any) -> None: ...
+
+
+@runtime_checkable
 class DraftStatus(Protocol):
     """What a replica shows of its remote drafter: the KVSync proposer itself, or the stand-in
     a ``ProcessEngine`` keeps for the one that runs in its engine core process."""
@@ -121,11 +130,6 @@ class DrafterChoice:
                 raise ValueError(f"self-speculation needs at least 1 layer, got {self.self_layers}")
         if self.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.REMOTE, DrafterKind.EAGLE) and not self.model:
             raise ValueError(f"a {self.kind.value} drafter needs a model source (eagle: eagle:DIR)")
-
-
-# placement ``separate``: KVSync does not carry target features (yet), so a DraftServer cannot host it
-EAGLE_SHARED_ONLY = ("the eagle drafter runs only in placement 'shared' (in-process, next to the target) "
-                     "for now: a DraftServer gets no target features over KVSync")
 
 
 # the head shipped for the default model (SmolLM2-135M-Instruct): drafter ``eagle``; its README.md

@@ -137,3 +137,123 @@ def test_remote_self_drafts_what_shared_layer_skip_drafts(default_model, rows):
     fresh, _ = build_remote_proposer(parse_drafter_choice("self:8"), "default", "float32",
                                      kv_cache_memory_mb=16, target=default_model)
     assert remote.propose(again).draft_token_ids == fresh.propose(again).draft_token_ids
+
+
+# -- eagle:DIR in a DraftServer: the target's features travel over KVSync -------------------------
+from tests.speculative.test_eagle import engine, head_dir, requests, tiny  # noqa: E402,F401 (fixtures)
+
+
+@pytest.fixture()
+def eagle_served(tiny, head_dir):
+    """A KVSync server hosting the tiny model's random head; yields (core, head proposer, address)."""
+    path, model = tiny
+    draft, vocab = build_remote_proposer(parse_drafter_choice(f"eagle:{head_dir}"), str(path), "float32",
+                                         target=model)
+    assert draft.kind is DrafterKind.EAGLE and vocab == model.runner.vocab_size
+    assert model.runner.feature_tap is None  # the loaded target is not tapped by the server's head
+    core = DraftServerCore(draft, vocab_size=vocab, drafter=f"eagle:{head_dir}")
+    server, port = start_server(core, host="127.0.0.1")
+    try:
+        yield core, draft, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def _remote(address: str, vocab: int, **kw) -> RemoteProposer:
+    return RemoteProposer(address, timeout_s=30.0, expected_vocab_size=vocab,
+                          budget=DraftBudget(factor=100.0, cap_s=30.0), **kw)
+
+
+def test_remote_eagle_drafts_what_the_shared_head_drafts(tiny, head_dir, eagle_served):
+    """Float32 features on the wire: the DraftServer's head proposes the shared head's tokens after
+    a prefill, after a verification step (rows sent incrementally) and after a resync (all resent)."""
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.eagle import EagleProposer
+    from cluster.speculative.types import ProposeInput
+    from tests.speculative.test_eagle import prompts
+
+    _, model = tiny
+    core, draft, address = eagle_served
+    shared_target = model.with_fresh_kv(EngineConfig(model="tiny"))
+    shared = EagleProposer.from_dir(head_dir, shared_target.runner)
+    remote_target = model.with_fresh_kv(EngineConfig(model="tiny"))
+    remote = _remote(address, model.runner.vocab_size, feature_dtype="float32")
+    remote.attach_target(remote_target.runner)  # asks Info: the tap records the head's layers from now on
+    assert remote_target.runner.feature_tap.feature_layers == draft.feature_layers
+    greedy = SamplingParams(max_tokens=8)
+    ids = prompts()[3]
+    try:
+        for runner in (shared_target.runner, remote_target.runner):
+            runner.forward([SeqChunk("s", ids[:-1], 0, 1)])  # the prefill
+        want = shared.propose([ProposeInput("s", ids, K, greedy)]).draft_token_ids
+        assert remote.propose([ProposeInput("s", ids, K, greedy)]).draft_token_ids == want and want[0]
+        # verification of the drafts; the first is accepted, then a recovered token
+        committed = ids + [want[0][0], 17]
+        for runner in (shared_target.runner, remote_target.runner):
+            runner.forward([SeqChunk("s", [ids[-1], *want[0]], len(ids) - 1, K + 1)])
+            runner.truncate("s", len(committed) - 1)
+        want = shared.propose([ProposeInput("s", committed, K, greedy)]).draft_token_ids
+        assert remote.propose([ProposeInput("s", committed, K, greedy)]).draft_token_ids == want
+        assert core._features[f"{remote.caller}/s"] == len(committed) - 1
+        # the server lost the sequence: RESYNC, tokens and features resent from position 0
+        with core._lock:
+            core._forget(remote.caller, "s")
+        assert remote.propose([ProposeInput("s", committed, K, greedy)]).draft_token_ids == want
+        assert remote.num_resyncs == 1 and core._features[f"{remote.caller}/s"] == len(committed) - 1
+    finally:
+        remote.close()
+
+
+def test_engine_with_remote_eagle_is_lossless_and_frees_features(tiny, head_dir, eagle_served):
+    """Placement separate, eagle:DIR: greedy output equals plain decoding (ragged batch, some rows
+    K = 0); every feature row is freed on both sides when the requests finish; a version-1 client is
+    refused clearly."""
+    import grpc
+
+    from cluster.api import stubs
+
+    _, model = tiny
+    core, draft, address = eagle_served
+    params = lambda i: SamplingParams(max_tokens=16)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    remote = _remote(address, model.runner.vocab_size)  # bfloat16 features
+    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
+                          max_num_seqs=8)
+    m = model.with_fresh_kv(config)
+    try:
+        eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
+        got = run_to_completion(eng, requests(params))
+        for rid in plain:
+            assert got[rid]["ids"] == plain[rid]["ids"], rid
+        assert sum(got[r]["spec"].draft_tokens for r in got if got[r]["spec"] is not None) > 0
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+        assert remote.tracked() == {} and remote._features.num_sequences == 0
+        remote.flush_releases()
+        assert core.num_sequences == 0 and core._features == {} and draft._seqs == {}
+        pb2 = stubs.kvsync_pb2()
+        old = stubs.kvsync_grpc().KVSyncStub(grpc.insecure_channel(address))
+        with pytest.raises(grpc.RpcError) as err:  # a version-1 client sends tokens only
+            old.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[pb2.ProposeSeq(
+                seq_id="x", base_len=0, new_tokens=[1, 2, 3], num_draft_tokens=3)]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upgrade" in err.value.details()
+    finally:
+        remote.close()
+
+
+def test_client_refuses_a_head_for_another_target(tiny):
+    """The DraftServer's head was trained for another target than the engine's: refused at connect,
+    the engine decodes plainly."""
+    from cluster.speculative.types import DraftUnavailableError, ProposeInput
+    from tests.kvsync.test_server import FeatureReader
+
+    _, model = tiny
+    core = DraftServerCore(FeatureReader(), vocab_size=model.runner.vocab_size, drafter="eagle:other")
+    server, port = start_server(core, host="127.0.0.1")
+    remote = _remote(f"127.0.0.1:{port}", model.runner.vocab_size)
+    try:
+        remote.attach_target(model.with_fresh_kv(EngineConfig(model="tiny")).runner)
+        with pytest.raises(DraftUnavailableError, match="trained for target target-a"):
+            remote.propose([ProposeInput("s", [1, 2, 3], K, SamplingParams(max_tokens=4))])
+    finally:
+        remote.close()
+        server.stop(0)

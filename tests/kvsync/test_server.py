@@ -99,3 +99,117 @@ def test_k_zero_only_syncs(served):
     core, rec, stub = served
     r = stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[seq("a", 0, [1, 2], k=0)]), timeout=5)
     assert list(r.seqs[0].draft_tokens) == [] and core.held("a") == [1, 2] and rec.seen == []
+
+
+class FeatureReader(Recorder):
+    """Reads 2 target layers of a hidden size of 2 (4 values per position), like an EAGLE head;
+    keeps the rows it was handed by position."""
+
+    feature_layers = (0, 1)
+    feature_width = 4
+    target_fingerprint = "target-a"
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, dict[int, list[float]]] = {}
+
+    def record(self, chunks, features):  # features [T, 4]
+        row = 0
+        for c in chunks:
+            for i in range(len(c.token_ids)):
+                self.rows.setdefault(c.seq_id, {})[c.start_pos + i] = features[row].tolist()
+                row += 1
+
+    def release(self, seq_id):
+        super().release(seq_id)
+        self.rows.pop(seq_id, None)
+
+
+@pytest.fixture()
+def feature_served():
+    reader = FeatureReader()
+    core = DraftServerCore(reader, vocab_size=10, drafter="eagle:test")
+    server, port = start_server(core)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield core, reader, stubs.kvsync_grpc().KVSyncStub(channel)
+    channel.close()
+    server.stop(0)
+
+
+def feats(start, n, dtype="float32"):
+    """Rows whose values name their position: position p is [p, p + 0.5, -p, 1]."""
+    from cluster.kvsync.features import encode_features
+
+    rows = torch.tensor([[p, p + 0.5, -p, 1.0] for p in range(start, start + n)])
+    return encode_features(rows, start, dtype)
+
+
+def v2(epoch, *seqs, releases=()):
+    return pb2.ProposeRequest(epoch=epoch, seqs=list(seqs), release_seq_ids=list(releases), protocol_version=2)
+
+
+def test_feature_reader_announces_its_layers_and_refuses_version_1_callers(feature_served):
+    core, reader, stub = feature_served
+    info = stub.Info(pb2.InfoRequest(protocol_version=2), timeout=5)
+    assert (info.protocol_version, list(info.feature_layers), info.feature_width, info.feature_target) == \
+        (2, [0, 1], 4, "target-a")
+    assert core.limits.feature_width == 4
+    with pytest.raises(grpc.RpcError) as err:  # a version-1 client: no protocol_version, no features
+        stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[seq("a", 0, [1, 2, 3])]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "reads the target's features" in err.value.details() and "version 1" in err.value.details()
+    assert core.held("a") is None and reader.seen == []
+
+
+def test_features_follow_the_committed_tokens_through_rollback_and_resync(feature_served):
+    core, reader, stub = feature_served
+    e, key = core.epoch, NS + "a"
+    r = stub.Propose(v2(e, pb2.ProposeSeq(seq_id="a", base_len=0, new_tokens=[1, 2, 3], num_draft_tokens=3,
+                                          params=pb2.DraftSamplingParams(), features=feats(0, 2))), timeout=5)
+    assert r.seqs[0].status == pb2.SEQ_STATUS_OK and list(r.seqs[0].draft_tokens) == [4, 5, 6]
+    assert sorted(reader.rows[key]) == [0, 1] and reader.rows[key][1] == [1, 1.5, -1, 1]
+    # accepted 1 + bonus: tokens [4, 9] and the features of positions 2, 3 (bfloat16 on the wire)
+    stub.Propose(v2(e, pb2.ProposeSeq(seq_id="a", base_len=3, new_tokens=[4, 9], num_draft_tokens=3,
+                                      features=feats(2, 2, "bfloat16"))), timeout=5)
+    assert sorted(reader.rows[key]) == [0, 1, 2, 3] and reader.rows[key][3] == [3, 3.5, -3, 1]
+    assert core._features[key] == 4
+    # a rollback to 4 tokens keeps the rows of positions < 4; the next sends from position 3 on
+    stub.Propose(v2(e, pb2.ProposeSeq(seq_id="a", base_len=4, new_tokens=[7, 8], num_draft_tokens=3,
+                                      features=feats(3, 2))), timeout=5)
+    assert core.held("a") == [1, 2, 3, 4, 7, 8] and core._features[key] == 5
+    # a gap (rows from position 6 while [0, 5) are held) or drafts without the rows they need:
+    # refused whole, nothing changes
+    for bad in (pb2.ProposeSeq(seq_id="a", base_len=6, new_tokens=[1, 2], num_draft_tokens=3, features=feats(6, 1)),
+                pb2.ProposeSeq(seq_id="a", base_len=6, new_tokens=[1, 2], num_draft_tokens=3)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(v2(e, bad), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert core.held("a") == [1, 2, 3, 4, 7, 8] and core._features[key] == 5
+    assert "needs [0, 7)" in err.value.details()
+    # K = 0 syncs tokens without the rows; a resync (base_len 0) resends every row from position 0
+    stub.Propose(v2(e, pb2.ProposeSeq(seq_id="a", base_len=6, new_tokens=[1], num_draft_tokens=0)), timeout=5)
+    assert core._features[key] == 5
+    r = stub.Propose(v2(e, pb2.ProposeSeq(seq_id="a", base_len=0, new_tokens=[5, 5, 5], num_draft_tokens=2,
+                                          features=feats(0, 2))), timeout=5)
+    assert r.seqs[0].status == pb2.SEQ_STATUS_OK and core._features[key] == 2
+    # malformed rows: another width, a byte count that does not match
+    wide = feats(0, 2)
+    wide.width = 8
+    short = feats(0, 2)
+    short.data = short.data[:-1]
+    for f in (wide, short):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(v2(e, pb2.ProposeSeq(seq_id="b", base_len=0, new_tokens=[1, 2, 3], features=f)), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a release frees the rows on both levels
+    stub.Propose(v2(e, releases=["a"]), timeout=5)
+    assert core._features == {} and reader.rows == {} and core.num_sequences == 0
+
+
+def test_a_drafter_without_features_refuses_feature_rows(served):
+    core, _, stub = served
+    assert stub.Info(pb2.InfoRequest(), timeout=5).feature_width == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Propose(v2(core.epoch, pb2.ProposeSeq(seq_id="a", base_len=0, new_tokens=[1, 2, 3],
+                                                   features=feats(0, 2))), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reads none" in err.value.details()

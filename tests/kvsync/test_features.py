@@ -1,0 +1,42 @@
+"""Target features on the wire and the engine side's feature buffer: rows round-trip in each
+dtype, the buffer keeps rows by position (contiguous from 0 only), drops rows of other layers and
+forgets a sequence."""
+import pytest
+import torch
+
+from cluster.kvsync.features import FEATURE_DTYPES, FeatureBuffer, check_features, decode_features, encode_features
+from cluster.models.runner import SeqChunk
+
+
+@pytest.mark.parametrize("dtype", sorted(FEATURE_DTYPES))
+def test_rows_round_trip_in_each_dtype(dtype):
+    rows = torch.randn(5, 6)
+    msg = encode_features(rows, 3, dtype)
+    check_features(msg, 6)
+    assert (msg.start_pos, msg.num_positions, msg.width) == (3, 5, 6)
+    assert len(msg.data) == 5 * 6 * FEATURE_DTYPES[dtype][1].itemsize
+    torch.testing.assert_close(decode_features(msg), rows.to(FEATURE_DTYPES[dtype][1]).float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="reads 7 values"):
+        check_features(msg, 7)
+
+
+def test_buffer_keeps_contiguous_rows_by_position_and_forgets():
+    buf = FeatureBuffer(hidden_size=2, fingerprint="t", dtype="float32")
+    assert buf.feature_layers == () and buf.width == 0
+    buf.want((0, 3))
+    assert buf.width == 4
+    pos = lambda a, b: torch.arange(a, b).float().view(-1, 1).repeat(1, 4)  # noqa: E731 row p is all p
+    # a prefill of a (positions 0..2) and a verification of b whose prefill ran before want()
+    buf.record([SeqChunk("a", [1, 2, 3], 0, 1), SeqChunk("b", [7, 8], 5, 2)], torch.cat([pos(0, 3), pos(5, 7)]))
+    assert buf.covers("a", 3) and not buf.covers("a", 4)
+    assert not buf.covers("b", 1) and buf.covers("b", 0)  # no rows from position 0: never drafted
+    buf.record([SeqChunk("a", [4] * 100, 2, 1)], pos(2, 102))  # grows past its capacity
+    assert buf.covers("a", 102)
+    msg = buf.encode("a", 1, 101)
+    torch.testing.assert_close(decode_features(msg), pos(1, 101))
+    buf.forget("a")
+    assert not buf.covers("a", 1) and buf.num_sequences == 1
+    buf.want((1, 2))  # rows of other layers are useless
+    assert buf.num_sequences == 0
+    with pytest.raises(ValueError, match="wide"):
+        buf.record([SeqChunk("a", [1], 0, 1)], torch.zeros(1, 3))
