@@ -105,11 +105,11 @@ class RemoteProposer:
 
     def __getstate__(self) -> dict:
         """Picklable before use (``ProcessEngine`` ships it to the engine core process): the
-        connection, the lock and what the server holds are not carried."""
+        connection, the lock, the feature tap and what the server holds are not carried."""
         local = ("_channel", "_stub", "_lock", "_confirmed", "_flusher", "_stop", "_features")
         state = {k: v for k, v in self.__dict__.items() if k not in local}
         state.update(_sent={}, _lost=set(), _epoch=0, _releases=deque(maxlen=_MAX_PENDING_RELEASES),
-                     _unsure=set())
+                     _unsure=set(), _channel_feature_width=0)
         return state
 
     def __setstate__(self, state: dict) -> None:

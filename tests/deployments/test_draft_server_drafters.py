@@ -20,3 +20,22 @@ def test_self_layers_run_as_a_draft_model_with_their_own_kv():
     assert proposer.kind is DrafterKind.SELF and vocab == 49152  # SmolLM2's vocabulary
     assert proposer.runner.model.arch.num_layers == 4 and len(proposer.runner.k_cache) == 4
     assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
+
+
+from tests.speculative.test_eagle import head_dir, tiny  # noqa: E402,F401 (fixtures)
+
+
+def test_eagle_head_builds_with_the_target_embedding_and_sizes_the_limits_for_features(tiny, head_dir):
+    from cluster.kvsync.server import DraftServerCore
+
+    path, model = tiny
+    app = AppConfig(model=str(path), drafter=f"eagle:{head_dir}", placement="separate")
+    proposer, vocab = build_proposer(app)
+    assert proposer.kind is DrafterKind.EAGLE and vocab == model.runner.vocab_size
+    core = DraftServerCore(proposer, vocab_size=vocab, drafter=app.drafter, limits=app.kvsync_limits(vocab))
+    width = len(proposer.feature_layers) * model.runner.model.arch.hidden_size
+    assert core.feature_width == core.limits.feature_width == width
+    assert core.limits.request_bytes > app.kvsync_limits(vocab).request_bytes  # room for the rows
+    info = core.info()
+    assert (list(info.feature_layers), info.feature_width, info.protocol_version) == \
+        (list(proposer.feature_layers), width, 2)

@@ -4,6 +4,7 @@ driven by the engine through ``RemoteProposer`` on the real default model. Greed
 plain decoding of the same engine, acceptance is measured, and the draft side frees its KV."""
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -180,6 +181,7 @@ def test_remote_eagle_drafts_what_the_shared_head_drafts(tiny, head_dir, eagle_s
     remote = _remote(address, model.runner.vocab_size, feature_dtype="float32")
     remote.attach_target(remote_target.runner)  # asks Info: the tap records the head's layers from now on
     assert remote_target.runner.feature_tap.feature_layers == draft.feature_layers
+    assert pickle.loads(pickle.dumps(remote))._features is None  # a ProcessEngine core attaches its own
     greedy = SamplingParams(max_tokens=8)
     ids = prompts()[3]
     try:
