@@ -137,3 +137,43 @@ def test_remote_proposer_travels_without_connection_state():
     assert q.tracked() == {} and q._channel is None
     q.set_address("127.0.0.1:2")  # the lock is a fresh one
     assert q.address == "127.0.0.1:2" and p.address == "127.0.0.1:1"
+
+
+from tests.speculative.test_eagle import engine, head_dir, requests, tiny  # noqa: E402,F401 (fixtures)
+
+
+def test_remote_eagle_reads_the_features_of_the_target_in_the_core(tiny, head_dir):
+    """Placement separate through the engine core process: the KVSync proposer shipped to the core
+    taps the core's target runner, so the DraftServer's head gets features and drafts; streams
+    equal plain decoding."""
+    from cluster.kvsync.budget import DraftBudget
+    from cluster.kvsync.drafters import build_remote_proposer
+    from cluster.kvsync.server import DraftServerCore, start_server
+    from cluster.speculative.proposer import parse_drafter_choice
+
+    path, model = tiny
+    draft, vocab = build_remote_proposer(parse_drafter_choice(f"eagle:{head_dir}"), str(path), "float32",
+                                         target=model)
+    core = DraftServerCore(draft, vocab_size=vocab, drafter="eagle")
+    server, port = start_server(core, host="127.0.0.1")
+    params = lambda i: SamplingParams(max_tokens=12)  # noqa: E731
+    expected = run_to_completion(engine(model, None), requests(params))
+    remote = RemoteProposer(f"127.0.0.1:{port}", timeout_s=30.0, budget=DraftBudget(factor=100.0, cap_s=30.0))
+    eng = ProcessEngine(EngineConfig(model=str(path), torch_threads=1, max_num_seqs=8,
+                                     spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3)),
+                        proposer=remote)
+
+    async def main():
+        await eng.start()
+        got = await asyncio.gather(*(consume_stream(eng, r) for r in requests(params)))
+        st = await wait_pool_full(eng)
+        await eng.shutdown()
+        return got, st
+
+    try:
+        got, st = _run(main())
+    finally:
+        server.stop(0)
+    assert_streams_match(expected, requests(params), got)
+    assert sum(s["draft_tokens"] for s in st.spec_by_segment.values()) > 0
+    assert st.draft_fallbacks == 0
