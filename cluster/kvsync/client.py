@@ -245,23 +245,14 @@ class RemoteProposer:
         self._stub = stubs.kvsync_grpc().KVSyncStub(self._channel)
 
     def _take_feature_request(self, info) -> None:
-        """Record the layers a feature-reading drafter asks for, or refuse it: this engine's target
-        gives no features, or the head was trained for another target."""
-        layers = tuple(info.feature_layers)
-        if not layers:
-            if self._features is not None:
-                self._features.want(())
-            return
-        if self._features is None:
-            raise self._refuse(DraftUnavailableError, f"draft server runs {info.drafter!r}, which reads the target's "
-                               f"features, but this engine's target runner gives none (not the native runner)")
-        if info.feature_target and info.feature_target != self._features.fingerprint:
-            raise self._refuse(DraftUnavailableError, f"draft server runs {info.drafter!r}, trained for target "
-                               f"{info.feature_target}; this engine's target is {self._features.fingerprint}")
-        if info.feature_width != len(layers) * self._features.hidden_size:
-            raise self._refuse(DraftUnavailableError, f"draft server reads {info.feature_width} feature values per "
-                               f"position; this target gives {len(layers)} x {self._features.hidden_size}")
-        self._features.want(layers)
+        """Have the tap record the layers a feature-reading drafter asks for, or refuse it."""
+        from cluster.kvsync.features import feature_request_refusal
+
+        why = feature_request_refusal(info, self._features)
+        if why:
+            raise self._refuse(DraftUnavailableError, why)
+        if self._features is not None:
+            self._features.want(tuple(info.feature_layers))
 
     def _vocab_mismatch(self, what: str) -> RemoteVocabularyMismatchError:
         return self._refuse(RemoteVocabularyMismatchError, f"{what}, target has {self.expected_vocab_size}")

@@ -2,8 +2,9 @@
 from the target, which runs in the SpecEngine (placement ``separate``).
 
 Owns: the wire form of ``TargetFeatures`` (rows [N, width] for positions [start, start + N), in
-float32, float16 or bfloat16 bytes; ``encode_features`` / ``check_features`` / ``decode_features``)
-and ``FeatureBuffer``, the engine side's feature tap: installed on the target runner, it keeps per
+float32, float16 or bfloat16 bytes; ``encode_features`` / ``check_features`` / ``decode_features``),
+whether this engine can give what a DraftServer's Info asks for (``feature_request_refusal``: a
+native target runner, the target the head was trained for, the width) and ``FeatureBuffer``, the engine side's feature tap: installed on the target runner, it keeps per
 sequence the features of every position a committed target forward ran (in the wire dtype), so
 that a Propose sends the positions the draft side lacks and a resync resends them from position 0.
 It records nothing until the DraftServer names its feature layers (``want``); a sequence whose
@@ -53,6 +54,24 @@ def decode_features(msg) -> torch.Tensor:  # [num_positions, width] float32
     """A ``TargetFeatures`` that passed ``check_features``, as float32 rows."""
     rows = torch.frombuffer(bytearray(msg.data), dtype=_BY_CODE[msg.dtype])
     return rows.view(msg.num_positions, msg.width).float()
+
+
+def feature_request_refusal(info, buffer: "FeatureBuffer | None") -> str | None:
+    """Why this engine cannot feed the drafter an ``InfoResponse`` describes (None: it can, or
+    the drafter reads no features). buffer: the engine's tap (None: its runner gives no features)."""
+    layers = tuple(info.feature_layers)
+    if not layers:
+        return None
+    if buffer is None:
+        return (f"draft server runs {info.drafter!r}, which reads the target's features, but this "
+                f"engine's target runner gives none (not the native runner)")
+    if info.feature_target and info.feature_target != buffer.fingerprint:
+        return (f"draft server runs {info.drafter!r}, trained for target {info.feature_target}; this "
+                f"engine's target is {buffer.fingerprint}")
+    if info.feature_width != len(layers) * buffer.hidden_size:
+        return (f"draft server reads {info.feature_width} feature values per position; this target "
+                f"gives {len(layers)} x {buffer.hidden_size}")
+    return None
 
 
 @dataclass(slots=True)

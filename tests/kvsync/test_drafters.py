@@ -206,6 +206,33 @@ def test_remote_eagle_drafts_what_the_shared_head_drafts(tiny, head_dir, eagle_s
         remote.close()
 
 
+def test_a_sequence_prefilled_before_the_server_named_its_layers_is_not_drafted(tiny, eagle_served):
+    """No address when the tap was installed: the first prefill records nothing, so that sequence
+    gets no drafts (never drafts from missing features); one prefilled after Info does."""
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.types import ProposeInput
+    from tests.speculative.test_eagle import prompts
+
+    _, model = tiny
+    core, _, address = eagle_served
+    target = model.with_fresh_kv(EngineConfig(model="tiny"))
+    remote = _remote(None, model.runner.vocab_size)
+    remote.attach_target(target.runner)
+    early, late = prompts()[3], prompts()[1]
+    greedy = SamplingParams(max_tokens=8)
+    try:
+        target.runner.forward([SeqChunk("early", early[:-1], 0, 1)])
+        remote.set_address(address)  # asks Info in the background
+        with remote._lock:  # wait for it (or ask now): the tap records the head's layers from here on
+            remote._connect(time.monotonic() + 30)
+        target.runner.forward([SeqChunk("late", late[:-1], 0, 1)])
+        got = remote.propose([ProposeInput("early", early, K, greedy), ProposeInput("late", late, K, greedy)])
+        assert got.draft_token_ids[0] == [] and len(got.draft_token_ids[1]) == K
+        assert core.held("early") is None and core.held("late") == late
+    finally:
+        remote.close()
+
+
 def test_engine_with_remote_eagle_is_lossless_and_frees_features(tiny, head_dir, eagle_served):
     """Placement separate, eagle:DIR: greedy output equals plain decoding (ragged batch, some rows
     K = 0); every feature row is freed on both sides when the requests finish; a version-1 client is

@@ -40,3 +40,17 @@ def test_buffer_keeps_contiguous_rows_by_position_and_forgets():
     assert buf.num_sequences == 0
     with pytest.raises(ValueError, match="wide"):
         buf.record([SeqChunk("a", [1], 0, 1)], torch.zeros(1, 3))
+
+
+def test_feature_requests_this_engine_cannot_serve_are_refused_with_the_reason():
+    from cluster.api import stubs
+    from cluster.kvsync.features import feature_request_refusal
+
+    info = stubs.kvsync_pb2().InfoResponse(drafter="eagle:h", feature_layers=[0, 3], feature_width=4,
+                                           feature_target="t")
+    buf = FeatureBuffer(hidden_size=2, fingerprint="t")
+    assert feature_request_refusal(info, buf) is None
+    assert feature_request_refusal(stubs.kvsync_pb2().InfoResponse(drafter="ngram"), None) is None
+    assert "gives none" in feature_request_refusal(info, None)
+    assert "trained for target t" in feature_request_refusal(info, FeatureBuffer(2, fingerprint="u"))
+    assert "4 feature values" in feature_request_refusal(info, FeatureBuffer(3, fingerprint="t"))
