@@ -102,8 +102,9 @@ def _request(pb2, row: dict, mode: int, max_tokens: int):
     else:
         req.prompt = row["prompt"]
     for key in ("json_schema", "regex", "temperature", "top_k"):
-        if row.get(key):
-            setattr(req, key, row[key])
+        if row.get(key):  # a workload's json_schema is an object; the request carries its JSON text
+            value = row[key]
+            setattr(req, key, json.dumps(value) if key == "json_schema" and not isinstance(value, str) else value)
     if row.get("top_p") is not None:
         req.top_p = float(row["top_p"])
     if row.get("seed") is not None:

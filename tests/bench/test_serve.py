@@ -80,3 +80,17 @@ def test_paired_ratio_cancels_what_the_rows_share():
     cells[2]["errors"] = {"UNAVAILABLE": 1}  # a failed request: the rows no longer pair up
     (s,) = bench.summarize(cells)
     assert s["paired_ratio"] is None
+
+
+def test_a_workload_json_schema_object_travels_as_its_json_text():
+    """json workload rows hold their schema as an object; the GenerateRequest field is its text."""
+    import json
+
+    from cluster.api.stubs import generation_pb2
+    from cluster.bench.serve import _request
+
+    pb2 = generation_pb2()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = _request(pb2, {"prompt": "x", "segment": "json", "json_schema": schema}, 0, 16)
+    assert json.loads(req.json_schema) == schema and req.segment == "json"
+    assert _request(pb2, {"prompt": "x", "json_schema": json.dumps(schema)}, 0, 16).json_schema == json.dumps(schema)
