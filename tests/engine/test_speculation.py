@@ -58,7 +58,10 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
     if proposer is not None:
         assert proposer.runner.kv.num_free_blocks == proposer.runner.kv.num_blocks
     break_even = eng.stats().break_even_alpha  # the router's default gate: from measured costs (auto K only)
-    assert (0.0 < break_even < 1.0) if k == "auto" else break_even is None
+    # 1.0 = no α pays at the measured costs: a model drafter's rounds over a 24-sequence batch can cost that much
+    assert (0.0 < break_even <= 1.0) if k == "auto" else break_even is None
+    if k == "auto" and drafter in ("ngram", "suffix"):  # free drafts: some α always pays
+        assert break_even < 1.0
     if k == "auto" and drafter == "ngram":  # acceptance learnt per match length, all state freed
         keys = set(eng.spec.adaptive.estimator.to_dict())
         assert keys and all("|n" in key for key in keys), keys
