@@ -381,6 +381,11 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         _log(f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle or eagle:DIR")
         return 2
+    heads = [d for d in kinds if is_eagle_choice(d)]
+    if len(heads) > 1:  # their rows would share the names eagle/k<K> and eagle/auto
+        _log(f"one EAGLE head per run (its rows are eagle/k{args.model_k} and eagle/auto), got {heads}; "
+             "run the bench once per head")
+        return 2
     target = load_model(args.model, EngineConfig())
     tok = target.tokenizer
     eos = sorted(target.eos_token_ids)

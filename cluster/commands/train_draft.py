@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab_size, help="draft vocabulary size")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test unrolled steps")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (after warm-up)")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="cosine decay to lr x this at the end of the last epoch")
     p.add_argument("--row-tokens", type=int, default=d.row_tokens, help="packed tokens per optimizer step")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generated tokens per prompt")
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
-                          ttt_steps=args.ttt_steps, lr=args.lr, row_tokens=args.row_tokens,
+                          ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
                           max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None

@@ -55,6 +55,7 @@ class TrainConfig:
     step_decay: float = 0.8
     lr: float = 5e-4
     warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay after warm-up to lr * this at the last step of the last epoch
     grad_clip: float = 0.5
     row_tokens: int = 512  # packed row length (one optimizer step)
     max_prompt_tokens: int = 192
@@ -71,6 +72,8 @@ class TrainConfig:
             raise ValueError("tokens, epochs and ttt_steps must be >= 1, row_tokens >= 8")
         if self.draft_vocab_size < 1 or self.max_new_tokens < 1 or self.lr <= 0:
             raise ValueError("draft_vocab_size and max_new_tokens must be >= 1, lr > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.heldout_every < 2:
             raise ValueError("heldout_every must be >= 2 (some prompts must be trained on)")
 
@@ -303,7 +306,7 @@ class Trainer:
                     self.progress("train: stopped by --minutes; run the same command again to resume")
                     return False
                 row = target_row(runner, rows[state["cursor"]], cfg.row_tokens, d2t, layers)
-                lr = cfg.lr * min(1.0, (state["step"] + 1) / cfg.warmup_steps)
+                lr = learning_rate(cfg, state["step"], cfg.epochs * len(rows))
                 for g in opt.param_groups:
                     g["lr"] = lr
                 head.train()
@@ -368,6 +371,16 @@ class Trainer:
             raise InvalidRequestError(f"{self.out} was started with another recipe (differs in {diff}); "
                              "resume with the same options or use another --out")
         return ckpt
+
+
+def learning_rate(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at
+    ``total_steps`` (epochs x rows; raising ``--epochs`` on resume stretches the rest of the decay)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def expected_tokens_per_round(alphas: list[float]) -> float:

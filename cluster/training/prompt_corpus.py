@@ -1,11 +1,16 @@
 """A prompt corpus built on this machine (no hub, no network) for self-distilling draft heads.
 
-Owns: turning Python's own documentation (``pydoc_data.topics`` and standard-library
-docstrings, PSF licensed) into chat-style instructions through a few task templates (explain,
-summarize, write code, answer, rewrite as JSON), deduplicated, in a deterministic shuffled order,
-and excluding every prompt of the benchmark workloads (``../shared/workloads/*.jsonl``): a corpus
-prompt is dropped when it equals a workload prompt or shares a run of 8 words with one (so the
-benchmark stays held out).
+Owns: four prompt sources, woven in a fixed ratio (``_WEAVE``) in a deterministic shuffled order:
+- ``docs``: Python's own documentation (``pydoc_data.topics`` and standard-library docstrings, PSF
+  licensed) through task templates (explain, summarize, write code, answer, rewrite as JSON);
+- ``chat``: open-ended requests (stories, advice, explanations, lists, letters, plans) made from
+  subjects and task templates written here;
+- ``json``: extraction of synthetic records (made from name, place and item lists written here)
+  into JSON objects with named keys;
+- ``multilingual``: short requests in French, German, Spanish, Italian and Portuguese.
+Deduplicated, and excluding every prompt of the benchmark workloads (``../shared/workloads/*.jsonl``):
+a corpus prompt is dropped when it equals a workload prompt or shares a run of 8 words with one (so
+the benchmark stays held out; no chat subject phrase here occurs in a chat workload prompt).
 Ignores: tokenizing and generating (``cluster.training.self_distill``).
 """
 from __future__ import annotations
@@ -35,6 +40,93 @@ _TEMPLATES = (
     "What are the most common mistakes people make with `{name}`? Use this reference:\n\n{text}",
     "Translate the following explanation into French:\n\n{text}",
     "Write a Python function that uses `{name}` and explain it step by step.",
+)
+
+
+_CHAT_SUBJECTS = (
+    "a village baker", "a lost umbrella", "winter camping", "a broken clock", "learning to swim", "a city bus driver",
+    "a rainy Sunday", "an old map", "the first snow", "a jazz musician", "saving money", "a small garden on a balcony",
+    "a train station at night", "a retired astronaut", "a busy kitchen", "a shy octopus", "a desert caravan",
+    "moving to a new city", "a lost key", "a museum guard", "a paper airplane", "a long hike", "a quiet island",
+    "a street market", "an old radio", "a chess tournament", "a bee colony", "a volcano", "a summer festival",
+    "a submarine crew", "a kite", "a snowstorm", "a time traveller", "a forgotten song", "a talking parrot",
+    "a coffee shop", "a mountain village", "a hot air balloon", "an underground river", "a football match",
+    "a night sky full of stars", "public speaking", "healthy breakfast ideas", "recycling at home",
+    "learning to draw", "time management", "a job interview", "planting tomatoes", "keeping a journal",
+    "a birthday surprise", "a school science fair", "a family dinner", "an electric car", "a power outage",
+    "a bridge", "the history of bread", "a violin maker", "an ant colony", "a polar bear", "a rainforest",
+    "a sailing trip", "a lighthouse in a storm", "the moon landing", "a bookshop owner", "an inventor's workshop",
+    "a snowman", "a carnival", "a farmer's market", "a desert at night", "an old castle", "a firefighter",
+    "a nurse on a night shift", "a marathon", "a vegetable soup", "a ghost who is afraid of people",
+    "a pet turtle", "a tiny robot", "a treasure hunt", "a thunderstorm", "a fishing boat", "a quiet morning",
+    "a noisy neighbour", "a new language", "an apple orchard", "a mountain lake", "a clockmaker",
+    "a detective", "a pirate ship", "a space station", "an orchestra", "a penguin", "a city park",
+)
+_CHAT_TASKS = (
+    "Write a short story about {s}.",
+    "Write a poem about {s}.",
+    "Give me five interesting facts about {s}.",
+    "Explain {s} to a child in a few sentences.",
+    "Write a diary entry written by {s}, or by someone who meets {s}.",
+    "What are some good tips about {s}? Give a numbered list.",
+    "Describe {s} in vivid detail.",
+    "Write a funny dialogue that involves {s}.",
+    "Write a short news report about {s}.",
+    "Give me three questions a curious person might ask about {s}, and answer them.",
+    "Write a letter to a friend about {s}.",
+    "Describe the sounds and smells of {s}.",
+    "Write a song chorus about {s}.",
+    "What could go wrong with {s}, and how would you fix it?",
+    "Write a riddle whose answer is {s}, then explain the answer.",
+    "Write a motivational message inspired by {s}.",
+    "Plan an afternoon around {s} and explain each step.",
+    "Write the first paragraph of a novel that begins with {s}.",
+)
+_PEOPLE = ("Maria Lopez", "Tom Becker", "Aiko Sato", "Omar Farouk", "Nina Petrova", "Lucas Moreau", "Sara Lind",
+           "Ravi Kumar", "Julia Rossi", "Ethan Brooks", "Mei Wong", "Pedro Alves", "Hana Novotna", "Ali Yilmaz")
+_PLACES = ("Lisbon", "Oslo", "Nairobi", "Toronto", "Osaka", "Lyon", "Krakow", "Austin", "Melbourne", "Porto",
+           "Seville", "Dublin", "Quito", "Hanoi")
+_JOBS = ("pharmacist", "architect", "carpenter", "pilot", "librarian", "chef", "electrician", "translator",
+         "veterinarian", "journalist", "plumber", "dentist")
+_ITEMS = ("desk lamp", "rain jacket", "coffee grinder", "backpack", "wireless mouse", "tea kettle", "yoga mat",
+          "bookshelf", "bicycle helmet", "water bottle", "notebook", "toaster")
+
+
+def _json_prompts(rng: random.Random, n: int) -> list[str]:
+    """Synthetic extraction tasks: a sentence about a record, keys named, JSON asked for."""
+    out = []
+    for i in range(n):
+        kind = i % 4
+        person, place = rng.choice(_PEOPLE), rng.choice(_PLACES)
+        if kind == 0:
+            text = (f"{person} works as a {rng.choice(_JOBS)} in {place} and has been doing it for "
+                    f"{rng.randint(1, 30)} years.")
+            keys = "full_name, occupation, city, years"
+        elif kind == 1:
+            text = (f"Order {rng.randint(1000, 9999)}: {rng.randint(1, 9)} x {rng.choice(_ITEMS)} at "
+                    f"{rng.randint(5, 200)}.{rng.randint(0, 99):02d} dollars each, shipped to {place}.")
+            keys = "order_id, quantity, item, unit_price, destination"
+        elif kind == 2:
+            text = (f"{person} booked a flight from {place} to {rng.choice(_PLACES)} on "
+                    f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}, seat {rng.randint(1, 40)}{rng.choice('ABCDEF')}.")
+            keys = "passenger, origin, destination, date, seat"
+        else:
+            text = (f"The {rng.choice(_ITEMS)} costs {rng.randint(5, 300)} dollars, weighs {rng.randint(1, 40) / 10} kg "
+                    f"and is sold by a shop in {place}.")
+            keys = "product, price_usd, weight_kg, shop_city"
+        out.append(f"Return only a JSON object with the keys {keys} for this text: {text}")
+    return out
+
+
+_MULTILINGUAL = (
+    ("Écris un court poème sur {s}.", ("la pluie", "un vieux pont", "la forêt", "le marché du dimanche", "un train de nuit")),
+    ("Explique en quelques phrases pourquoi {s} est important.", ("le sommeil", "l'eau potable", "la lecture", "le sport")),
+    ("Schreibe eine kurze Geschichte über {s}.", ("einen alten Fischer", "eine kleine Stadt", "einen verlorenen Hund", "den ersten Schnee")),
+    ("Nenne drei Tipps für {s}.", ("das Kochen", "das Lernen", "das Reisen", "einen Umzug")),
+    ("Escribe una historia corta sobre {s}.", ("un faro", "una abuela sabia", "un tren antiguo", "un gato curioso")),
+    ("¿Cuáles son las ventajas de {s}?", ("caminar cada día", "aprender idiomas", "cocinar en casa", "leer novelas")),
+    ("Scrivi una breve poesia su {s}.", ("il mare d'inverno", "una piazza", "il caffè", "le montagne")),
+    ("Descreva {s} em poucas frases.", ("uma feira de rua", "o seu bairro", "um dia de chuva", "uma viagem de barco")),
 )
 
 
@@ -93,24 +185,44 @@ def _doc_passages(max_chars: int) -> list[tuple[str, str]]:
     return passages
 
 
+_WEAVE = ("chat", "docs", "chat", "json", "docs", "chat", "multilingual", "docs", "chat", "json")
+
+
+def _sources(rng: random.Random, max_chars: int) -> dict[str, list[str]]:
+    passages = _doc_passages(max_chars)
+    rng.shuffle(passages)
+    docs = [_TEMPLATES[i % len(_TEMPLATES)].format(name=name, text=text) for i, (name, text) in enumerate(passages)]
+    chat = [task.format(s=subject) for subject in _CHAT_SUBJECTS for task in _CHAT_TASKS]
+    multilingual = [task.format(s=subject) for task, subjects in _MULTILINGUAL for subject in subjects]
+    json_tasks = _json_prompts(rng, 2 * len(chat) // 3)
+    for items in (chat, multilingual):
+        rng.shuffle(items)
+    return {"docs": docs, "chat": chat, "json": json_tasks, "multilingual": multilingual}
+
+
 def build_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | None = None, seed: int = 0,
                   max_chars: int = 600) -> list[str]:
-    """Deterministic, deduplicated instructions, none overlapping a workload prompt."""
+    """Deterministic, deduplicated instructions from the four sources woven by ``_WEAVE`` (a source
+    that runs out is skipped), none overlapping a workload prompt."""
     held_out = workload_prompts(workloads)
     exact = {_normalize(p) for p in held_out}
     shingles: set[tuple[str, ...]] = set().union(*(_shingles(p) for p in held_out)) if held_out else set()
-    rng = random.Random(seed)
-    passages = _doc_passages(max_chars)
-    rng.shuffle(passages)
+    sources = {name: iter(items) for name, items in _sources(random.Random(seed), max_chars).items()}
     seen: set[str] = set()
     prompts = []
-    for i, (name, text) in enumerate(passages):
-        prompt = _TEMPLATES[i % len(_TEMPLATES)].format(name=name, text=text)
-        key = _normalize(prompt)
-        if key in seen or key in exact or (_shingles(prompt) & shingles):
-            continue
-        seen.add(key)
-        prompts.append(prompt)
-        if limit is not None and len(prompts) >= limit:
-            break
+    while sources and (limit is None or len(prompts) < limit):
+        for name in _WEAVE:
+            if name not in sources:
+                continue
+            prompt = next(sources[name], None)
+            if prompt is None:
+                del sources[name]
+                continue
+            key = _normalize(prompt)
+            if key in seen or key in exact or (_shingles(prompt) & shingles):
+                continue
+            seen.add(key)
+            prompts.append(prompt)
+            if limit is not None and len(prompts) >= limit:
+                break
     return prompts

@@ -116,6 +116,16 @@ def test_drafter_goals_are_ratios_to_ngram_in_the_same_run():
     assert bench_spec.drafter_goals({"chat": {"ngram/auto": row(1.0)}}) == {}  # rows not run: no goal
 
 
+def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
+    """Two heads in one run would share the rows eagle/k3 and eagle/auto: refused before any model loads."""
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    args = p.parse_args(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"])
+    assert bench_spec.run(args) == 2
+    assert "one EAGLE head per run" in capsys.readouterr().err
+    assert not (tmp_path / "spec.json").exists()
+
+
 def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     """An ``eagle:DIR`` head (untrained: the target's own LM-head rows, random layer) gets fixed
     and auto K rows on the default model, lossless, with its draft cost c measured."""

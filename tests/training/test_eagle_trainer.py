@@ -13,7 +13,7 @@ from cluster.speculative.eagle import EagleProposer
 from cluster.speculative.eagle_head import EagleConfig, EagleHead
 from cluster.speculative.types import ProposeInput
 from cluster.training.eagle_trainer import (
-    TrainConfig, draft_vocabulary, expected_tokens_per_round, pack_rows, target_row, ttt_loss,
+    TrainConfig, draft_vocabulary, expected_tokens_per_round, learning_rate, pack_rows, target_row, ttt_loss,
     ttt_unroll,
 )
 from cluster.training.self_distill import Sample
@@ -128,3 +128,15 @@ def test_draft_vocabulary_and_packing():
     assert [[s.index for s in r] for r in rows] == [[0], [1], [2], [3]]
     assert [[s.index for s in r] for r in pack_rows([Sample(i, [1], [2], True) for i in range(5)], 4)] == [[0, 1], [2, 3], [4]]
     assert expected_tokens_per_round([0.5, 0.5]) == 1.75
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [learning_rate(cfg, step, 110) for step in range(111)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))  # warm-up rises
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # then decays
+    assert lrs[60] == pytest.approx(0.55e-3) and lrs[110] == pytest.approx(1e-4)
+    assert learning_rate(cfg, 500, 110) == pytest.approx(1e-4)  # past the end: the floor
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        TrainConfig(min_lr_ratio=1.5)

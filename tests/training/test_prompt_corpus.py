@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
-from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_prompts, workload_prompts
+from cluster.training.prompt_corpus import (_CHAT_SUBJECTS, _CHAT_TASKS, _MULTILINGUAL, _TEMPLATES, DEFAULT_WORKLOADS,
+                                           build_prompts, workload_prompts)
 
 
 def test_corpus_is_deterministic_and_deduplicated():
@@ -16,18 +18,39 @@ def test_corpus_is_deterministic_and_deduplicated():
 
 def test_workload_prompts_are_excluded(tmp_path):
     base = build_prompts(None, limit=40)
-    words = base[5].split()
+    long_one = next(p for p in base[4:] if len(p.split()) >= 12)
     (tmp_path / "chat.jsonl").write_text(
         json.dumps({"id": "x", "prompt": "  " + base[3].upper() + " "}) + "\n"
-        + json.dumps({"id": "y", "prompt": "Please: " + " ".join(words[-9:])}) + "\n")
+        + json.dumps({"id": "y", "prompt": "Please: " + " ".join(long_one.split()[-9:])}) + "\n")
     kept = build_prompts(tmp_path, limit=40)
-    assert base[3] not in kept and base[5] not in kept
+    assert base[3] not in kept and long_one not in kept
     assert len(kept) == 40
 
 
-def test_real_workloads_are_held_out():
-    held = workload_prompts(DEFAULT_WORKLOADS)
-    assert held, "the shared workloads are where the benchmark prompts live"
-    corpus = build_prompts(DEFAULT_WORKLOADS, limit=2000)
-    low = {" ".join(p.lower().split()) for p in held}
-    assert not any(" ".join(p.lower().split()) in low for p in corpus)
+def _source(prompt: str) -> str:
+    if prompt.startswith("Return only a JSON object with the keys"):
+        return "json"
+    if any(prompt.startswith(t.split("{")[0]) for t in _TEMPLATES):
+        return "docs"
+    if any(prompt.startswith(t.split("{s}")[0]) for t, _ in _MULTILINGUAL):
+        return "multilingual"
+    assert any(prompt.startswith(t.split("{s}")[0]) and prompt.endswith(t.split("{s}")[-1]) for t in _CHAT_TASKS), prompt
+    return "chat"
+
+
+def test_sources_are_woven_in_ratio():
+    prompts = build_prompts(None, limit=500)
+    counts = Counter(_source(p) for p in prompts)
+    # _WEAVE: 4 chat, 3 docs, 2 json, 1 multilingual in 10; the 33 multilingual prompts run out first
+    assert counts["multilingual"] == sum(len(subjects) for _, subjects in _MULTILINGUAL) == 33
+    assert 200 <= counts["chat"] <= 225 and 130 <= counts["docs"] <= 160 and 100 <= counts["json"] <= 110, counts
+
+
+def test_chat_subjects_avoid_the_chat_workloads_subjects():
+    chat = " ".join(json.loads(line)["prompt"] for line in (DEFAULT_WORKLOADS / "chat.jsonl").read_text().splitlines()
+                    if line.strip()).lower()
+    assert len(chat) > 500
+    for subject in _CHAT_SUBJECTS:
+        words = subject.lower().split()
+        phrase = " ".join(words[1:] if words[0] in ("a", "an", "the") else words)
+        assert phrase not in chat, subject
