@@ -48,6 +48,7 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, target_runner: ModelRunner) -> None:
         self.head = head.eval()
+        head.pack_for_inference()  # drafting runs with autograd off: the engine's skinny-GEMM projections
         self.embed = target_runner.model.embed  # [V, H] the target's, frozen
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.feature_width = len(self.feature_layers) * head.cfg.hidden_size  # values per position

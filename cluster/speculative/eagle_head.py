@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.common.errors import ModelLoadError
+from cluster.models.linear import Linear
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle_head.safetensors"
@@ -136,12 +137,28 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._packed: dict[str, Linear] = {}  # inference copies of the projections (pack_for_inference)
+
+    _PROJECTIONS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
+
+    def pack_for_inference(self) -> None:
+        """Copy the projections into the engine's skinny-GEMM ``Linear`` (weights streamed once per
+        call: a draft step reads them at the target's bandwidth, ~2x faster than ``nn.Linear`` at one
+        row). Used only with autograd off; a head trained further must be packed again."""
+        self._packed = {name: Linear(getattr(self, name).weight.detach().t().float().contiguous())
+                        for name in self._PROJECTIONS}
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        packed = self._packed.get(name)
+        if packed is None or torch.is_grad_enabled():
+            return getattr(self, name)(x)
+        return packed(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], packed.out_features)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., 3H] -> [..., H]
-        return self.fc(features)
+        return self._project("fc", features)
 
     def layer(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor,
               past_k: torch.Tensor | None, past_v: torch.Tensor | None,
@@ -157,7 +174,7 @@ class EagleHead(nn.Module):
         B, Q, _ = hidden.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         x = torch.cat([self._norm(emb, self.embed_norm), self._norm(hidden, self.hidden_norm)], dim=-1)  # [B, Q, 2H]
-        qkv = self.qkv(x)
+        qkv = self._project("qkv", x)
         q = qkv[..., : Hq * D].view(B, Q, Hq, D).transpose(1, 2)  # [B, Hq, Q, D]
         k = qkv[..., Hq * D : (Hq + Hkv) * D].view(B, Q, Hkv, D).transpose(1, 2)  # [B, Hkv, Q, D]
         v = qkv[..., (Hq + Hkv) * D :].view(B, Q, Hkv, D).transpose(1, 2)
@@ -168,13 +185,13 @@ class EagleHead(nn.Module):
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # [B, Hkv, L + Q, D]
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hkv)
-        out = hidden + self.o(attn.transpose(1, 2).reshape(B, Q, Hq * D))  # [B, Q, H]
-        gate, up = self.gate_up(self._norm(out, self.post_norm)).chunk(2, dim=-1)
-        out = out + self.down(F.silu(gate) * up)
+        out = hidden + self._project("o", attn.transpose(1, 2).reshape(B, Q, Hq * D))  # [B, Q, H]
+        gate, up = self._project("gate_up", self._norm(out, self.post_norm)).chunk(2, dim=-1)
+        out = out + self._project("down", F.silu(gate) * up)
         return out, k, v
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
-        return self.lm_head(self._norm(out, self.final_norm))
+        return self._project("lm_head", self._norm(out, self.final_norm))
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:  # [N, Vd] -> [N, V] float32
         """Scatter into the target vocabulary; ids outside the draft vocabulary get -inf (so q

@@ -44,3 +44,33 @@ def test_saved_head_round_trips_and_is_refused_for_another_target(tmp_path):
     assert torch.isneginf(got[:, 1::2]).all() and torch.isfinite(got[:, 0:128:2]).all()
     with pytest.raises(EagleTargetMismatch, match="trained for another target"):
         load_head(tmp_path / "head", b)
+
+
+def test_packed_projections_match_the_modules_and_stay_out_of_training(tmp_path):
+    """pack_for_inference: with autograd off the skinny-GEMM copies give the modules' outputs (to
+    float rounding); with autograd on the modules run (gradients reach the parameters)."""
+    a = LlamaModel.load(make_tiny_model_dir(tmp_path / "a", "llama", num_hidden_layers=4), torch.float32)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(a, 64))
+    hidden, emb = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    pos = torch.arange(3).expand(2, 3)
+
+    def run():
+        out, k, v = head.layer(hidden, emb, pos, None, None, mask)
+        return head.draft_logits(out), k, v
+
+    with torch.no_grad():
+        want = run()
+        fused_want = head.fuse(torch.ones(2, 3 * 64))
+    head.pack_for_inference()
+    assert set(head._packed) == set(EagleHead._PROJECTIONS)
+    with torch.inference_mode():
+        got = run()
+        fused_got = head.fuse(torch.ones(2, 3 * 64))
+    for g, w in zip((*got, fused_got), (*want, fused_want)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    logits, _, _ = run()  # autograd on: the modules, so training still trains the parameters
+    logits.sum().backward()
+    assert head.lm_head.weight.grad is not None and head.qkv.weight.grad is not None
