@@ -71,6 +71,11 @@ def test_packed_projections_match_the_modules_and_stay_out_of_training(tmp_path)
     for g, w in zip((*got, fused_got), (*want, fused_want)):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    logits, _, _ = run()  # autograd on: the modules, so training still trains the parameters
+    with torch.no_grad():  # the packed copies are what inference uses: changing the modules changes nothing there
+        head.lm_head.weight.zero_()
+    with torch.inference_mode():
+        torch.testing.assert_close(run()[0], want[0], rtol=1e-4, atol=1e-5)
+    logits, _, _ = run()  # autograd on: the modules (zeroed LM head), so training trains the parameters
+    assert torch.equal(logits, torch.zeros_like(logits))
     logits.sum().backward()
     assert head.lm_head.weight.grad is not None and head.qkv.weight.grad is not None
