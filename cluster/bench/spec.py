@@ -218,6 +218,20 @@ def steps_by_k(runs: list[Run]) -> list[int]:
     return out
 
 
+def member_counts(engine) -> dict[str, dict] | None:
+    """A portfolio engine's per-member counters (steps, draft tokens, accepted), else None."""
+    from cluster.speculative.proposer import MemberStatsProposer
+
+    spec = getattr(engine, "spec", None)
+    proposer = getattr(spec, "proposer", None)
+    return proposer.drafter_stats() if isinstance(proposer, MemberStatsProposer) else None
+
+
+def member_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per member, the counters gained between two ``member_counts`` snapshots."""
+    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in counts.items()} for m, counts in after.items()}
+
+
 def predicted_speedup(alpha: float, steps: list[int], c: float, v: float, plain_steps: int = 0) -> float:
     """Speedup over plain decoding the cost model predicts from per-position ``alpha``: steps[K]
     verification steps drafted K tokens, each committing E(α, K) tokens at K·c + v plain-step
@@ -468,9 +482,11 @@ def run(args: argparse.Namespace) -> int:
         hf_call(name, ids0[:64], 4)
 
     results: dict[str, dict[str, list[Run]]] = {}
+    members: dict[str, dict[str, dict]] = {}  # segment -> portfolio method -> member -> its counts there
     t_start = time.perf_counter()
     for seg in segments:
         per = results.setdefault(seg, {m: [] for m in list(methods) + list(hf_methods)})
+        before = {name: member_counts(eng) for name, (eng, _) in methods.items()}
         for pid, ids, max_tokens in prompts[seg]:
             reps: dict[str, list[Run]] = {m: [] for m in per}
             for rep in range(max(1, args.repeats)):  # interleaved: every method on this prompt, in turn
@@ -482,6 +498,8 @@ def run(args: argparse.Namespace) -> int:
                 per[name].append(sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2])
             _log(f"[{time.perf_counter() - t_start:7.1f}s] {seg} {pid}: " + " ".join(
                 f"{n}={1e3 * per[n][-1].wall_s / max(per[n][-1].tokens, 1):.1f}" for n in per) + " ms/token")
+        members[seg] = {name: member_delta(before[name], member_counts(eng))
+                        for name, (eng, _) in methods.items() if before[name] is not None}
 
     hf_peer = {}
     for name in methods:
@@ -500,6 +518,8 @@ def run(args: argparse.Namespace) -> int:
             peer = hf_peer.get(name)
             table[seg][name] = summarize_row(per["plain"], per[name], per.get("hf_plain"),
                                              per.get(peer) if peer in hf_methods else None, k)
+            if name in members.get(seg, {}):  # a portfolio: what each member drafted (all repeats)
+                table[seg][name]["members"] = members[seg][name]
     plain_rows = {seg: {"ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in per["plain"]]), 3),
                         "decode_step_ms": _r(1e3 * (_med([x for r in per["plain"] for x in r.decode_steps]) or 0), 3),
                         "hf_ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in per.get("hf_plain", [])]), 3)}

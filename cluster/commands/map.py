@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                         f"at most 15 minutes")
     p.add_argument("--max-minutes", type=float, default=None, help="bound the whole run; a partial map is written")
     p.add_argument("--drafters", default=None,
-                   help="comma-separated drafters to profile (default: the config's, ngram, self)")
+                   help="comma-separated drafters to profile (default: the config's, ngram, portfolio, eagle)")
     p.add_argument("--k", type=int, default=4, help="fixed K of the profile (α measured at positions 1..K)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="sweep levels")
     p.add_argument("--requests", type=int, default=16, help="requests per sweep cell (at least the concurrency)")

@@ -1,11 +1,14 @@
 """Building the drafter a SpecEngine's speculation controller asks: one drafter from its string,
 or — when segments have drafters of their own (``SpecConfig.segments``) — the union of every
 drafter configured as one segment-routed portfolio (``PortfolioProposer`` with ``SegmentRoutes``:
-each sequence drafts with its segment's drafter, segments without one with the global drafter).
+each sequence drafts with its segment's drafter, segments without one with the global drafter; a
+``portfolio`` segment chooses among the portfolio's members, each member built once and shared
+with the segments that name it alone — a target runner feeds one EAGLE head).
 
 Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio — with the shipped EAGLE head as a
-member when it fits the target —, eagle, layer skip, draft model with its vocabulary check), the per-segment union (each distinct drafter built once, a failure naming the
-segments that asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
+member when it fits the target —, eagle, layer skip, draft model with its vocabulary check), the
+per-segment union (each distinct member drafter built once, a failure naming the segments that
+asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
 any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment
 drafters are refused there by the app config), K, verification.
 """
@@ -22,28 +25,48 @@ def build_drafters(spec_cfg: SpecConfig, config: EngineConfig, model) -> tuple[P
     """(the proposer, the global drafter's draft-cost prior) for ``spec_cfg``: its one drafter, or
     the segment-routed union when segments name drafters of their own."""
     wanted = spec_cfg.drafters()  # drafter -> segments naming it (the global drafter first)
-    built: dict[str, Proposer] = {}
-    for name, segments in wanted.items():
-        try:
-            built[name] = build_proposer(parse_drafter_choice(name), spec_cfg, config, model)
-        except Exception as exc:
-            if not segments:
-                raise
-            where = ", ".join(f"router.segments.{s}.drafter" for s in segments)
-            raise ModelLoadError(f"{where} {name!r} cannot run in this SpecEngine: {type(exc).__name__}: "
-                                 f"{exc} (drafters: ngram, suffix, portfolio, self[:L], or a draft "
-                                 "model sharing the target's vocabulary)") from exc
-    prior = draft_cost_ratio(built[spec_cfg.drafter], model.runner)
-    if len(built) == 1:
-        return built[spec_cfg.drafter], prior
+    if len(wanted) == 1:
+        proposer = build_proposer(parse_drafter_choice(spec_cfg.drafter), spec_cfg, config, model)
+        return proposer, draft_cost_ratio(proposer, model.runner)
     from cluster.speculative.portfolio import Member, PortfolioProposer, SegmentRoutes
 
+    # a ``portfolio`` segment chooses among the portfolio's members; each member drafter is built
+    # once and shared with segments that name it alone (one EAGLE head per target runner)
+    members_of = {name: (portfolio_member_names(model) if parse_drafter_choice(name).kind is DrafterKind.PORTFOLIO
+                         else (name,)) for name in wanted}
+    built: dict[str, Proposer] = {}
+    for name, segments in wanted.items():
+        for member in members_of[name]:
+            if member in built:
+                continue
+            try:
+                built[member] = build_proposer(parse_drafter_choice(member), spec_cfg, config, model)
+            except Exception as exc:
+                if not segments:
+                    raise
+                where = ", ".join(f"router.segments.{s}.drafter" for s in segments)
+                raise ModelLoadError(f"{where} {name!r} cannot run in this SpecEngine: {type(exc).__name__}: "
+                                     f"{exc} (drafters: ngram, suffix, portfolio, eagle, self[:L], or a draft "
+                                     "model sharing the target's vocabulary)") from exc
     members = []
     for name, proposer in built.items():
         cost = draft_cost_ratio(proposer, model.runner)
-        members.append(Member(name, proposer, 1.0 if cost is None else cost))
-    routes = SegmentRoutes(spec_cfg.drafter, {s: name for name, segs in wanted.items() for s in segs})
-    return PortfolioProposer(members, routes=routes, horizon=spec_cfg.max_draft_tokens), prior
+        members.append(Member(name, proposer, (0.1 if proposer.kind is DrafterKind.EAGLE else 1.0) if cost is None else cost))
+    routes = SegmentRoutes(_route(members_of[spec_cfg.drafter]),
+                           {s: _route(members_of[name]) for name, segs in wanted.items() for s in segs})
+    union = PortfolioProposer(members, routes=routes, horizon=spec_cfg.max_draft_tokens)
+    global_members = members_of[spec_cfg.drafter]  # a portfolio's prior is model-free's, as on its own
+    return union, draft_cost_ratio(built[global_members[0]], model.runner) if len(global_members) == 1 else 0.0
+
+
+def _route(names: tuple[str, ...]) -> str | tuple[str, ...]:
+    return names[0] if len(names) == 1 else names
+
+
+def portfolio_member_names(model) -> tuple[str, ...]:
+    """The drafters ``portfolio`` chooses among on this target: n-gram, suffix, and the shipped
+    EAGLE head when it was trained for this target."""
+    return ("ngram", "suffix", "eagle") if shipped_head_fits(model) else ("ngram", "suffix")
 
 
 def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineConfig, model) -> Proposer:

@@ -158,9 +158,11 @@ class LLMEngine:
         sampling = [s for s in batch if s.samples]
         if drafts:
             return self.spec.verify(target.logits, sampling, drafts, target.seconds, target.num_tokens)
+        t0 = time.perf_counter()
         verdicts = self._sample(target.logits, sampling)
         if self.spec is not None:
-            self.spec.observe_plain_step(target.seconds, target.num_tokens)
+            self.spec.observe_plain_step(target.seconds, target.num_tokens,
+                                         time.perf_counter() - t0 if sampling else None)
         return verdicts
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[Verdict | SeqFault]:

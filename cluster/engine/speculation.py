@@ -85,7 +85,11 @@ class SpecController:
             priors = {}
             if step_costs is not None:  # measured on this machine at start-up
                 priors = dict(target_a_prior=step_costs.decode_s, slope_prior_ratio=step_costs.slope_ratio)
+            if isinstance(proposer, MemberStatsProposer):  # a portfolio: each member's round cost apart
+                priors["draft_cost_ratio_priors"] = proposer.member_cost_priors()
             self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior, **priors))
+            if isinstance(proposer, MemberStatsProposer):
+                proposer.use_costs(self.adaptive.costs)
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}  # seq_id -> K this step (forced tokens + the drafter's)
@@ -93,6 +97,7 @@ class SpecController:
         self.forced_text = ForcedText()  # the target's tokenization of held-back forced text
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
+        self._drafter_of: dict[str, str] = {}  # seq_id -> the portfolio member its context names, this step
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
         self._no_drafts: set[str] = set()  # sequences whose drafting raised: plain until they finish
         self.grammar_cut_tokens = 0  # draft tokens cut because the grammar rejects them
@@ -119,10 +124,11 @@ class SpecController:
         policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in drafting}
         drafter_k = {sid: int(k) for sid, k in policy.items() if k != AUTO_K}
         auto = [s for s in drafting if policy[s.seq_id] == AUTO_K]
-        self._keys = {}
+        self._keys, self._drafter_of = {}, {}
         if auto:  # self.adaptive is set whenever some policy is "auto"
             auto, keys = self._adaptive_keys(auto)
-            num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens)
+            drafters = [self._drafter_of[s.seq_id] for s in auto] if self._drafter_of else None
+            num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens, drafters=drafters)
             self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
             drafter_k.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
         for s in eligible:
@@ -173,11 +179,14 @@ class SpecController:
         context = self.proposer.draft_context if isinstance(self.proposer, ContextualProposer) else None
         if context is None:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible]
+        members = self.proposer if isinstance(self.proposer, MemberStatsProposer) else None
         kept, keys = [], []
         for s in eligible:
             ctx = context(s.seq_id, self._context(s), s.request.segment)
             if ctx is None:
                 continue
+            if members is not None:  # planned at that member's own draft cost
+                self._drafter_of[s.seq_id] = members.member_of(ctx)
             sub_id = with_context(s.seq_id, ctx)
             self._derived.setdefault(s.seq_id, set()).add(sub_id)
             kept.append(s)
@@ -248,6 +257,9 @@ class SpecController:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(rounds, elapsed)
+            if isinstance(self.proposer, MemberStatsProposer):  # and each member's rounds on their own
+                for member, (member_rounds, seconds) in self.proposer.last_member_rounds.items():
+                    self.adaptive.costs.observe_draft(member_rounds, seconds, member)
         return proposals
 
     def _draft_cursors(self, drafting: list[ScheduledSeq], forced: dict[str, list[int]]) -> dict:
@@ -349,7 +361,10 @@ class SpecController:
 
         t0 = time.perf_counter()
         verdicts = per_row(len(sampling), run, FaultStage.VERIFY, seq_ids)
-        self.timing.verify_s += time.perf_counter() - t0
+        picked_s = time.perf_counter() - t0
+        self.timing.verify_s += picked_s
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_sampling(True, picked_s)
         self._observe_verdicts(sampling, num_draft_tokens, verdicts, drafts)
         self.timing.verify_forward_s += forward_s
         self.timing.verify_steps += 1
@@ -379,12 +394,16 @@ class SpecController:
                 sub_id, key = self._keys[s.seq.seq_id]
                 self.adaptive.observe(sub_id, key, k - forced, accepted - forced)
 
-    def observe_plain_step(self, forward_s: float, num_tokens: int) -> None:
+    def observe_plain_step(self, forward_s: float, num_tokens: int, sample_s: float | None = None) -> None:
+        """A step without drafts: its forward over ``num_tokens`` took ``forward_s``, sampling its
+        tokens ``sample_s`` (what verification's rejection sampling is compared with)."""
         self.timing.plain_forward_s += forward_s
         self.timing.plain_steps += 1
         self._observe_target_step(forward_s)
         if self.adaptive is not None:
             self.adaptive.costs.observe_target(num_tokens, forward_s)
+            if sample_s is not None:
+                self.adaptive.costs.observe_sampling(False, sample_s)
 
     def _observe_target_step(self, forward_s: float) -> None:
         if isinstance(self.proposer, RemoteDraft):  # a remote drafter's deadline follows the step time

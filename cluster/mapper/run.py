@@ -34,7 +34,7 @@ class MapPlan:
     token: str | None = None
     quick: bool = False
     max_minutes: float | None = None
-    drafters: list[str] | None = None  # None: the config's drafter, ngram and self
+    drafters: list[str] | None = None  # None: ``default_drafters``
     k: int = PROFILE_K
     levels: list[int] = field(default_factory=lambda: list(DEFAULT_LEVELS))
     requests: int = 16  # per sweep cell (at least the concurrency)
@@ -78,7 +78,11 @@ def _base_config(plan: MapPlan) -> dict:
 
 
 def default_drafters(app) -> list[str]:
-    names = ([app.drafter] if app.speculative else []) + ["ngram", "self"]
+    """The config's drafter, n-gram, the portfolio (n-gram, suffix and the shipped EAGLE head
+    where it fits) and the head alone. A model the head was not trained for refuses ``eagle``
+    (reported in ``profile.errors``, the others mapped). Layer skip and draft models are
+    profiled when named (``--drafters``): on the default model they never paid (α ≤ 0.11)."""
+    names = ([app.drafter] if app.speculative else []) + ["ngram", "portfolio", "eagle"]
     return list(dict.fromkeys(names))
 
 

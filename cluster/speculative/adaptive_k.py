@@ -1,20 +1,24 @@
 """Adaptive K: how many draft tokens each sequence should get this step (0 = decode plainly).
 
-Owns: the online step-cost model (``StepCostModel``: draft cost per round,
-target forward time as a linear function of batch tokens), the choice of K for one sequence
-(``choose_k``) and for a whole batch (``AdaptiveK``), plus a deterministic exploration schedule
-so sequences parked at K=0 keep measuring α. Ignores: how α is estimated
+Owns: the online step-cost model (``StepCostModel``: draft cost per round, of the
+drafter as a whole and of each named drafter of a portfolio; target forward time as a linear
+function of batch tokens), the choice of K for one sequence (``choose_k``) and for a whole batch
+(``AdaptiveK``), plus a deterministic exploration schedule so sequences parked at K=0 keep
+measuring α. Ignores: how α is estimated
 (``cluster.speculative.acceptance``: ``AcceptanceEstimator``), timing itself (the engine measures
 and calls ``observe_*``), the router's segment policy, and fixed-K configurations.
 
 Model. α is the per-position probability that the target accepts a draft token (arXiv
 2211.17192), so a step with K drafts commits E(K) = (1 - α^(K+1)) / (1 - α) tokens on average
 (K + 1 when α = 1; 1 when K = 0). A step costs K draft rounds plus one target forward over every
-token in the batch. α here is always the per-position probability, never accepted / drafted
+token in the batch, plus — when anything was drafted — what rejection sampling costs beyond a
+plain step's sampling (measured: ~0.6 ms of a 13 ms decode step on the 2-core development VM,
+enough to make a 1-token draft at α 0.17 a loss the model called a gain). α here is always the per-position probability, never accepted / drafted
 (``cluster.speculative.acceptance`` says why the two differ).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +30,48 @@ class CostModel(Protocol):
     def draft_cost(self) -> float: ...
 
     def target_time(self, num_tokens: int) -> float: ...
+
+
+def draft_cost_of(costs: CostModel, drafter: str) -> float:
+    """Seconds per draft round of ``drafter`` (a portfolio's member, "" = the engine's drafter as a
+    whole); a cost model without per-drafter costs has one cost for every drafter."""
+    per = getattr(costs, "draft_cost_of", None) if drafter else None
+    return costs.draft_cost if per is None else per(drafter)
+
+
+def draft_seconds(rounds: Mapping[str, int], costs: CostModel) -> float:
+    """The draft phase of a step: each drafter runs its rounds (the most any of its sequences
+    asked) one drafter after the other."""
+    return sum(n * draft_cost_of(costs, d) for d, n in rounds.items() if n > 0)
+
+
+def verify_overhead(costs: CostModel, rounds: Mapping[str, int]) -> float:
+    """What verifying costs beyond a plain step's sampling, charged once to a step in which any
+    sequence drafts (0 for a cost model that does not measure it)."""
+    return getattr(costs, "verify_overhead", 0.0) if any(n > 0 for n in rounds.values()) else 0.0
+
+
+@dataclass(slots=True)
+class _Mean:
+    """Measured seconds (of one drafter's draft round, of a step's sampling): a running mean that
+    turns into an EWMA, each observation clipped to ``clip`` times the estimate so far — one
+    spike (a head's first catch-up over a long prompt, a page fault) would otherwise price a
+    drafter out of its own measurements, which it only gets when chosen."""
+
+    seconds: float = 0.0
+    n: int = 0
+    clip: float = 3.0
+
+    def observe(self, per_round: float, ewma: float, prior: float | None = None) -> None:
+        """``prior``: the estimate before any observation (clips the first one)."""
+        bound = self.seconds if self.n else prior
+        if bound is not None and bound > 0:
+            per_round = min(per_round, self.clip * bound)
+        if self.n == 0:
+            self.seconds = per_round  # a prior served until now; trust data
+        self.n += 1
+        beta = max(ewma, 1.0 / (self.n + 1))
+        self.seconds += beta * (per_round - self.seconds)
 
 
 @dataclass(slots=True)
@@ -45,6 +91,9 @@ class StepCostModel:
     # timed (ngram: 0; self:L and draft models: their share of the target's weights). Seconds
     # priors are machine-specific; a ratio times the measured decode step is not.
     draft_cost_ratio_prior: float | None = None
+    # the same prior per named drafter (a portfolio's members, each timed on its own: an n-gram
+    # round costs ~0, an EAGLE head's a measurable share of a decode step)
+    draft_cost_ratio_priors: dict[str, float] = field(default_factory=dict)
     slope_prior_ratio: float = 1.0 / 256  # a 256-token forward costs twice a decode step
     intercept_prior_weight: float = 0.01
     slope_prior_weight: float = 64.0
@@ -52,6 +101,10 @@ class StepCostModel:
     draft_ewma: float = 0.05
     _draft_cost: float = field(default=0.0, init=False)
     _draft_n: int = field(default=0, init=False)
+    _by_drafter: dict[str, _Mean] = field(default_factory=dict, init=False, repr=False)
+    # seconds a step spends outside the forward and the drafter picking its tokens: sampling
+    # (plain) or rejection sampling (speculative); their difference is what verifying costs extra
+    _sampling: dict[bool, _Mean] = field(default_factory=dict, init=False, repr=False)
     _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
 
@@ -60,14 +113,22 @@ class StepCostModel:
             raise ValueError("cost priors must be >= 0")
         if self.draft_cost_ratio_prior is not None and self.draft_cost_ratio_prior < 0:
             raise ValueError("draft_cost_ratio_prior must be >= 0")
+        if any(r < 0 for r in self.draft_cost_ratio_priors.values()):
+            raise ValueError("draft_cost_ratio_priors must be >= 0")
         if self.intercept_prior_weight <= 0 or self.slope_prior_weight <= 0 or self.window < 2:
             raise ValueError("prior weights must be > 0 and window >= 2")
         if not 0.0 < self.draft_ewma <= 1.0:
             raise ValueError("draft_ewma must be in (0, 1]")
         self._draft_cost = self.draft_cost_prior
 
-    def observe_draft(self, rounds: int, seconds: float) -> None:
+    def observe_draft(self, rounds: int, seconds: float, drafter: str = "") -> None:
+        """``rounds`` draft rounds took ``seconds``: of the engine's drafter as a whole (""), or of
+        one named drafter (a portfolio member, timed inside the portfolio)."""
         if rounds <= 0 or seconds < 0:
+            return
+        if drafter:
+            prior = self.draft_cost_of(drafter) if drafter in self.draft_cost_ratio_priors else None
+            self._by_drafter.setdefault(drafter, _Mean()).observe(seconds / rounds, self.draft_ewma, prior)
             return
         if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
             self._draft_cost = seconds / rounds  # the ratio prior served until now; trust data
@@ -88,6 +149,29 @@ class StepCostModel:
         if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
             return self.draft_cost_ratio_prior * self.target_time(1)
         return self._draft_cost
+
+    def observe_sampling(self, speculative: bool, seconds: float) -> None:
+        """A step picked its tokens in ``seconds``: rejection sampling over its verification rows
+        (speculative) or sampling one token per sequence (plain)."""
+        if seconds >= 0:
+            self._sampling.setdefault(speculative, _Mean()).observe(seconds, self.draft_ewma)
+
+    @property
+    def verify_overhead(self) -> float:
+        """Seconds a speculative step spends picking its tokens beyond what a plain step spends
+        (0 until both kinds of step were measured)."""
+        spec, plain = self._sampling.get(True), self._sampling.get(False)
+        return 0.0 if spec is None or plain is None else max(0.0, spec.seconds - plain.seconds)
+
+    def draft_cost_of(self, drafter: str) -> float:
+        """Seconds per draft round of a named drafter: measured, else its ratio prior times the
+        decode step, else the engine-wide cost."""
+        measured = self._by_drafter.get(drafter)
+        if measured is not None:
+            return measured.seconds
+        if drafter in self.draft_cost_ratio_priors:
+            return self.draft_cost_ratio_priors[drafter] * self.target_time(1)
+        return self.draft_cost
 
     @property
     def coefficients(self) -> tuple[float, float]:
@@ -121,20 +205,35 @@ class StepCostModel:
 
     def to_dict(self) -> dict:
         a, b = self.coefficients
-        return {"draft_cost_s": self.draft_cost, "target_a_s": a, "target_b_s_per_token": b,
-                "target_observations": len(self._obs)}
+        out = {"draft_cost_s": self.draft_cost, "target_a_s": a, "target_b_s_per_token": b,
+               "target_observations": len(self._obs), "verify_overhead_s": self.verify_overhead}
+        named = sorted({*self.draft_cost_ratio_priors, *self._by_drafter})
+        if named:
+            out["draft_cost_s_by_drafter"] = {d: self.draft_cost_of(d) for d in named}
+        return out
+
+
+def _rounds(other_draft_rounds: int | Mapping[str, int], drafter: str) -> dict[str, int]:
+    """The other sequences' draft rounds per drafter (an int: all of them ``drafter``'s)."""
+    if isinstance(other_draft_rounds, Mapping):
+        return dict(other_draft_rounds)
+    return {drafter: other_draft_rounds}
 
 
 def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
-              other_committed: float = 0.0, other_draft_rounds: int = 0) -> float:
-    """Committed tokens per second of one step in which this sequence drafts k tokens."""
-    rounds = max(k, other_draft_rounds)
-    seconds = rounds * costs.draft_cost + costs.target_time(batch_tokens_other + k + 1)
+              other_committed: float = 0.0, other_draft_rounds: int | Mapping[str, int] = 0,
+              drafter: str = "") -> float:
+    """Committed tokens per second of one step in which this sequence drafts k tokens with
+    ``drafter`` (its rounds overlap the other sequences' rounds of the same drafter)."""
+    rounds = _rounds(other_draft_rounds, drafter)
+    rounds[drafter] = max(k, rounds.get(drafter, 0))
+    seconds = draft_seconds(rounds, costs) + costs.target_time(batch_tokens_other + k + 1) + verify_overhead(costs, rounds)
     return (other_committed + expected_committed(alpha, k)) / max(seconds, 1e-9)
 
 
 def choose_k(alpha: float, max_draft_tokens: int, costs: CostModel, batch_tokens_other: int = 0,
-             other_committed: float = 0.0, other_draft_rounds: int = 0, min_gain: float = 0.05) -> int:
+             other_committed: float = 0.0, other_draft_rounds: int | Mapping[str, int] = 0,
+             min_gain: float = 0.05, drafter: str = "") -> int:
     """K in [0, max_draft_tokens] maximizing committed tokens per second; 0 unless the best K gains more
     than ``min_gain`` of one plain token per plain step time (for a lone sequence: beats plain
     by more than min_gain relative), which absorbs unmodelled overhead and noise.
@@ -145,9 +244,10 @@ def choose_k(alpha: float, max_draft_tokens: int, costs: CostModel, batch_tokens
     charges this sequence for slowing everyone else down (why large batches go plain)."""
     if max_draft_tokens <= 0:
         return 0
-    rates = [step_rate(alpha, k, costs, batch_tokens_other, other_committed, other_draft_rounds)
+    rates = [step_rate(alpha, k, costs, batch_tokens_other, other_committed, other_draft_rounds, drafter)
              for k in range(max_draft_tokens + 1)]
-    plain_step = other_draft_rounds * costs.draft_cost + costs.target_time(batch_tokens_other + 1)
+    others = _rounds(other_draft_rounds, drafter)
+    plain_step = draft_seconds(others, costs) + costs.target_time(batch_tokens_other + 1) + verify_overhead(costs, others)
     best = max(range(1, max_draft_tokens + 1), key=lambda k: (rates[k], -k))
     return best if rates[best] > rates[0] + min_gain / max(plain_step, 1e-9) else 0
 
@@ -172,14 +272,27 @@ def break_even_alpha(costs: CostModel, max_draft_tokens: int, min_gain: float = 
     return hi
 
 
+def rounds_by_drafter(num_draft_tokens: list[int], drafters: list[str] | None, skip: int = -1) -> dict[str, int]:
+    """Draft rounds each drafter runs in a step (the most any of its sequences asked), sequence
+    ``skip`` left out; ``drafters`` None: one drafter ("") for all."""
+    rounds: dict[str, int] = {}
+    for i, k in enumerate(num_draft_tokens):
+        if i != skip:
+            d = drafters[i] if drafters is not None else ""
+            rounds[d] = max(rounds.get(d, 0), k)
+    return rounds
+
+
 def batch_rate(alphas: list[float], num_draft_tokens: list[int], costs: CostModel, extra_tokens: int = 0,
-               extra_committed: float = 0.0) -> float:
-    """Committed tokens per second of a step in which sequence i drafts num_draft_tokens[i] tokens, sharing the
-    forward with ``extra_tokens`` tokens of sequences that do not speculate (e.g. prefill chunks)
-    that commit ``extra_committed`` tokens."""
+               extra_committed: float = 0.0, drafters: list[str] | None = None) -> float:
+    """Committed tokens per second of a step in which sequence i drafts num_draft_tokens[i] tokens
+    (with ``drafters[i]``, default one drafter for all), sharing the forward with ``extra_tokens``
+    tokens of sequences that do not speculate (e.g. prefill chunks) that commit ``extra_committed`` tokens."""
     if not num_draft_tokens:
         return 0.0
-    seconds = max(num_draft_tokens) * costs.draft_cost + costs.target_time(extra_tokens + sum(k + 1 for k in num_draft_tokens))
+    rounds = rounds_by_drafter(num_draft_tokens, drafters)
+    seconds = (draft_seconds(rounds, costs) + costs.target_time(extra_tokens + sum(k + 1 for k in num_draft_tokens))
+               + verify_overhead(costs, rounds))
     committed = extra_committed + sum(expected_committed(a, k) for a, k in zip(alphas, num_draft_tokens))
     return committed / max(seconds, 1e-9)
 
@@ -219,21 +332,24 @@ class AdaptiveK:
             raise ValueError("explore_every, explore_k and passes must be >= 1")
 
     def choose(self, seqs: list[tuple[str, str]], max_draft_tokens: int, extra_tokens: int = 0,
-               extra_committed: float = 0.0) -> list[int]:
+               extra_committed: float = 0.0, drafters: list[str] | None = None) -> list[int]:
         """seqs: (seq_id, segment) of every sequence that may speculate this step -> K each.
         extra_tokens / extra_committed: the rest of the same forward (sequences that cannot
-        speculate, prefill chunks) — they make verification tokens dearer, as in a big batch."""
+        speculate, prefill chunks) — they make verification tokens dearer, as in a big batch.
+        drafters: which drafter drafts for each (a portfolio's member: each has its own round
+        cost); None: one drafter for all."""
         n = len(seqs)
         alphas = [self.estimator.estimate(s, seg) for s, seg in seqs]
         num_draft_tokens = [0] * n
         if max_draft_tokens > 0 and n:
             def rate(ks_: list[int]) -> float:
-                return batch_rate(alphas, ks_, self.costs, extra_tokens, extra_committed)
+                return batch_rate(alphas, ks_, self.costs, extra_tokens, extra_committed, drafters)
 
             uniform = max(range(1, max_draft_tokens + 1), key=lambda r: rate([r] * n))
             if rate([uniform] * n) > rate(num_draft_tokens) * (1.0 + self.min_gain):
                 num_draft_tokens = [uniform] * n
-            self._coordinate_ascent(alphas, num_draft_tokens, max_draft_tokens, extra_tokens, extra_committed)
+            self._coordinate_ascent(alphas, num_draft_tokens, max_draft_tokens, extra_tokens, extra_committed,
+                                    drafters)
         for i, (seq_id, segment) in enumerate(seqs):
             self._probing.discard(seq_id)
             if num_draft_tokens[i] > 0 or max_draft_tokens <= 0:
@@ -248,16 +364,16 @@ class AdaptiveK:
         return num_draft_tokens
 
     def _coordinate_ascent(self, alphas: list[float], num_draft_tokens: list[int], max_draft_tokens: int,
-                           extra_tokens: int, extra_committed: float) -> None:
+                           extra_tokens: int, extra_committed: float, drafters: list[str] | None = None) -> None:
         committed = [expected_committed(a, k) for a, k in zip(alphas, num_draft_tokens)]
         for _ in range(self.passes):
             changed = False
             for i in range(len(num_draft_tokens)):
                 others_tokens = extra_tokens + sum(num_draft_tokens) + len(num_draft_tokens) - (num_draft_tokens[i] + 1)
                 others_committed = extra_committed + sum(committed) - committed[i]
-                others_rounds = max(num_draft_tokens[:i] + num_draft_tokens[i + 1:], default=0)
+                others_rounds = rounds_by_drafter(num_draft_tokens, drafters, skip=i)
                 best = choose_k(alphas[i], max_draft_tokens, self.costs, others_tokens, others_committed,
-                                others_rounds, self.min_gain)
+                                others_rounds, self.min_gain, drafters[i] if drafters is not None else "")
                 if best != num_draft_tokens[i]:
                     changed = True
                     num_draft_tokens[i] = best

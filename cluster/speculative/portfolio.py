@@ -6,17 +6,29 @@ suffix by default; any ``Proposer``, e.g. a model drafter, can join with its cos
 acceptance it measures per member and draft context, per-member counts for the stats, and
 ``SegmentRoutes`` (route each sequence to its segment's member instead of choosing).
 
-How it chooses. A member's acceptance α is a per-position rate, learnt as accepted draft tokens
-over (accepted + rejections) — the geometric estimate; plain accepted / drafted would count the
-positions after a rejection, which are never tried, as failures and bias α low. It is kept per
-(member, the member's draft context, e.g. the n-gram match length) and per (sequence, member),
-the sequence's own rate shrunk towards the global one. A draft of k tokens is expected to commit
-1 + α + … + α^k tokens (the +1: the recovered or bonus token) at a cost of
-1 + (verify_slope + member cost) · k target decode steps; the member with the highest ratio wins,
-ties to the earlier member; a member without a draft is not a candidate.
+How it chooses. A member's acceptance is two rates: α1, its first draft token's (accepted or
+rejected), and α, each later token's given the ones before were accepted — the geometric
+estimate, accepted tokens over (accepted + rejections); plain accepted / drafted would count the
+positions after a rejection, which are never tried, as failures. One pooled rate overvalued short
+drafts of weak matches (a 1-token match is right 10-20% of the time, but once its first token
+is, the copy usually runs on). Both are kept per (member, the member's draft context, e.g. the
+n-gram match length), per (segment, member, context) shrunk towards that, and per (sequence,
+member, context) shrunk towards the segment's: a head accepted at 0.6 on json and ~0 on other
+languages is judged by the traffic it drafts for. A draft of k tokens is expected to commit
+E(k) = 1 + α1·(1 + α + … + α^(k-1)) tokens (the 1: the recovered or bonus token) in a step of
+k · c_member + t(k + 1) + (rejection sampling's cost over plain sampling) seconds, against 1
+token in t(1) for a plain step — with the engine's measured step costs (``use_costs``: adaptive
+K's ``StepCostModel``, which times each member's draft rounds on its own), else the member's
+prior cost and ``verify_slope`` in decode steps. A member's value is that ratio at its best k
+(up to its draft's length, or ``horizon`` for a costly member — valuing an EAGLE head at 6
+tokens when it pays at 2 hid it behind a 1-token n-gram match); the member with the highest
+value above 1 + ``min_gain`` wins, ties to the earlier member; a member without a draft is not a
+candidate.
 
 How it learns. Members of cost 0 (no model) draft for every sequence each time (shadow drafts),
-so each is measured whether chosen or not; a costly member only drafts when chosen. On the next
+so each is measured whether chosen or not; a costly member only drafts when chosen — and so that
+one that lost its segment's choices is measured there again, after ``explore_every`` lost choices
+in a row it drafts once (a probe). On the next
 call for the same sequence, the tokens committed since are compared with each member's last
 draft: the common prefix was accepted (exact for deterministic drafts: a rejected one-hot draft
 token is never the recovered token); a mismatch inside the committed tokens is one rejection;
@@ -24,9 +36,14 @@ a draft longer than what was committed is censored there (no rejection counted).
 is needed: the committed tokens arrive with the next ``draft_context`` or ``propose``.
 
 Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):
-no choice — each sequence drafts with its segment's member (``SegmentRoutes``), and only that
-member is asked (shadow drafts, learning and stats work as above for it); a member with nothing
-to draft leaves the sequence plain for the step.
+each sequence drafts with its segment's members only (``SegmentRoutes``) — one member: no choice,
+that member drafts whatever its value (a member with nothing to draft leaves the sequence plain
+for the step); several (the segment's drafter is ``portfolio``): the choice above among them.
+Only a segment's members are asked (shadow drafts, learning and stats work as above for them).
+
+Each costly member's draft rounds are timed (``last_member_rounds``): the engine's cost model
+learns every member's round cost on its own, so neither adaptive K nor this choice plans an
+n-gram draft at an EAGLE head's cost or the other way round.
 
 Drafts are the chosen member's, q included (a model member's q travels unchanged), so
 verification stays lossless exactly as it is for that member alone.
@@ -35,9 +52,12 @@ Ignores: K (the engine's adaptive K plans it per draft context; ``draft_context`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
+from cluster.speculative.acceptance import expected_committed
+from cluster.speculative.adaptive_k import CostModel, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -53,7 +73,7 @@ class Member:
 
 @dataclass(slots=True)
 class Rate:
-    """Geometric acceptance counts: accepted draft tokens and observed rejections."""
+    """Acceptance counts: accepted draft tokens and observed rejections."""
 
     accepted: float = 0.0
     rejected: float = 0.0
@@ -63,13 +83,36 @@ class Rate:
 
 
 @dataclass(slots=True)
+class Acceptance:
+    """A draft's first token apart from the rest: a 1-token n-gram match is right 10-20% of the
+    time, but once its first token is, the copy usually runs on (chat: 0.16 at position 1, 0.42+
+    after) — one pooled rate overvalued short drafts of weak matches."""
+
+    first: Rate = field(default_factory=Rate)  # position 1: accepted or rejected
+    later: Rate = field(default_factory=Rate)  # positions 2..: geometric, censored at what was committed
+
+    def add(self, accepted: int, observed: int) -> None:
+        """A draft whose first ``accepted`` tokens matched the ``observed`` committed tokens compared."""
+        if observed <= 0:
+            return
+        if accepted == 0:
+            self.first.rejected += 1
+            return
+        self.first.accepted += 1
+        self.later.accepted += accepted - 1
+        self.later.rejected += 1 if accepted < observed else 0
+
+
+@dataclass(slots=True)
 class _Pending:
     """A sequence's drafts awaiting the tokens committed after them."""
 
     length: int  # committed tokens when drafted
+    segment: str = ""
     drafts: dict[str, tuple[list[int], str]] = field(default_factory=dict)  # member -> (draft, context)
     chosen: str | None = None  # the member expected to commit most per cost (None: no candidate)
     sent: bool = False  # the chosen member's draft was returned by ``propose``
+    probe: bool = False  # chosen to measure it (a costly member that had been losing), not by value
 
 
 @dataclass(slots=True)
@@ -84,13 +127,21 @@ class MemberStats:
 
 @dataclass(slots=True)
 class SegmentRoutes:
-    """Which member drafts for each segment: ``by_segment``'s, else ``default``'s."""
+    """Which members may draft for each segment: ``by_segment``'s, else ``default``'s — one member
+    (that drafter, no choice) or several (a portfolio among them, e.g. a segment whose drafter is
+    ``portfolio`` in a union that also serves an ``eagle`` or ``ngram`` segment)."""
 
-    default: str
-    by_segment: dict[str, str] = field(default_factory=dict)
+    default: str | tuple[str, ...]
+    by_segment: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
 
-    def member(self, segment: str) -> str:
-        return self.by_segment.get(segment, self.default)
+    def candidates(self, segment: str) -> tuple[str, ...]:
+        got = self.by_segment.get(segment, self.default)
+        return (got,) if isinstance(got, str) else tuple(got)
+
+    def names(self) -> set[str]:
+        """Every member some segment may draft with."""
+        routes = [self.default, *self.by_segment.values()]
+        return {n for r in routes for n in ((r,) if isinstance(r, str) else r)}
 
 
 @dataclass(slots=True)
@@ -100,12 +151,20 @@ class PortfolioProposer:
     verify_slope: float = 0.05  # extra target cost per verified draft token, in decode steps
     prior_alpha: float = 0.5  # α before anything is measured
     prior_weight: float = 2.0  # pseudo trials behind the prior
-    seq_weight: float = 4.0  # pseudo trials of the global rate behind a sequence's own rate
-    routes: SegmentRoutes | None = None  # set: route each sequence by its segment, no choice
+    seq_weight: float = 4.0  # pseudo trials of the segment's rate behind a sequence's own rate
+    segment_weight: float = 4.0  # pseudo trials of the member's global rate behind a segment's rate
+    explore_every: int = 16  # a costly member losing this many choices in a row in a segment is probed once
+    min_gain: float = 0.05  # a member must beat plain decoding by this much (adaptive K's margin)
+    routes: SegmentRoutes | None = None  # set: each sequence drafts with its segment's members only
     kind: DrafterKind = field(default=DrafterKind.PORTFOLIO, init=False)
     last_choice: dict[str, str] = field(default_factory=dict, init=False)  # seq_id -> member, last propose
-    _rates: dict[tuple[str, str], Rate] = field(default_factory=dict, init=False, repr=False)
-    _seq_rates: dict[tuple[str, str], Rate] = field(default_factory=dict, init=False, repr=False)
+    # costly member -> (draft rounds, seconds) of the last propose: the engine's cost model learns from it
+    last_member_rounds: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+    costs: CostModel | None = field(default=None, init=False, repr=False)  # the engine's, once given
+    _rates: dict[tuple[str, str], Acceptance] = field(default_factory=dict, init=False, repr=False)  # (member, ctx)
+    _segment_rates: dict[tuple[str, str, str], Acceptance] = field(default_factory=dict, init=False, repr=False)
+    _seq_rates: dict[str, dict[tuple[str, str], Acceptance]] = field(default_factory=dict, init=False, repr=False)
+    _losses: dict[tuple[str, str], int] = field(default_factory=dict, init=False, repr=False)  # (segment, member)
     _pending: dict[str, _Pending] = field(default_factory=dict, init=False, repr=False)
     _stats: dict[str, MemberStats] = field(default_factory=dict, init=False, repr=False)
 
@@ -115,10 +174,14 @@ class PortfolioProposer:
             raise ValueError(f"a portfolio needs members with distinct names, got {names}")
         if any(m.cost < 0 for m in self.members) or self.horizon < 1 or self.verify_slope < 0:
             raise ValueError("member costs and verify_slope must be >= 0, horizon >= 1")
-        if not 0.0 < self.prior_alpha < 1.0 or self.prior_weight <= 0 or self.seq_weight <= 0:
-            raise ValueError("prior_alpha must be in (0, 1), prior_weight and seq_weight > 0")
+        if not 0.0 < self.prior_alpha < 1.0 or min(self.prior_weight, self.seq_weight, self.segment_weight) <= 0:
+            raise ValueError("prior_alpha must be in (0, 1), prior_weight, seq_weight and segment_weight > 0")
+        if self.explore_every < 1:
+            raise ValueError("explore_every must be >= 1")
+        if self.min_gain < 0:
+            raise ValueError("min_gain must be >= 0")
         if self.routes is not None:
-            unknown = {self.routes.default, *self.routes.by_segment.values()} - set(names)
+            unknown = self.routes.names() - set(names)
             if unknown:
                 raise ValueError(f"segment routes name drafters that are not members: {sorted(unknown)}")
         self._stats = {m.name: MemberStats() for m in self.members}
@@ -134,7 +197,7 @@ class PortfolioProposer:
         drafts: list[list[int]] = [[] for _ in inputs]
         probs: list[object] = [None] * len(inputs)
         costly: dict[str, list[int]] = {}  # member -> rows it drafts for now
-        self.last_choice = {}
+        self.last_choice, self.last_member_rounds = {}, {}
         for row, inp in enumerate(inputs):
             if inp.num_draft_tokens <= 0:
                 continue
@@ -146,7 +209,10 @@ class PortfolioProposer:
             else:
                 drafts[row] = pending.drafts[pending.chosen][0][: inp.num_draft_tokens]
         for name, rows in costly.items():
+            t0 = time.perf_counter()
             got = self._member(name).proposer.propose([inputs[r] for r in rows])
+            rounds = max(inputs[r].num_draft_tokens for r in rows)
+            self.last_member_rounds[name] = (rounds, time.perf_counter() - t0)
             for r, ids, q in zip(rows, got.draft_token_ids, got.draft_probs):
                 drafts[r] = list(ids)[: inputs[r].num_draft_tokens]
                 probs[r] = q[: len(drafts[r])] if q is not None and drafts[r] else None
@@ -164,8 +230,8 @@ class PortfolioProposer:
     def release(self, seq_id: str) -> None:
         self._pending.pop(seq_id, None)
         self.last_choice.pop(seq_id, None)
+        self._seq_rates.pop(seq_id, None)
         for m in self.members:
-            self._seq_rates.pop((seq_id, m.name), None)
             m.proposer.release(seq_id)
 
     # -- what the stats show ------------------------------------------------------------------------
@@ -173,16 +239,50 @@ class PortfolioProposer:
         """member -> steps it drafted for, its draft tokens, and how many of those were accepted."""
         return {name: st.to_dict() for name, st in self._stats.items()}
 
-    def alpha(self, member: str, context: str = "", seq_id: str | None = None) -> float:
-        """The acceptance rate the portfolio plans with for ``member`` in ``context``."""
-        g = self._rates.get((member, context), Rate()).alpha(self.prior_alpha, self.prior_weight)
-        if seq_id is None:
-            return g
-        return self._seq_rates.get((seq_id, member), Rate()).alpha(g, self.seq_weight)
+    def alpha(self, member: str, context: str = "", seq_id: str | None = None, segment: str | None = None,
+              later: bool = False) -> float:
+        """The acceptance rate the portfolio plans with for ``member``'s first draft token in
+        ``context`` (``later``: for each token after an accepted one): the member's global rate
+        there, the segment's shrunk towards it (an EAGLE head is accepted at 0.6 on json and ~0
+        on other languages), the sequence's shrunk towards that."""
+        def part(acc: Acceptance | None) -> Rate:
+            return Rate() if acc is None else (acc.later if later else acc.first)
 
-    def expected_per_cost(self, member: Member, k: int, alpha: float) -> float:
-        committed = sum(alpha ** i for i in range(k + 1))  # 1 + α + … + α^k
-        return committed / (1.0 + (self.verify_slope + member.cost) * k)
+        a = part(self._rates.get((member, context))).alpha(self.prior_alpha, self.prior_weight)
+        if segment is not None:
+            a = part(self._segment_rates.get((segment, member, context))).alpha(a, self.segment_weight)
+        if seq_id is None:
+            return a
+        return part(self._seq_rates.get(seq_id, {}).get((member, context))).alpha(a, self.seq_weight)
+
+    def member_cost_priors(self) -> dict[str, float]:
+        """member -> its prior cost per draft round, in target decode steps."""
+        return {m.name: m.cost for m in self.members}
+
+    def member_of(self, context: str) -> str:
+        """The member a ``draft_context`` label belongs to ("<member>:<member's context>")."""
+        return context.split(":", 1)[0]
+
+    def use_costs(self, costs: CostModel) -> None:
+        """Plan with the engine's measured step costs (its members' round costs included)."""
+        self.costs = costs
+
+    def expected_per_cost(self, member: Member, k: int, alpha: float, later: float | None = None) -> float:
+        """Tokens committed per unit time drafting k tokens with ``member`` (its first token
+        accepted at ``alpha``, each next one at ``later``, default the same), relative to plain
+        decoding (1.0: as fast as plain)."""
+        later = alpha if later is None else later
+        committed = 1.0 + alpha * expected_committed(later, k - 1)  # 1 + α1·(1 + α + … + α^(k-1))
+        if self.costs is None:
+            return committed / (1.0 + (self.verify_slope + member.cost) * k)
+        plain = self.costs.target_time(1)
+        step = (k * draft_cost_of(self.costs, member.name) + self.costs.target_time(k + 1)
+                + verify_overhead(self.costs, {member.name: k}))
+        return committed * plain / max(step, 1e-12)
+
+    def value(self, member: Member, max_k: int, alpha: float, later: float | None = None) -> float:
+        """``expected_per_cost`` at the member's best k in [1, max_k]."""
+        return max(self.expected_per_cost(member, k, alpha, later) for k in range(1, max_k + 1))
 
     # -- internals ----------------------------------------------------------------------------------
     def _member(self, name: str) -> Member:
@@ -196,10 +296,11 @@ class PortfolioProposer:
             return pending
         if pending is not None and pending.length < len(token_ids):
             self._learn(seq_id, pending, token_ids[pending.length:])
-        pending = self._pending[seq_id] = _Pending(len(token_ids))
-        best, best_value = None, 1.0  # a candidate must beat plain decoding (1 token per step)
-        routed = self.routes is not None
-        for m in [self._member(self.routes.member(segment))] if routed else self.members:
+        pending = self._pending[seq_id] = _Pending(len(token_ids), segment)
+        best, best_value = None, 1.0 + self.min_gain  # a candidate must beat plain decoding
+        candidates = self.members if self.routes is None else [self._member(n) for n in self.routes.candidates(segment)]
+        routed = self.routes is not None and len(candidates) == 1  # the segment's one drafter: no choice
+        for m in candidates:
             context_of = getattr(m.proposer, "draft_context", None)
             ctx = context_of(seq_id, token_ids, segment) if context_of is not None else ""
             if ctx is None:
@@ -216,11 +317,30 @@ class PortfolioProposer:
             if routed:  # the segment's drafter, whatever its value: adaptive K plans its K
                 best = m.name
                 break
-            value = self.expected_per_cost(m, k, self.alpha(m.name, ctx, seq_id))
+            value = self.value(m, k, self.alpha(m.name, ctx, seq_id, segment),
+                               self.alpha(m.name, ctx, seq_id, segment, later=True))
             if value > best_value:
                 best, best_value = m.name, value
         pending.chosen = best
+        if not routed:
+            self._explore(pending, best)
         return pending
+
+    def _explore(self, pending: _Pending, best: str | None) -> None:
+        """A costly member drafts only when chosen, so one that lost its segment's choices
+        would never be measured there again: after ``explore_every`` lost choices in a row it
+        drafts once (a probe). The interval stays fixed: backing off after probes that commit
+        nothing starved a head accepted at 0.4 (its probes fail more often than not) of the
+        measurements that would have shown it wins."""
+        for name, (draft, _) in pending.drafts.items():
+            if name == best or self._member(name).cost <= 0:
+                continue
+            key = (pending.segment, name)
+            self._losses[key] = self._losses.get(key, 0) + 1
+            if pending.probe or self._losses[key] < self.explore_every:
+                continue
+            self._losses[key] = 0
+            pending.chosen, pending.probe = name, True
 
     def _learn(self, seq_id: str, pending: _Pending, committed: list[int]) -> None:
         for name, (draft, ctx) in pending.drafts.items():
@@ -230,11 +350,12 @@ class PortfolioProposer:
             accepted = 0
             while accepted < n and draft[accepted] == committed[accepted]:
                 accepted += 1
-            rejected = 1.0 if accepted < n else 0.0  # past what was committed: censored
-            for rate in (self._rates.setdefault((name, ctx), Rate()), self._seq_rates.setdefault((seq_id, name), Rate())):
-                rate.accepted += accepted
-                rate.rejected += rejected
+            for acc in (self._rates.setdefault((name, ctx), Acceptance()),
+                        self._segment_rates.setdefault((pending.segment, name, ctx), Acceptance()),
+                        self._seq_rates.setdefault(seq_id, {}).setdefault((name, ctx), Acceptance())):
+                acc.add(accepted, n)  # past what was committed: censored
             if pending.sent and name == pending.chosen:
+                self._losses[(pending.segment, name)] = 0
                 self._stats[name].accepted_tokens += accepted
 
 

@@ -74,10 +74,22 @@ class LocalModelProposer(Protocol):
 
 @runtime_checkable
 class MemberStatsProposer(Protocol):
-    """A drafter made of member drafters (the portfolio): the drafts each member produced."""
+    """A drafter made of member drafters (the portfolio): the drafts each member produced, and
+    each member's draft cost on its own (the engine's cost model times members separately)."""
+
+    last_member_rounds: dict[str, tuple[int, float]]  # member -> (draft rounds, seconds), last propose
 
     def drafter_stats(self) -> dict[str, dict]:
         """member -> {steps, draft_tokens, accepted_tokens}."""
+
+    def member_cost_priors(self) -> dict[str, float]:
+        """member -> prior cost of one draft round, in target decode steps."""
+
+    def member_of(self, context: str) -> str:
+        """The member whose draft a ``draft_context`` label announces."""
+
+    def use_costs(self, costs: Any) -> None:
+        """Choose members with the engine's measured step costs (``adaptive_k.StepCostModel``)."""
 
 
 @runtime_checkable

@@ -282,12 +282,14 @@ class SuffixProposer:
         best = NO_DRAFT
         previous = None
         for m in range(longest, 0, -1):
+            cap = min(self.max_spec_tokens, int(self.max_spec_factor * m + self.max_spec_offset))
+            if best.score >= cap:
+                break  # a walk of at most cap tokens scores at most cap, and caps shrink with m
             sizes = tuple(ms[m - 1].size if len(ms) >= m else 0 for _, ms in per_source)
             if sizes == previous:
                 continue  # the same occurrences as the longer match: the same walk, lower rank
             previous = sizes
             sources = [(buf, ms[m - 1][-self.max_candidates:]) for buf, ms in per_source if len(ms) >= m]
-            cap = min(self.max_spec_tokens, int(self.max_spec_factor * m + self.max_spec_offset))
             tokens, probs = walk(sources, cap, self.min_token_prob)
             if tokens and sum(probs) > best.score:
                 best = SuffixDraft(tokens, probs, m)

@@ -154,3 +154,27 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
         # head K = 0 throughout (nothing drafted, c = 0)
         assert math.isfinite(row["c"]) and (row["c"] > 0 if name == "eagle/k3" else row["c"] >= 0), (name, row["c"])
     print(f"untrained eagle head on the default model: c = {rows['eagle/k3']['c']} of a decode step per draft round")
+
+
+def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, default_model, capsys):
+    """The portfolio row of a segment carries each member's counts on that segment (warm-up and
+    other segments excluded): the members of the default model's portfolio, steps adding up to
+    the row's drafting steps."""
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    out = tmp_path / "spec.json"
+    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                         "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
+                         "--drafters", "portfolio", "--no-hf", "--threads", "2"])
+    assert bench_spec.run(args) == 0
+    segments = json.loads(out.read_text())["segments"]
+    for seg in ("summarize", "chat"):
+        row = segments[seg]["portfolio/auto"]
+        assert row["outputs_equal_plain"] == 1
+        members = row["members"]
+        assert set(members) == {"ngram", "suffix", "eagle"}  # the shipped head fits the default model
+        drafted = sum(m["draft_tokens"] for m in members.values())
+        steps = sum(m["steps"] for m in members.values())
+        assert drafted == round(row["k_mean"] * steps) and all(m["accepted_tokens"] <= m["draft_tokens"]
+                                                                 for m in members.values())
+    assert sum(m["steps"] for m in segments["summarize"]["portfolio/auto"]["members"].values()) > 0

@@ -75,7 +75,8 @@ def test_map_end_to_end_on_fake_engine(tmp_path, capsys):
     # (0.25) would predict 1.33x
     prof = m["profile"]["segments"]
     assert set(prof) == {"code", "chat", "default"}
-    for d in ("ngram", "self"):
+    assert m["drafters"] == ["ngram", "portfolio", "eagle"]  # the defaults (the config's drafter is ngram)
+    for d in m["drafters"]:
         assert prof["code"]["drafters"][d]["alpha_by_position"] == [1.0, 1.0, 1.0, 1.0]
         chat = prof["chat"]["drafters"][d]
         assert chat["alpha_by_position"] == [1.0, 0.0, 0.0, 0.0] and chat["acceptance_rate"] == 0.25

@@ -65,6 +65,11 @@ def test_each_segment_drafts_with_its_drafter_and_k_and_output_equals_plain_gree
     assert members["ngram"]["steps"] == stats["other"].drafts + (stats["chat"].drafts if "chat" in stats else 0)
     # chat plans adaptively (its keys carry the drafter: adaptive K learns α per drafter)
     assert spec.adaptive is not None
+    # each member's draft rounds are timed apart: the layer-skip rounds (code) are measured, the
+    # n-gram member (never timed: no model) keeps its prior of 0 instead of the mix of both
+    by_drafter = spec.adaptive.costs.to_dict()["draft_cost_s_by_drafter"]
+    assert by_drafter["self:1"] > 0.0 and by_drafter["ngram"] == 0.0
+    assert spec.proposer.costs is spec.adaptive.costs  # the union chooses with the same costs
     for r in reqs:
         if r.segment == "json":
             assert got[r.request_id]["spec"] is None or got[r.request_id]["spec"].draft_tokens == 0
@@ -90,3 +95,38 @@ def test_a_segment_drafter_that_cannot_run_is_refused_naming_the_segment(tiny):
     with pytest.raises(ValueError, match="per-segment drafters need the drafters built here"):
         config = EngineConfig(model="tiny", spec=SpecConfig(segments={"code": {"drafter": "suffix"}}))
         build_spec_controller(config, tiny.with_fresh_kv(config, 16), proposer=object())
+
+
+def test_a_portfolio_segment_chooses_among_its_members_next_to_a_single_drafter_segment(tiny):
+    """Global ``portfolio`` (n-gram and suffix on a target without a shipped head), code with the
+    layer-skip drafter of its own: code drafts with self:1 only, the others choose among the
+    portfolio's members; greedy output equals plain."""
+    reqs = requests()
+    plain = run_to_completion(engine(tiny, None), reqs)
+    eng = engine(tiny, SpecConfig(drafter="portfolio", num_draft_tokens="auto",
+                                  segments={"code": {"drafter": "self:1", "num_draft_tokens": 3}}))
+    got = run_to_completion(eng, reqs)
+    for r in reqs:
+        assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+    union = eng.spec.proposer
+    assert [m.name for m in union.members] == ["ngram", "suffix", "self:1"]
+    assert union.routes.candidates("code") == ("self:1",) and union.routes.candidates("chat") == ("ngram", "suffix")
+    members = union.drafter_stats()
+    assert members["self:1"]["steps"] == eng.spec.segment_stats["code"].drafts > 0
+    others = sum(eng.spec.segment_stats[s].drafts for s in ("chat", "json", "other") if s in eng.spec.segment_stats)
+    assert members["ngram"]["steps"] + members["suffix"]["steps"] == others > 0
+
+
+def test_the_shipped_head_is_built_once_for_a_portfolio_and_an_eagle_segment(default_model):
+    """A target runner feeds one EAGLE head: a union of ``portfolio`` (global) and ``eagle`` (chat)
+    shares the portfolio's head member instead of installing a second one."""
+    config = EngineConfig(spec=SpecConfig(drafter="portfolio", num_draft_tokens="auto",
+                                          segments={"chat": {"drafter": "eagle"}}), kv_cache_memory_mb=64)
+    m = default_model.with_fresh_kv(config)
+    spec = build_spec_controller(config, m)
+    union = spec.proposer
+    assert [mm.name for mm in union.members] == ["ngram", "suffix", "eagle"]
+    assert union.routes.candidates("chat") == ("eagle",)
+    assert union.routes.candidates("code") == ("ngram", "suffix", "eagle")
+    assert m.runner.feature_tap is union.members[2].proposer
+    assert 0.0 < union.members[2].cost < 0.5  # its share of a decode step, before any round is timed

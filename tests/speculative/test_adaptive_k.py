@@ -211,3 +211,89 @@ def test_a_new_segment_inherits_the_pools_backed_off_probe_interval():
     assert ak.probe_interval("chat|n1") == 4  # another pool: its own start
     first = [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(16)]
     assert first == [0] * 15 + [2]
+
+
+def test_each_named_drafter_has_its_own_round_cost():
+    """A portfolio's members are timed apart: an EAGLE head's rounds do not make n-gram drafts
+    look dear, nor n-gram's make the head look free; the engine-wide cost stays its own."""
+    m = StepCostModel(draft_cost_ratio_prior=0.0, draft_cost_ratio_priors={"ngram": 0.0, "eagle": 0.1},
+                      target_a_prior=0.02)
+    for _ in range(5):
+        m.observe_target(1, 0.020)
+    assert m.draft_cost_of("eagle") == pytest.approx(0.1 * m.target_time(1))  # prior until timed
+    m.observe_draft(3, 0.006, "eagle")  # 2 ms per round
+    m.observe_draft(3, 0.006)  # the propose call as a whole
+    assert m.draft_cost_of("eagle") == pytest.approx(0.002)
+    assert m.draft_cost_of("ngram") == 0.0  # never timed: its prior
+    assert m.draft_cost_of("other") == m.draft_cost == pytest.approx(0.002)  # unknown: the engine-wide cost
+    assert m.to_dict()["draft_cost_s_by_drafter"] == {"eagle": pytest.approx(0.002), "ngram": 0.0}
+    with pytest.raises(ValueError):
+        StepCostModel(draft_cost_ratio_priors={"x": -1.0})
+
+
+@dataclass
+class PerDrafterCosts(LinearCosts):
+    by_drafter: dict | None = None
+
+    def draft_cost_of(self, drafter: str) -> float:
+        return (self.by_drafter or {}).get(drafter, self.draft_cost)
+
+
+def test_k_is_planned_at_each_sequences_own_drafter_cost():
+    # same α, same batch: the free drafter's sequence drafts deeper than the dear one's, and the
+    # dear rounds are charged once per drafter (the draft phase runs each drafter's rounds)
+    costs = PerDrafterCosts(draft_cost=0.0, a=0.020, b=0.0001, by_drafter={"ngram": 0.0, "eagle": 0.001})
+    ak = AdaptiveK(costs=costs)
+    for sid in ("a", "b"):
+        for _ in range(40):
+            ak.observe(sid, "chat", 4, 2)  # α ≈ 0.67 for both
+    k_ngram, k_eagle = ak.choose([("a", "chat"), ("b", "chat")], 6, drafters=["ngram", "eagle"])
+    assert k_ngram > k_eagle >= 1
+    # the rounds of two drafters add up; one drafter's rounds overlap
+    mixed = batch_rate([0.7, 0.7], [3, 3], costs, drafters=["ngram", "eagle"])
+    both_eagle = batch_rate([0.7, 0.7], [3, 3], costs, drafters=["eagle", "eagle"])
+    assert mixed > both_eagle * 0.99 and batch_rate([0.7], [3], costs, drafters=["eagle"]) < batch_rate(
+        [0.7], [3], costs, drafters=["ngram"])
+    # no drafters given: one drafter at the engine-wide cost, as before
+    assert ak.choose([("a", "chat")], 6) == [choose_k(ak.estimator.estimate("a", "chat"), 6, costs)]
+
+
+def test_verification_overhead_is_charged_to_steps_that_draft():
+    """Rejection sampling costs more than a plain step's sampling: measured, the difference is
+    charged once to any step that drafts, so a barely-accepted 1-token draft stays plain."""
+    m = StepCostModel(draft_cost_ratio_prior=0.0, target_a_prior=0.012)
+    for _ in range(20):
+        m.observe_target(1, 0.012)
+        m.observe_target(2, 0.0126)
+    assert m.verify_overhead == 0.0  # nothing measured yet
+    m.observe_sampling(False, 0.0003)
+    assert m.verify_overhead == 0.0  # one side only
+    m.observe_sampling(True, 0.0009)
+    assert m.verify_overhead == pytest.approx(0.0006)
+    assert m.to_dict()["verify_overhead_s"] == pytest.approx(0.0006)
+    free = StepCostModel(draft_cost_ratio_prior=0.0, target_a_prior=0.012)
+    for _ in range(20):
+        free.observe_target(1, 0.012)
+        free.observe_target(2, 0.0126)
+    # 0.6 ms more per drafting step (5% of a decode step): speculation starts to pay ~0.05 higher in α
+    be_free, be = break_even_alpha(free, 4), break_even_alpha(m, 4)
+    assert be > be_free + 0.04
+    assert choose_k(be_free + 0.01, 4, free) >= 1 and choose_k(be_free + 0.01, 4, m) == 0
+    assert batch_rate([0.17], [1], m) < batch_rate([0.17], [1], free)
+    assert batch_rate([0.17], [0], m) == batch_rate([0.17], [0], free)  # a plain step pays none
+
+
+def test_one_slow_draft_round_does_not_price_a_drafter_out():
+    """A head's first catch-up over a long prompt can take 10x a round: clipped to 3x the
+    estimate so far (its prior before data), it cannot price the head out of being chosen — and
+    so out of the measurements that would bring its cost back."""
+    m = StepCostModel(draft_cost_ratio_prior=0.0, draft_cost_ratio_priors={"eagle": 0.08}, target_a_prior=0.0125)
+    for _ in range(10):
+        m.observe_target(1, 0.0125)
+    prior = m.draft_cost_of("eagle")
+    assert prior == pytest.approx(0.001, rel=0.05)
+    m.observe_draft(1, 0.020, "eagle")  # a 20 ms first round
+    assert m.draft_cost_of("eagle") == pytest.approx(3 * prior)
+    for _ in range(10):
+        m.observe_draft(2, 0.002, "eagle")  # 1 ms rounds
+    assert m.draft_cost_of("eagle") < 1.4 * prior

@@ -53,7 +53,10 @@ def test_the_member_whose_drafts_are_accepted_takes_over():
         history = history + [1, 2]  # what the target commits each step, whoever drafted
     # both start at the prior (tie: the earlier member); "bad" is rejected at its first token in
     # every comparison (shadow or real), "good" never within the committed tokens
-    assert pf.alpha("good", "g") == pytest.approx(7 / 8) and pf.alpha("bad", "b") == pytest.approx(1 / 5)
+    # first tokens: good 3 of 3 (+ the prior's 1 of 2: 0.8), bad 0 of 3 (0.2); good's second
+    # token was accepted every time, its third never compared (censored)
+    assert pf.alpha("good", "g") == pytest.approx(4 / 5) and pf.alpha("bad", "b") == pytest.approx(1 / 5)
+    assert pf.alpha("good", "g", later=True) == pytest.approx(4 / 5)
     assert chosen == ["bad", "good", "good", "good"]
     # accepted: what the next call's committed tokens showed (the last draft awaits its verdict)
     assert pf.drafter_stats() == {"bad": {"steps": 1, "draft_tokens": 3, "accepted_tokens": 0},
@@ -65,10 +68,15 @@ def test_learning_counts_accepted_prefix_and_one_rejection_censored_beyond_commi
     pf = PortfolioProposer([Member("a", a)], prior_weight=1e-9)
     pf.propose([inp("s1", [1, 2], k=4)])
     pf.propose([inp("s1", [1, 2, 5, 6, 9], k=4)])  # 5, 6 accepted, 9 recovered: one rejection
-    assert pf.alpha("a", "x") == pytest.approx(2 / 3)
+    # the first token accepted; after it one more accepted and one rejection
+    assert pf.alpha("a", "x") == pytest.approx(1.0) and pf.alpha("a", "x", later=True) == pytest.approx(1 / 2)
     assert pf.drafter_stats()["a"] == {"steps": 2, "draft_tokens": 8, "accepted_tokens": 2}
-    pf.propose([inp("s1", [1, 2, 5, 6, 9, 5], k=4)])  # one plain token that matched: censored
-    assert pf.alpha("a", "x") == pytest.approx(3 / 4)
+    pf.propose([inp("s1", [1, 2, 5, 6, 9, 5], k=4)])  # one plain token that matched: censored after it
+    assert pf.alpha("a", "x") == pytest.approx(1.0) and pf.alpha("a", "x", later=True) == pytest.approx(1 / 2)
+    pf.propose([inp("s1", [1, 2, 5, 6, 9, 5, 0], k=4)])  # the first token rejected
+    assert pf.alpha("a", "x") == pytest.approx(2 / 3) and pf.alpha("a", "x", later=True) == pytest.approx(1 / 2)
+    # E(k) = 1 + α1·(1 + α + … + α^(k-1)): 2/3 · (1 + 1/2) more tokens at k = 2
+    assert pf.expected_per_cost(pf.members[0], 2, 2 / 3, 1 / 2) == pytest.approx(2.0 / (1 + 2 * pf.verify_slope))
 
 
 def test_no_candidate_no_draft_and_k_zero_rows_in_a_ragged_batch():
@@ -144,3 +152,70 @@ def test_routed_by_segment_each_sequence_drafts_with_its_segments_member_only():
     assert nothing.propose([ProposeInput("x", [0], 3, GREEDY, segment="other")]).draft_token_ids == [[]]
     with pytest.raises(ValueError, match="not members"):
         PortfolioProposer([Member("ngram", bad)], routes=SegmentRoutes("ngram", {"code": "suffix"}))
+
+
+class Costly(Fixed):
+    kind = DrafterKind.EAGLE
+
+    def draft_context(self, seq_id, token_ids, segment=""):
+        return self.context
+
+
+def test_a_costly_member_is_valued_at_its_best_k_not_the_horizon():
+    """α 0.45 at 0.1 decode steps per round: 1.45 tokens for 1.15 steps at k = 1 pays; at the
+    horizon (6) it would not (1.81 tokens for 1.9 steps): the member is chosen, and planned at k ≤ 2."""
+    head = Costly([5, 6, 7, 8, 9, 10], "h")
+    pf = PortfolioProposer([Member("head", head, cost=0.1)], horizon=6, prior_alpha=0.45)
+    m = pf.members[0]
+    assert pf.expected_per_cost(m, 6, 0.45) < 1.0 < pf.expected_per_cost(m, 1, 0.45)
+    assert pf.value(m, 6, 0.45) == max(pf.expected_per_cost(m, k, 0.45) for k in range(1, 7))
+    assert pf.draft_context("a", [0, 1]) == "head:h"
+
+
+def test_with_the_engines_costs_members_are_valued_and_timed_apart():
+    from tests.speculative.test_adaptive_k import PerDrafterCosts
+
+    cheap, head = Fixed([1, 2, 3], "n1"), Costly([1, 2, 3], "h")
+    pf = PortfolioProposer([Member("ngram", cheap), Member("head", head, cost=0.1)], prior_alpha=0.6)
+    costs = PerDrafterCosts(draft_cost=0.0, a=0.020, b=0.0001, by_drafter={"ngram": 0.0, "head": 0.015})
+    pf.use_costs(costs)
+    # same α: the free member wins; with the head at 3/4 of a decode step per round it does not beat plain
+    assert pf.draft_context("a", [0]) == "ngram:n1"
+    assert pf.value(pf.members[1], 6, 0.6) < 1.0 < pf.value(pf.members[0], 3, 0.6)
+    # the engine's measured cost is what counts: a cheap head beats a 1-token n-gram draft
+    costs.by_drafter["head"] = 0.0005
+    pf2 = PortfolioProposer([Member("ngram", Fixed([1], "n1")), Member("head", Costly([1, 2, 3], "h"), cost=0.1)],
+                            prior_alpha=0.6)
+    pf2.use_costs(costs)
+    pf2.propose([inp("a", [0], k=3)])
+    assert pf2.last_choice == {"a": "head"}
+    rounds, seconds = pf2.last_member_rounds["head"]
+    assert rounds == 3 and seconds >= 0.0 and set(pf2.last_member_rounds) == {"head"}  # cost-0 members are not timed
+    assert pf2.member_of("head:h") == "head" and pf2.member_cost_priors() == {"ngram": 0.0, "head": 0.1}
+
+
+def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed():
+    """A head rejected on one segment is not written off on another: α is kept per segment (shrunk
+    towards the member's global rate), and a costly member that keeps losing a segment's choices
+    drafts once every ``explore_every`` of them."""
+    cheap, head = Fixed([1, 2, 3], "n"), Costly([7, 8, 9], "h")
+    pf = PortfolioProposer([Member("ngram", cheap), Member("head", head, cost=0.05)], explore_every=4)
+    hist, chosen = [0], []
+    for _ in range(20):  # segment "a": the target commits what the n-gram drafted, the head is always wrong
+        pf.propose([ProposeInput("s1", list(hist), 3, GREEDY, segment="a")])
+        chosen.append(pf.last_choice.get("s1"))
+        hist += [1, 2, 3, 4]
+    probes = [i for i, c in enumerate(chosen) if c == "head"]
+    # the prior ties (the earlier member wins); the 4th choice in a row the head would lose is a
+    # probe, however its probes fare (a fixed interval: a backoff starved heads accepted at 0.4)
+    assert probes == [3, 7, 11, 15, 19]
+    # "b" has no data of its own: the head's global rate; "a" is below it
+    assert pf.alpha("head", "h", segment="a") < 0.1 < pf.alpha("head", "h", segment="b") == pf.alpha("head", "h")
+    assert pf.alpha("ngram", "n", segment="a") > 0.9
+    # on segment "b" the head is right: its first probe there lifts b's rate, and it takes over
+    pf2_hist, picks = [0], []
+    for _ in range(12):
+        pf.propose([ProposeInput("s2", list(pf2_hist), 3, GREEDY, segment="b")])
+        picks.append(pf.last_choice.get("s2"))
+        pf2_hist += [7, 8, 9, 5]
+    assert picks[0] == "ngram" and picks[-1] == "head" and pf.alpha("head", "h", segment="b") > 0.8
