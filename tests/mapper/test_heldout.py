@@ -60,9 +60,18 @@ def test_crossover_check_cases():
     assert crossover_check({"crossover": {"kind": "within", "value": 5.0}}, within, levels)["within_one_level"]
     far = crossover_check({"crossover": {"kind": "within", "value": 14.0}}, within, levels)
     assert far["levels_apart"] == pytest.approx(2.222, rel=0.01) and not far["within_one_level"]
-    # the map's sweep never crossed: its cost model's prediction is compared instead
-    predicted = {"crossover": {"kind": "above", "value": None}, "predicted_crossover": 4.0}
-    assert crossover_check(predicted, within, levels)["map"] == 4.0
+    # the map's sweep never crossed up to 16: its cost model's prediction counts beyond that only
+    # (a prediction of 4 contradicts the sweep's own measurement)
+    beyond = {"crossover": {"kind": "above", "value": None}, "predicted_crossover": 24.0, "levels": levels}
+    assert crossover_check(beyond, within, levels)["map"] == 24.0
+    assert crossover_check(beyond, {"kind": "above", "value": None}, levels)["within_one_level"]
+    contradicted = {"crossover": {"kind": "above", "value": None}, "predicted_crossover": 3.62, "levels": levels}
+    assert crossover_check(contradicted, {"kind": "above", "value": None}, levels)["within_one_level"]
+    late, early = {"kind": "within", "value": 12.0}, {"kind": "within", "value": 3.0}
+    assert crossover_check(contradicted, late, levels) == {"map": "> 16", "heldout": 12.0, "within_one_level": True}
+    assert not crossover_check(contradicted, early, levels)["within_one_level"]
+    # no sweep at all: the cost model alone
+    assert crossover_check({"predicted_crossover": 4.0}, within, levels)["map"] == 4.0
     # neither crossed within the levels: they agree
     assert crossover_check({"crossover": {"kind": "above"}}, {"kind": "above", "value": None}, levels)["within_one_level"]
     assert crossover_check(None, within, levels)["within_one_level"] is None
@@ -89,3 +98,11 @@ def test_bench_mapped_end_to_end_on_fake_engine(tmp_path, capsys):
     prompts = {json.loads(x)["prompt"] for x in (out / "heldout" / "code.jsonl").read_text().splitlines()}
     assert len(prompts) == 4 and "code prompt number 0: abc abc abc " not in prompts
     assert report["goals"]["cells"] == 4
+    # judged again from the same files, nothing measured: the same cells
+    rc = main(["bench", "mapped", "--json", str(tmp_path / "again.json"), "--out", str(out), "--config", str(cfg),
+               "--segments", "code,chat", "--concurrency", "1,4", "--judge-only"])
+    assert rc == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["judge_only"] and again["cells"] == report["cells"] and again["rows_split"] == report["rows_split"]
+    assert main(["bench", "mapped", "--json", str(tmp_path / "x.json"), "--out", str(tmp_path / "empty"),
+                 "--judge-only"]) != 0
