@@ -49,9 +49,17 @@ def test_judge_compares_within_a_run_and_against_the_shipped_config():
     rows = {r["concurrency"]: r for r in judge(mapped, shipped, decision, [1, 4])}
     assert rows[1]["best_fixed"] == "fixed_spec" and rows[1]["meets_goal"]
     assert rows[4]["mapped_over_best_fixed"] == pytest.approx(1.2) and not rows[4]["meets_goal"]
+    # 20% slower than plain there, every request of each: beyond noise (its interval stays above 1)
+    assert rows[4]["mapped_over_best_fixed_ci90"][0] > 1.0 and not rows[4]["best_fixed_within_noise"]
     assert rows[4]["mapped_over_shipped"] == pytest.approx(0.8) and rows[4]["not_worse_than_shipped"]
     x = rows[4]["crossover"]  # held out: r(1) = 0.5, r(4) = 1.5 -> crosses at 2 (log2 midpoint)
     assert x["heldout"] == pytest.approx(2.0) and x["within_one_level"]
+    # 2% over the best fixed policy with spreads that overlap: a miss of the point goal, within noise
+    noisy = {"cells": [_cell("code", 2, "fixed_spec", 1.0, e2e=[1.0, 1.1, 0.9, 1.05, 0.95]),
+                       _cell("code", 2, "fixed_plain", 2.0),
+                       _cell("code", 2, "routed", 1.02, e2e=[1.02, 0.92, 1.12, 0.97, 1.07])]}
+    (row,) = judge(noisy, {"cells": []}, {}, [2])
+    assert not row["meets_goal"] and row["best_fixed_within_noise"]
 
 
 def test_crossover_check_cases():
