@@ -48,10 +48,7 @@ def build_drafters(spec_cfg: SpecConfig, config: EngineConfig, model) -> tuple[P
                 raise ModelLoadError(f"{where} {name!r} cannot run in this SpecEngine: {type(exc).__name__}: "
                                      f"{exc} (drafters: ngram, suffix, portfolio, eagle, self[:L], or a draft "
                                      "model sharing the target's vocabulary)") from exc
-    members = []
-    for name, proposer in built.items():
-        cost = draft_cost_ratio(proposer, model.runner)
-        members.append(Member(name, proposer, (0.1 if proposer.kind is DrafterKind.EAGLE else 1.0) if cost is None else cost))
+    members = [Member(name, proposer, member_cost(proposer, model.runner)) for name, proposer in built.items()]
     routes = SegmentRoutes(_route(members_of[spec_cfg.drafter]),
                            {s: _route(members_of[name]) for name, segs in wanted.items() for s in segs})
     union = PortfolioProposer(members, routes=routes, horizon=spec_cfg.max_draft_tokens)
@@ -106,7 +103,7 @@ def build_portfolio(spec_cfg: SpecConfig, model) -> Proposer:
         from cluster.speculative.eagle import EagleProposer
 
         eagle = EagleProposer.from_dir(SHIPPED_EAGLE_HEAD, model.runner)
-        extra.append(Member("eagle", eagle, draft_cost_ratio(eagle, model.runner) or 0.1))
+        extra.append(Member("eagle", eagle, member_cost(eagle, model.runner)))
     return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra)
 
 
@@ -137,6 +134,16 @@ def build_draft_model_proposer(draft_source: str, spec_cfg: SpecConfig, config: 
     if spec_cfg.draft_vocab_trim:
         trimmed = TrimmedHead(draft.runner, frequent_ids(draft.tokenizer, spec_cfg.draft_vocab_trim))
     return DraftModelProposer(draft.runner, trimmed)
+
+
+def member_cost(proposer, target_runner) -> float:
+    """A portfolio member's prior cost of one draft round in target decode steps: its
+    ``draft_cost_ratio``, else 0.1 for an EAGLE head (one decoder layer) and 1.0 for a drafter we
+    cannot size (as dear as the target: chosen only once measured cheaper)."""
+    cost = draft_cost_ratio(proposer, target_runner)
+    if cost is not None and (cost > 0 or proposer.kind is not DrafterKind.EAGLE):
+        return cost
+    return 0.1 if proposer.kind is DrafterKind.EAGLE else 1.0
 
 
 def draft_cost_ratio(proposer, target_runner) -> float | None:

@@ -80,16 +80,18 @@ class SpecController:
         self.drafter_name = drafter_name
         self.moe_gate = moe_gate
         self.max_model_len = max_model_len
+        # a portfolio (its members' costs and stats), checked once: protocol isinstance is slow per step
+        self.members = proposer if isinstance(proposer, MemberStatsProposer) else None
         self.adaptive = None
         if config.adaptive:
             priors = {}
             if step_costs is not None:  # measured on this machine at start-up
                 priors = dict(target_a_prior=step_costs.decode_s, slope_prior_ratio=step_costs.slope_ratio)
-            if isinstance(proposer, MemberStatsProposer):  # a portfolio: each member's round cost apart
-                priors["draft_cost_ratio_priors"] = proposer.member_cost_priors()
+            if self.members is not None:  # a portfolio: each member's round cost apart
+                priors["draft_cost_ratio_priors"] = self.members.member_cost_priors()
             self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior, **priors))
-            if isinstance(proposer, MemberStatsProposer):
-                proposer.use_costs(self.adaptive.costs)
+            if self.members is not None:
+                self.members.use_costs(self.adaptive.costs)
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}  # seq_id -> K this step (forced tokens + the drafter's)
@@ -179,7 +181,7 @@ class SpecController:
         context = self.proposer.draft_context if isinstance(self.proposer, ContextualProposer) else None
         if context is None:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible]
-        members = self.proposer if isinstance(self.proposer, MemberStatsProposer) else None
+        members = self.members
         kept, keys = [], []
         for s in eligible:
             ctx = context(s.seq_id, self._context(s), s.request.segment)
@@ -257,8 +259,8 @@ class SpecController:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(rounds, elapsed)
-            if isinstance(self.proposer, MemberStatsProposer):  # and each member's rounds on their own
-                for member, (member_rounds, seconds) in self.proposer.last_member_rounds.items():
+            if self.members is not None:  # and each member's rounds on their own
+                for member, (member_rounds, seconds) in self.members.last_member_rounds.items():
                     self.adaptive.costs.observe_draft(member_rounds, seconds, member)
         return proposals
 
@@ -436,8 +438,8 @@ class SpecController:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
         st.draft_resyncs = int(self.proposer.num_resyncs) if isinstance(self.proposer, RemoteDraft) else 0
-        if isinstance(self.proposer, MemberStatsProposer):  # a portfolio's members
-            st.drafter_steps = self.proposer.drafter_stats()
+        if self.members is not None:  # a portfolio's members
+            st.drafter_steps = self.members.drafter_stats()
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
             st.break_even_alpha = self.adaptive.break_even_alpha(self.config.max_draft_tokens)
 

@@ -3,8 +3,8 @@ per unit of cost.
 
 Owns: ``PortfolioProposer`` (DrafterKind.PORTFOLIO) over named member proposers (n-gram and
 suffix by default; any ``Proposer``, e.g. a model drafter, can join with its cost), the
-acceptance it measures per member and draft context, per-member counts for the stats, and
-``SegmentRoutes`` (route each sequence to its segment's member instead of choosing).
+acceptance it measures per member, draft context and segment, per-member counts for the stats, and
+``SegmentRoutes`` (each sequence drafts with its segment's members only).
 
 How it chooses. A member's acceptance is two rates: α1, its first draft token's (accepted or
 rejected), and α, each later token's given the ones before were accepted — the geometric
@@ -28,12 +28,12 @@ candidate.
 How it learns. Members of cost 0 (no model) draft for every sequence each time (shadow drafts),
 so each is measured whether chosen or not; a costly member only drafts when chosen — and so that
 one that lost its segment's choices is measured there again, after ``explore_every`` lost choices
-in a row it drafts once (a probe). On the next
-call for the same sequence, the tokens committed since are compared with each member's last
-draft: the common prefix was accepted (exact for deterministic drafts: a rejected one-hot draft
-token is never the recovered token); a mismatch inside the committed tokens is one rejection;
-a draft longer than what was committed is censored there (no rejection counted). No engine change
-is needed: the committed tokens arrive with the next ``draft_context`` or ``propose``.
+in a row it drafts once (a probe). On the next call for the same sequence, the tokens committed
+since are compared with each member's last draft: the common prefix was accepted (exact for
+deterministic drafts: a rejected one-hot draft token is never the recovered token); a mismatch
+inside the committed tokens is one rejection; a draft longer than what was committed is censored
+there (no rejection counted). No engine change is needed: the committed tokens arrive with the
+next ``draft_context`` or ``propose``.
 
 Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):
 each sequence drafts with its segment's members only (``SegmentRoutes``) — one member: no choice,
