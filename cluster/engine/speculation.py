@@ -99,7 +99,6 @@ class SpecController:
         self.forced_text = ForcedText()  # the target's tokenization of held-back forced text
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
-        self._drafter_of: dict[str, str] = {}  # seq_id -> the portfolio member its context names, this step
         self._derived: dict[str, set[str]] = {}  # seq_id -> context keys handed to adaptive K
         self._no_drafts: set[str] = set()  # sequences whose drafting raised: plain until they finish
         self.grammar_cut_tokens = 0  # draft tokens cut because the grammar rejects them
@@ -126,10 +125,9 @@ class SpecController:
         policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in drafting}
         drafter_k = {sid: int(k) for sid, k in policy.items() if k != AUTO_K}
         auto = [s for s in drafting if policy[s.seq_id] == AUTO_K]
-        self._keys, self._drafter_of = {}, {}
+        self._keys = {}
         if auto:  # self.adaptive is set whenever some policy is "auto"
-            auto, keys = self._adaptive_keys(auto)
-            drafters = [self._drafter_of[s.seq_id] for s in auto] if self._drafter_of else None
+            auto, keys, drafters = self._adaptive_keys(auto)
             num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens, drafters=drafters)
             self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
             drafter_k.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
@@ -174,26 +172,27 @@ class SpecController:
             return self.adaptive.break_even_alpha(self.config.max_draft_tokens)
         return self.moe_gate.threshold
 
-    def _adaptive_keys(self, eligible: list[Sequence]) -> tuple[list[Sequence], list[tuple[str, str]]]:
-        """(sequence, segment) keys for adaptive K. A drafter with a draft context (ngram: the
-        match length) splits both by it, so acceptance is learnt per context; sequences it has
-        nothing to draft for are left out (K = 0, no probe wasted on them)."""
+    def _adaptive_keys(self, eligible: list[Sequence]) -> tuple[list[Sequence], list[tuple[str, str]], list[str] | None]:
+        """(sequences, their (sequence, segment) keys for adaptive K, the portfolio member each
+        drafts with — planned at that member's own draft cost — or None for a single drafter). A
+        drafter with a draft context (ngram: the match length) splits both keys by it, so
+        acceptance is learnt per context; sequences it has nothing to draft for are left out
+        (K = 0, no probe wasted on them)."""
         context = self.proposer.draft_context if isinstance(self.proposer, ContextualProposer) else None
         if context is None:
-            return eligible, [(s.seq_id, s.request.segment) for s in eligible]
-        members = self.members
-        kept, keys = [], []
+            return eligible, [(s.seq_id, s.request.segment) for s in eligible], None
+        kept, keys, contexts = [], [], []
         for s in eligible:
             ctx = context(s.seq_id, self._context(s), s.request.segment)
             if ctx is None:
                 continue
-            if members is not None:  # planned at that member's own draft cost
-                self._drafter_of[s.seq_id] = members.member_of(ctx)
             sub_id = with_context(s.seq_id, ctx)
             self._derived.setdefault(s.seq_id, set()).add(sub_id)
             kept.append(s)
             keys.append((sub_id, with_context(s.request.segment, ctx)))
-        return kept, keys
+            contexts.append(ctx)
+        drafters = None if self.members is None else [self.members.member_of(c) for c in contexts]
+        return kept, keys, drafters
 
     def num_draft_tokens(self, seq: Sequence) -> int:
         k = 0 if seq.seq_id in self._no_drafts else self._plan.get(seq.seq_id, 0)

@@ -1,20 +1,21 @@
 """Adaptive K: how many draft tokens each sequence should get this step (0 = decode plainly).
 
-Owns: the online step-cost model (``StepCostModel``: draft cost per round, of the
-drafter as a whole and of each named drafter of a portfolio; target forward time as a linear
-function of batch tokens), the choice of K for one sequence (``choose_k``) and for a whole batch
+Owns: the online step-cost model (``StepCostModel``: draft cost per round, of the drafter as a
+whole and of each named drafter of a portfolio; target forward time as a linear function of
+batch tokens), the choice of K for one sequence (``choose_k``) and for a whole batch
 (``AdaptiveK``), plus a deterministic exploration schedule so sequences parked at K=0 keep
-measuring α. Ignores: how α is estimated
-(``cluster.speculative.acceptance``: ``AcceptanceEstimator``), timing itself (the engine measures
-and calls ``observe_*``), the router's segment policy, and fixed-K configurations.
+measuring α. Ignores: how α is estimated (``cluster.speculative.acceptance``:
+``AcceptanceEstimator``), timing itself (the engine measures and calls ``observe_*``), the
+router's segment policy, and fixed-K configurations.
 
 Model. α is the per-position probability that the target accepts a draft token (arXiv
 2211.17192), so a step with K drafts commits E(K) = (1 - α^(K+1)) / (1 - α) tokens on average
 (K + 1 when α = 1; 1 when K = 0). A step costs K draft rounds plus one target forward over every
 token in the batch, plus — when anything was drafted — what rejection sampling costs beyond a
 plain step's sampling (measured: ~0.6 ms of a 13 ms decode step on the 2-core development VM,
-enough to make a 1-token draft at α 0.17 a loss the model called a gain). α here is always the per-position probability, never accepted / drafted
-(``cluster.speculative.acceptance`` says why the two differ).
+enough to make a 1-token draft at α 0.17 a loss the model called a gain). α here is always the
+per-position probability, never accepted / drafted (``cluster.speculative.acceptance`` says why
+the two differ).
 """
 from __future__ import annotations
 
@@ -227,7 +228,8 @@ def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
     ``drafter`` (its rounds overlap the other sequences' rounds of the same drafter)."""
     rounds = _rounds(other_draft_rounds, drafter)
     rounds[drafter] = max(k, rounds.get(drafter, 0))
-    seconds = draft_seconds(rounds, costs) + costs.target_time(batch_tokens_other + k + 1) + verify_overhead(costs, rounds)
+    seconds = (draft_seconds(rounds, costs) + costs.target_time(batch_tokens_other + k + 1)
+               + verify_overhead(costs, rounds))
     return (other_committed + expected_committed(alpha, k)) / max(seconds, 1e-9)
 
 
@@ -247,7 +249,8 @@ def choose_k(alpha: float, max_draft_tokens: int, costs: CostModel, batch_tokens
     rates = [step_rate(alpha, k, costs, batch_tokens_other, other_committed, other_draft_rounds, drafter)
              for k in range(max_draft_tokens + 1)]
     others = _rounds(other_draft_rounds, drafter)
-    plain_step = draft_seconds(others, costs) + costs.target_time(batch_tokens_other + 1) + verify_overhead(costs, others)
+    plain_step = (draft_seconds(others, costs) + costs.target_time(batch_tokens_other + 1)
+                  + verify_overhead(costs, others))
     best = max(range(1, max_draft_tokens + 1), key=lambda k: (rates[k], -k))
     return best if rates[best] > rates[0] + min_gain / max(plain_step, 1e-9) else 0
 
