@@ -28,7 +28,10 @@ candidate.
 How it learns. Members of cost 0 (no model) draft for every sequence each time (shadow drafts),
 so each is measured whether chosen or not; a costly member only drafts when chosen — and so that
 one that lost its segment's choices is measured there again, after ``explore_every`` lost choices
-in a row it drafts once (a probe). On the next call for the same sequence, the tokens committed
+in a row it drafts once (a probe), at the first step where it could still win: valued at an
+optimistic rate (``optimistic_alpha``: one standard error of the segment's own trials above its
+rate), it must beat that step's choice — a head rejected all along on a copy-heavy segment stops
+being probed against long n-gram matches it cannot beat. On the next call for the same sequence, the tokens committed
 since are compared with each member's last draft: the common prefix was accepted (exact for
 deterministic drafts: a rejected one-hot draft token is never the recovered token); a mismatch
 inside the committed tokens is one rejection; a draft longer than what was committed is censored
@@ -52,6 +55,7 @@ Ignores: K (the engine's adaptive K plans it per draft context; ``draft_context`
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -154,6 +158,8 @@ class PortfolioProposer:
     seq_weight: float = 4.0  # pseudo trials of the segment's rate behind a sequence's own rate
     segment_weight: float = 4.0  # pseudo trials of the member's global rate behind a segment's rate
     explore_every: int = 16  # a costly member losing this many choices in a row in a segment is probed once
+    probe_z: float = 1.0  # a probe's optimism: standard errors of the segment's rate added to it
+    probe_memory: float = 64.0  # the most segment trials that shrink that optimism
     min_gain: float = 0.05  # a member must beat plain decoding by this much (adaptive K's margin)
     routes: SegmentRoutes | None = None  # set: each sequence drafts with its segment's members only
     kind: DrafterKind = field(default=DrafterKind.PORTFOLIO, init=False)
@@ -176,8 +182,8 @@ class PortfolioProposer:
             raise ValueError("member costs and verify_slope must be >= 0, horizon >= 1")
         if not 0.0 < self.prior_alpha < 1.0 or min(self.prior_weight, self.seq_weight, self.segment_weight) <= 0:
             raise ValueError("prior_alpha must be in (0, 1), prior_weight, seq_weight and segment_weight > 0")
-        if self.explore_every < 1:
-            raise ValueError("explore_every must be >= 1")
+        if self.explore_every < 1 or self.probe_z < 0 or self.probe_memory < 0:
+            raise ValueError("explore_every must be >= 1, probe_z and probe_memory >= 0")
         if self.min_gain < 0:
             raise ValueError("min_gain must be >= 0")
         if self.routes is not None:
@@ -281,8 +287,23 @@ class PortfolioProposer:
         return committed * plain / max(step, 1e-12)
 
     def value(self, member: Member, max_k: int, alpha: float, later: float | None = None) -> float:
-        """``expected_per_cost`` at the member's best k in [1, max_k]."""
-        return max(self.expected_per_cost(member, k, alpha, later) for k in range(1, max_k + 1))
+        """``expected_per_cost`` at the member's best k in [1, max_k] (one pass over k: the step's
+        cost terms are read once)."""
+        later = alpha if later is None else later
+        alpha, later = min(max(alpha, 0.0), 1.0), min(max(later, 0.0), 1.0)
+        costs = self.costs
+        if costs is None:
+            plain, per_k, extra = 1.0, self.verify_slope + member.cost, 1.0
+        else:
+            plain = costs.target_time(1)
+            per_k, extra = draft_cost_of(costs, member.name), verify_overhead(costs, {member.name: 1})
+        best, run, power = 0.0, 0.0, 1.0  # run = 1 + α + … + α^(k-1)
+        for k in range(1, max_k + 1):
+            run += power
+            power *= later
+            step = per_k * k + (extra if costs is None else costs.target_time(k + 1) + extra)
+            best = max(best, (1.0 + alpha * run) * plain / max(step, 1e-12))
+        return best
 
     # -- internals ----------------------------------------------------------------------------------
     def _member(self, name: str) -> Member:
@@ -323,24 +344,45 @@ class PortfolioProposer:
                 best, best_value = m.name, value
         pending.chosen = best
         if not routed:
-            self._explore(pending, best)
+            self._explore(seq_id, pending, best, best_value)
         return pending
 
-    def _explore(self, pending: _Pending, best: str | None) -> None:
+    def _explore(self, seq_id: str, pending: _Pending, best: str | None, best_value: float) -> None:
         """A costly member drafts only when chosen, so one that lost its segment's choices
         would never be measured there again: after ``explore_every`` lost choices in a row it
-        drafts once (a probe). The interval stays fixed: backing off after probes that commit
-        nothing starved a head accepted at 0.4 (its probes fail more often than not) of the
-        measurements that would have shown it wins."""
-        for name, (draft, _) in pending.drafts.items():
-            if name == best or self._member(name).cost <= 0:
+        drafts once (a probe) — at the first step where it could still win: valued at an
+        optimistic α1 (``optimistic_alpha``), it must beat the step's choice (or plain). The
+        interval stays fixed: backing off after probes that commit nothing starved a head
+        accepted at 0.4 (its probes fail more often than not) of the measurements that would
+        have shown it wins; the optimism fades with the segment's measurements instead, so a
+        head rejected all along on a copy-heavy segment stops being probed against long
+        n-gram matches it cannot beat (each probe there cost a catch-up over the sequence)."""
+        for name, (_, ctx) in pending.drafts.items():
+            member = self._member(name)
+            if name == best or member.cost <= 0:
                 continue
             key = (pending.segment, name)
             self._losses[key] = self._losses.get(key, 0) + 1
             if pending.probe or self._losses[key] < self.explore_every:
                 continue
+            hope = self.value(member, self.horizon, self.optimistic_alpha(name, ctx, seq_id, pending.segment),
+                              self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
+            if hope <= best_value:
+                continue  # cannot win this step even at its optimistic rate: probe at a later one
             self._losses[key] = 0
             pending.chosen, pending.probe = name, True
+
+    def optimistic_alpha(self, member: str, context: str, seq_id: str | None, segment: str,
+                         later: bool = False) -> float:
+        """``member``'s first-token rate (``later``: its rate after an accepted token) plus
+        ``probe_z`` standard errors of the segment's own trials of it there (at most
+        ``probe_memory`` of them count: the bonus never quite vanishes, so a segment whose
+        traffic changes is probed again where the member could win)."""
+        a = self.alpha(member, context, seq_id, segment, later=later)
+        got = self._segment_rates.get((segment, member, context))
+        rate = None if got is None else (got.later if later else got.first)
+        n = 0.0 if rate is None else rate.accepted + rate.rejected
+        return min(1.0, a + self.probe_z * math.sqrt(a * (1.0 - a) / (min(n, self.probe_memory) + 1.0)))
 
     def _learn(self, seq_id: str, pending: _Pending, committed: list[int]) -> None:
         for name, (draft, ctx) in pending.drafts.items():

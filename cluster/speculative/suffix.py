@@ -179,6 +179,15 @@ def walk(sources: list[tuple[np.ndarray, np.ndarray]], max_len: int, min_token_p
     prob = 1.0
     live = [(buf, starts) for buf, starts in sources if starts.size]
     for depth in range(max_len):
+        alive = [(buf, starts) for buf, starts in live if starts.size]
+        if len(alive) == 1 and alive[0][1].size == 1:  # one occurrence left: its continuation, as is
+            buf, at = alive[0][0], int(alive[0][1][0]) + depth
+            rest = buf[at : at + max_len - depth]
+            stop = np.flatnonzero(rest == SEPARATOR)
+            rest = rest[: stop[0]] if stop.size else rest
+            tokens += rest.tolist()
+            probs += [float(prob)] * rest.shape[0]
+            break
         nexts, ranks, keep = [], [], []
         offset = 0
         for buf, starts in live:

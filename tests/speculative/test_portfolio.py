@@ -197,7 +197,7 @@ def test_with_the_engines_costs_members_are_valued_and_timed_apart():
 def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed():
     """A head rejected on one segment is not written off on another: α is kept per segment (shrunk
     towards the member's global rate), and a costly member that keeps losing a segment's choices
-    drafts once every ``explore_every`` of them."""
+    drafts once every ``explore_every`` of them where it could still win (at an optimistic α)."""
     cheap, head = Fixed([1, 2, 3], "n"), Costly([7, 8, 9], "h")
     pf = PortfolioProposer([Member("ngram", cheap), Member("head", head, cost=0.05)], explore_every=4)
     hist, chosen = [0], []
@@ -207,10 +207,12 @@ def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed()
         hist += [1, 2, 3, 4]
     probes = [i for i, c in enumerate(chosen) if c == "head"]
     # the prior ties (the earlier member wins); the 4th choice in a row the head would lose is a
-    # probe, however its probes fare (a fixed interval: a backoff starved heads accepted at 0.4)
-    assert probes == [3, 7, 11, 15, 19]
+    # probe; once rejected there, even its optimistic rate cannot beat an n-gram accepted every
+    # time, so it is not probed against it again (each probe costs a catch-up over the sequence)
+    assert probes == [3]
+    assert pf.optimistic_alpha("head", "h", "s1", "a") < 0.6 < pf.optimistic_alpha("head", "h", None, "new")
     # "b" has no data of its own: the head's global rate; "a" is below it
-    assert pf.alpha("head", "h", segment="a") < 0.1 < pf.alpha("head", "h", segment="b") == pf.alpha("head", "h")
+    assert pf.alpha("head", "h", segment="a") < pf.alpha("head", "h", segment="b") == pf.alpha("head", "h") < 0.5
     assert pf.alpha("ngram", "n", segment="a") > 0.9
     # on segment "b" the head is right: its first probe there lifts b's rate, and it takes over
     pf2_hist, picks = [0], []
@@ -219,3 +221,23 @@ def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed()
         picks.append(pf.last_choice.get("s2"))
         pf2_hist += [7, 8, 9, 5]
     assert picks[0] == "ngram" and picks[-1] == "head" and pf.alpha("head", "h", segment="b") > 0.8
+
+
+def test_a_costly_member_that_could_win_is_probed_at_a_fixed_interval():
+    """Where the alternative is plain decoding (no cheap draft), a head that keeps losing is
+    probed every ``explore_every`` lost choices while its optimistic rate could still beat plain
+    — not backed off after failed probes (that starved a head accepted at 0.4 of the
+    measurements that show it wins); once its segment's own trials rule that out, it stops."""
+    def run(prior_alpha):
+        pf = PortfolioProposer([Member("ngram", Fixed([], "n")), Member("head", Costly([7, 8, 9], "h"), cost=0.05)],
+                               explore_every=4, prior_alpha=prior_alpha)
+        hist, chosen = [0], []
+        for _ in range(80):  # the head is always wrong
+            pf.propose([ProposeInput("s", list(hist), 3, GREEDY, segment="a")])
+            chosen.append(pf.last_choice.get("s"))
+            hist += [1, 2, 3, 4]
+        return [i for i, c in enumerate(chosen) if c == "head"]
+
+    assert run(0.1) == [3, 7]  # two failed probes: even 1 standard error above, it cannot beat plain
+    # a better prior: chosen by value twice, then probed at the fixed interval until ruled out
+    assert run(0.4) == [0, 1, 5, 9]

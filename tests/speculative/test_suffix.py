@@ -12,7 +12,7 @@ import pytest
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
-from cluster.speculative.suffix import SuffixIndex, SuffixProposer, match_starts, walk
+from cluster.speculative.suffix import SEPARATOR, SuffixIndex, SuffixProposer, match_starts, walk
 from cluster.speculative.types import ProposeInput
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -126,6 +126,21 @@ def test_match_starts_and_walk_on_literal_buffers():
     # own history: the trailing occurrence of the tail itself has no continuation
     own = np.array([5, 6, 5, 6], dtype=np.int32)
     assert [s.tolist() for s in match_starts(own, own[-2:], 8, own=True)] == [[2], [2]]
+
+
+def test_a_single_occurrence_walks_its_continuation_as_the_general_walk_does():
+    """One occurrence left: its continuation is copied in one slice (the walk's fast path); the
+    same occurrence held twice goes through the general per-depth walk and must agree, separators
+    and the buffer's end included."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        buf = rng.integers(0, 5, size=int(rng.integers(2, 40))).astype(np.int32)
+        buf[rng.random(buf.shape[0]) < 0.1] = SEPARATOR
+        start = np.array([int(rng.integers(0, buf.shape[0] + 1))], dtype=np.int64)
+        max_len = int(rng.integers(1, 12))
+        fast = walk([(buf, start)], max_len, 0.1)
+        general = walk([(buf, start), (buf.copy(), start.copy())], max_len, 0.1)
+        assert fast == general
 
 
 def test_bad_settings_are_refused():
