@@ -55,8 +55,9 @@ def test_the_member_whose_drafts_are_accepted_takes_over():
     # every comparison (shadow or real), "good" never within the committed tokens
     # first tokens: good 3 of 3 (+ the prior's 1 of 2: 0.8), bad 0 of 3 (0.2); good's second
     # token was accepted every time, its third never compared (censored)
-    assert pf.alpha("good", "g") == pytest.approx(4 / 5) and pf.alpha("bad", "b") == pytest.approx(1 / 5)
-    assert pf.alpha("good", "g", later=True) == pytest.approx(4 / 5)
+    # (two cheap members whose drafts start differently: each context is tagged "+differ")
+    assert pf.alpha("good", "g+differ") == pytest.approx(4 / 5) and pf.alpha("bad", "b+differ") == pytest.approx(1 / 5)
+    assert pf.alpha("good", "g+differ", later=True) == pytest.approx(4 / 5)
     assert chosen == ["bad", "good", "good", "good"]
     # accepted: what the next call's committed tokens showed (the last draft awaits its verdict)
     assert pf.drafter_stats() == {"bad": {"steps": 1, "draft_tokens": 3, "accepted_tokens": 0},
@@ -83,7 +84,7 @@ def test_no_candidate_no_draft_and_k_zero_rows_in_a_ragged_batch():
     pf = PortfolioProposer([Member("none", Fixed(None)), Member("some", Fixed([4, 4, 4, 4]))])
     got = pf.propose([inp("a", [1], k=2), inp("b", [1], k=0), inp("c", [1], k=4)])
     assert got.draft_token_ids == [[4, 4], [], [4, 4, 4, 4]] and got.draft_probs == [None] * 3
-    assert pf.draft_context("a", [1]) == "some:c"
+    assert pf.draft_context("a", [1]) == "some:c+alone"  # the other cheap member has no draft
     empty = PortfolioProposer([Member("none", Fixed(None))])
     assert empty.draft_context("a", [1]) is None
     assert empty.propose([inp("a", [1])]).draft_token_ids == [[]]
@@ -207,10 +208,10 @@ def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed()
         hist += [1, 2, 3, 4]
     probes = [i for i, c in enumerate(chosen) if c == "head"]
     # the prior ties (the earlier member wins); the 4th choice in a row the head would lose is a
-    # probe; once rejected there, even its optimistic rate cannot beat an n-gram accepted every
-    # time, so it is not probed against it again (each probe costs a catch-up over the sequence)
-    assert probes == [3]
-    assert pf.optimistic_alpha("head", "h", "s1", "a") < 0.6 < pf.optimistic_alpha("head", "h", None, "new")
+    # probe; once rejected there twice, even its optimistic rate cannot beat an n-gram accepted
+    # every time, so it is not probed against it again (each probe costs a catch-up over the sequence)
+    assert probes == [3, 7]
+    assert pf.optimistic_alpha("head", "h", "s1", "a") < 0.7 < pf.optimistic_alpha("head", "h", None, "new")
     # "b" has no data of its own: the head's global rate; "a" is below it
     assert pf.alpha("head", "h", segment="a") < pf.alpha("head", "h", segment="b") == pf.alpha("head", "h") < 0.5
     assert pf.alpha("ngram", "n", segment="a") > 0.9
@@ -238,6 +239,27 @@ def test_a_costly_member_that_could_win_is_probed_at_a_fixed_interval():
             hist += [1, 2, 3, 4]
         return [i for i, c in enumerate(chosen) if c == "head"]
 
-    assert run(0.1) == [3, 7]  # two failed probes: even 1 standard error above, it cannot beat plain
+    assert run(0.1) == [3, 7, 11]  # three failed probes: even 2 standard errors above, it cannot beat plain
     # a better prior: chosen by value twice, then probed at the fixed interval until ruled out
-    assert run(0.4) == [0, 1, 5, 9]
+    assert run(0.4) == [0, 1, 5, 9, 13, 17]
+
+
+def test_cheap_members_learn_apart_whether_their_drafts_agree():
+    """Two cheap members: a draft whose first token another member's draft shares is learnt
+    under "+agree", one that differs under "+differ", a lone draft under "+alone" — a lone
+    suffix match (from the segment's other documents) is accepted far less than one prompt
+    lookup backs, and pooled they looked worth a verification."""
+    lookup, suffix = Fixed([1, 2], "n2"), Fixed([1, 2, 3], "m2")
+    pf = PortfolioProposer([Member("ngram", lookup), Member("suffix", suffix)])
+    pf.propose([inp("a", [0])])
+    assert pf.draft_context("a", [0]) == "suffix:m2+agree"  # the longer draft at the same prior
+    pf.propose([inp("a", [0, 1, 2, 3])])  # both right: learnt under "+agree"
+    assert pf.alpha("ngram", "n2+agree") > pf.alpha("ngram", "n2+alone") == pf.prior_alpha
+    lookup.draft = None  # prompt lookup finds nothing: the suffix member drafts alone
+    pf.propose([inp("a", [0, 1, 2, 3, 4])])
+    assert pf.draft_context("a", [0, 1, 2, 3, 4]) == "suffix:m2+alone"
+    pf.propose([inp("a", [0, 1, 2, 3, 4, 9])])  # the lone draft rejected
+    assert pf.alpha("suffix", "m2+alone") < pf.prior_alpha  # the lone draft's rejection, learnt under "+alone"
+    assert pf.alpha("suffix", "m2+differ") == pf.prior_alpha
+    one = PortfolioProposer([Member("ngram", Fixed([1], "n1")), Member("head", Costly([5], "h"), cost=0.1)])
+    assert one.draft_context("b", [0]) == "ngram:n1"  # one cheap member: nothing to compare, no tag
