@@ -169,7 +169,8 @@ def test_failed_probes_back_off_per_segment_and_success_resets():
     ak.release("s")
     # a new sequence of the same segment inherits the backed-off interval
     assert [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(16)] == [0] * 15 + [2]
-    ak.observe("t", "chat", 2, 2)  # a fully accepted probe resets the interval
+    ak.observe("t", "chat", 2, 1)  # a probe that commits one of its draft tokens resets the interval
+    assert ak.probe_interval("chat") == 4
     assert [ak.choose([("t", "chat")], max_draft_tokens=6)[0] for _ in range(4)][-1] >= 1
 
 
@@ -297,3 +298,16 @@ def test_one_slow_draft_round_does_not_price_a_drafter_out():
     for _ in range(10):
         m.observe_draft(2, 0.002, "eagle")  # 1 ms rounds
     assert m.draft_cost_of("eagle") < 1.4 * prior
+
+
+def test_a_new_segment_inherits_at_most_explore_inherit_max():
+    """A drafter hopeless on one segment backs off to ``explore_max_every`` there; a new segment
+    of the same pool starts from that, capped (a chat answer is shorter than 256 steps: the head
+    would never be tried on chat again)."""
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=256, explore_inherit_max=32)
+    for _ in range(600):
+        k = ak.choose([("s", "multilingual")], max_draft_tokens=6)[0]
+        if k:
+            ak.observe("s", "multilingual", k, 0)
+    assert ak.probe_interval("multilingual") == 256 and ak.probe_interval("chat") == 32
