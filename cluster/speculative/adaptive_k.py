@@ -19,6 +19,7 @@ the two differ).
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -116,6 +117,7 @@ class StepCostModel:
     _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _means: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> mean t, refit with _fit
+    _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)  # n -> t(n) at least
 
     def __post_init__(self) -> None:
         if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:
@@ -191,14 +193,27 @@ class StepCostModel:
             for n, t in self._obs:
                 seen.setdefault(n, []).append(t)
             self._means = {n: sum(ts) / len(ts) for n, ts in seen.items() if len(ts) >= self.min_points}
+            # the floor under t(n): the dearest of t(1) and the means at m <= n (noisy means must
+            # never make more tokens look cheaper than fewer: that would make α = 0 "pay")
+            a, b = self._fit
+            keys = sorted({1, *self._means})
+            floors, top = [], 0.0
+            for n in keys:
+                top = max(top, self._means.get(n, a + b * n))
+                floors.append(top)
+            self._floor = (keys, floors)
         return self._fit
 
     def target_time(self, num_tokens: int) -> float:
         """Seconds of a forward over ``num_tokens`` batch tokens: the mean of the window's
-        forwards of exactly that many (``min_points`` of them at least), else the line."""
+        forwards of exactly that many (``min_points`` of them at least), else the line — never
+        below the estimate for fewer tokens (t(1) or a mean at a smaller count)."""
         a, b = self.coefficients
         mean = self._means.get(num_tokens)
-        return a + b * num_tokens if mean is None else mean
+        own = a + b * num_tokens if mean is None else mean
+        keys, floors = self._floor
+        i = bisect.bisect_right(keys, num_tokens) - 1
+        return own if i < 0 else max(own, floors[i])
 
     def _solve(self) -> tuple[float, float]:
         # Minimize sum (a + b·n_i - t_i)^2 + wa·(a - a0)^2 + wb·(b - rho·a)^2: linear in (a, b).

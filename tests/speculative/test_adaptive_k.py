@@ -311,3 +311,24 @@ def test_a_new_segment_inherits_at_most_explore_inherit_max():
         if k:
             ak.observe("s", "multilingual", k, 0)
     assert ak.probe_interval("multilingual") == 256 and ak.probe_interval("chat") == 32
+
+
+def test_a_token_count_seen_often_is_priced_by_its_own_mean_never_below_fewer_tokens():
+    """1-token forwards take the matrix-vector path (12 ms here), 3-token ones 16 ms: one line
+    through both put t(1) too high and t(3) too low; each count seen ``min_points`` times is
+    priced by its own mean, others by the line, and no count is priced below t(1) or a mean at a
+    smaller count (noise must not make α = 0 pay)."""
+    m = StepCostModel(target_a_prior=0.012, min_points=3)
+    for _ in range(10):
+        m.observe_target(1, 0.012)
+        m.observe_target(3, 0.016)
+    m.observe_target(5, 0.017)  # seen once: the line prices 5
+    a, b = m.coefficients
+    assert m.target_time(1) == pytest.approx(0.012) and m.target_time(3) == pytest.approx(0.016)
+    assert m.target_time(5) == pytest.approx(max(a + 5 * b, 0.016))
+    noisy = StepCostModel(target_a_prior=0.012, min_points=3, draft_cost_prior=0.0)
+    for t1, t2 in ((0.013, 0.011), (0.014, 0.0115), (0.013, 0.0112)):  # 2 tokens "cheaper" than 1
+        noisy.observe_target(1, t1)
+        noisy.observe_target(2, t2)
+    assert noisy.target_time(2) >= noisy.target_time(1) == pytest.approx(0.013333, rel=1e-3)
+    assert break_even_alpha(noisy, 4) > 0.0
