@@ -13,7 +13,8 @@ full regex match); timing the grammar path (``cluster.bench.grammar_timing``) an
 phases; the goals of issue 17; the table and the JSON. Ignores: the service path.
 
 Method (as ``bench spec``): every method runs once per prompt, back to back, ``--repeats`` times
-round-robin, the median-time run counts. speedup = median over prompts of the constrained plain
+round-robin (suffix and portfolio once: a second run would copy the first's answer), the
+median-time run counts. speedup = median over prompts of the constrained plain
 wall-clock / the method's (whole request). tokens/s = tokens / wall summed over prompts. α =
 accepted / draft tokens (forced tokens included), ``alpha_without_forced`` leaves them out of
 both. mask share = time in the grammar path (mask, draft walk, forced tokens, accept, -inf fill,
@@ -33,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, position_counts, run_ours
+from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, position_counts, run_ours, runs_per_prompt
 from cluster.common.prompt_rows import read_prompt_rows
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
@@ -340,6 +341,8 @@ def run_constrained(args: argparse.Namespace) -> int:
                 reps: dict[str, list[dict]] = {name: [] for name in got}
                 for rep in range(max(1, args.repeats)):
                     for name, _, constrained, _ in methods:
+                        if rep >= runs_per_prompt(name, args.repeats):
+                            continue  # a learning drafter's second run would copy the first's answer
                         reps[name].append(_one(engines[name], clock, f"{row['id']}-{name}-{rep}", ids, max_tokens,
                                                seg, constraint_of(row) if constrained else None))
                 for name, rs in reps.items():

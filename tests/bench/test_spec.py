@@ -178,3 +178,28 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
         assert drafted == round(row["k_mean"] * steps) and all(m["accepted_tokens"] <= m["draft_tokens"]
                                                                  for m in members.values())
     assert sum(m["steps"] for m in segments["summarize"]["portfolio/auto"]["members"].values()) > 0
+
+
+def test_learning_drafters_run_each_prompt_once_under_repeats(tmp_path, default_model, monkeypatch):
+    """``--repeats 2``: every method runs each prompt twice except suffix and portfolio, which
+    learn every finished request — their second run would draft the first run's answer back and
+    be kept as the median-time run (a portfolio measured "3.7x" plain on chat that way)."""
+    assert bench_spec.runs_per_prompt("suffix/auto", 3) == 1 and bench_spec.runs_per_prompt("portfolio/auto", 3) == 1
+    assert bench_spec.runs_per_prompt("ngram/auto", 3) == 3 and bench_spec.runs_per_prompt("plain", 0) == 1
+    seen: list[str] = []
+    real = bench_spec.run_ours
+
+    def counting(engine, request):
+        seen.append(request.request_id)
+        return real(engine, request)
+
+    monkeypatch.setattr(bench_spec, "run_ours", counting)
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(tmp_path / "spec.json"),
+                         "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "8",
+                         "--drafters", "ngram,suffix", "--no-hf", "--threads", "2", "--repeats", "2"])
+    assert bench_spec.run(args) == 0
+    measured = [r for r in seen if not r.startswith("warm-")]
+    assert sorted(r.split("-", 2)[-1] for r in measured) == sorted(
+        [f"{m}-{rep}" for m in ("plain", "ngram/k4", "ngram/auto") for rep in (0, 1)] + ["suffix/auto-0"])
