@@ -28,14 +28,16 @@ candidate.
 How it learns. Members of cost 0 (no model) draft for every sequence each time (shadow drafts),
 so each is measured whether chosen or not; a costly member only drafts when chosen — and so that
 one that lost its segment's choices is measured there again, after ``explore_every`` lost choices
-in a row it drafts once (a probe), at the first step where it could still win: valued at an
-optimistic rate (``optimistic_alpha``: two standard errors of the segment's own trials above its
-rate), it must beat that step's choice — a head rejected all along on a copy-heavy segment stops
-being probed against long n-gram matches it cannot beat. On the next call for the same sequence, the tokens committed
-since are compared with each member's last draft: the common prefix was accepted (exact for
-deterministic drafts: a rejected one-hot draft token is never the recovered token); a mismatch
-inside the committed tokens is one rejection; a draft longer than what was committed is censored
-there (no rejection counted). No engine change is needed: the committed tokens arrive with the
+in a row it drafts once (a probe), at the first step where it could still win: valued at
+optimistic rates (``optimistic_alpha``: two standard errors of the segment's own trials above
+them), it must beat that step's choice — a head rejected all along on a copy-heavy segment stops
+being probed against long n-gram matches it cannot beat. On the next call for the same
+sequence, the tokens committed since are compared with each member's last draft: the common
+prefix was accepted (exact for deterministic drafts: a rejected one-hot draft token is never
+the recovered token); a mismatch inside the committed tokens is one rejection; a draft longer
+than what was committed is censored there (no rejection counted). Where both model-free members
+could draft, each one's context also says whether the other's draft agrees on its first token
+(``+agree``, ``+differ``, ``+alone``). No engine change is needed: the committed tokens arrive with the
 next ``draft_context`` or ``propose``.
 
 Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):
@@ -60,7 +62,6 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
-from cluster.speculative.acceptance import expected_committed
 from cluster.speculative.adaptive_k import CostModel, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
@@ -277,18 +278,17 @@ class PortfolioProposer:
         """Tokens committed per unit time drafting k tokens with ``member`` (its first token
         accepted at ``alpha``, each next one at ``later``, default the same), relative to plain
         decoding (1.0: as fast as plain)."""
-        later = alpha if later is None else later
-        committed = 1.0 + alpha * expected_committed(later, k - 1)  # 1 + α1·(1 + α + … + α^(k-1))
-        if self.costs is None:
-            return committed / (1.0 + (self.verify_slope + member.cost) * k)
-        plain = self.costs.target_time(1)
-        step = (k * draft_cost_of(self.costs, member.name) + self.costs.target_time(k + 1)
-                + verify_overhead(self.costs, {member.name: k}))
-        return committed * plain / max(step, 1e-12)
+        return list(self._per_cost(member, k, alpha, later))[-1] if k >= 1 else 0.0
 
     def value(self, member: Member, max_k: int, alpha: float, later: float | None = None) -> float:
-        """``expected_per_cost`` at the member's best k in [1, max_k] (one pass over k: the step's
-        cost terms are read once)."""
+        """``expected_per_cost`` at the member's best k in [1, max_k]."""
+        return max(self._per_cost(member, max_k, alpha, later), default=0.0)
+
+    def _per_cost(self, member: Member, max_k: int, alpha: float, later: float | None):
+        """``expected_per_cost`` for k = 1 .. max_k in one pass (the step's cost terms read once):
+        E(k) = 1 + α1·(1 + α + … + α^(k-1)) tokens in k·c_member + t(k+1) + verification's extra
+        sampling seconds, against 1 token in t(1); without measured costs, in 1 + (verify_slope +
+        the member's prior cost)·k decode steps."""
         later = alpha if later is None else later
         alpha, later = min(max(alpha, 0.0), 1.0), min(max(later, 0.0), 1.0)
         costs = self.costs
@@ -297,13 +297,12 @@ class PortfolioProposer:
         else:
             plain = costs.target_time(1)
             per_k, extra = draft_cost_of(costs, member.name), verify_overhead(costs, {member.name: 1})
-        best, run, power = 0.0, 0.0, 1.0  # run = 1 + α + … + α^(k-1)
+        run, power = 0.0, 1.0  # run = 1 + α + … + α^(k-1)
         for k in range(1, max_k + 1):
             run += power
             power *= later
             step = per_k * k + (extra if costs is None else costs.target_time(k + 1) + extra)
-            best = max(best, (1.0 + alpha * run) * plain / max(step, 1e-12))
-        return best
+            yield (1.0 + alpha * run) * plain / max(step, 1e-12)
 
     # -- internals ----------------------------------------------------------------------------------
     def _member(self, name: str) -> Member:
@@ -360,8 +359,7 @@ class PortfolioProposer:
         traffic showed why: a suffix match found where prompt lookup finds none (from the
         segment's other documents) was accepted ~0-25% of the time, the same match length
         backed by prompt lookup 60%+ — pooled, the lone drafts looked worth a verification."""
-        cheap = [m.name for m in self.members if m.cost <= 0]
-        if sum(1 for name in cheap if name in self.routes_of(pending.segment)) < 2:
+        if sum(1 for name in self.routes_of(pending.segment) if self._member(name).cost <= 0) < 2:
             return
         firsts = {m.name: pending.drafts[m.name][0][0] for m in found if m.cost <= 0}
         for name, first in firsts.items():
@@ -377,8 +375,8 @@ class PortfolioProposer:
     def _explore(self, seq_id: str, pending: _Pending, best: str | None, best_value: float) -> None:
         """A costly member drafts only when chosen, so one that lost its segment's choices
         would never be measured there again: after ``explore_every`` lost choices in a row it
-        drafts once (a probe) — at the first step where it could still win: valued at an
-        optimistic α1 (``optimistic_alpha``), it must beat the step's choice (or plain). The
+        drafts once (a probe) — at the first step where it could still win: valued at its
+        optimistic rates (``optimistic_alpha``), it must beat the step's choice (or plain). The
         interval stays fixed: backing off after probes that commit nothing starved a head
         accepted at 0.4 (its probes fail more often than not) of the measurements that would
         have shown it wins; the optimism fades with the segment's measurements instead, so a
