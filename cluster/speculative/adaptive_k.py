@@ -117,7 +117,8 @@ class StepCostModel:
     _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _means: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> mean t, refit with _fit
-    _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)  # n -> t(n) at least
+    # (token counts ascending, the least t(n) from each count on), refit with _fit
+    _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:

@@ -340,7 +340,7 @@ class PortfolioProposer:
                 break
             found.append((m, k))
         if not routed:
-            self._refine_by_agreement(pending, [m for m, _ in found])
+            self._refine_by_agreement(pending, candidates, [m for m, _ in found])
         for m, k in found:
             ctx = pending.drafts[m.name][1]
             value = self.value(m, k, self.alpha(m.name, ctx, seq_id, segment),
@@ -352,14 +352,14 @@ class PortfolioProposer:
             self._explore(seq_id, pending, best, best_value)
         return pending
 
-    def _refine_by_agreement(self, pending: _Pending, found: list[Member]) -> None:
+    def _refine_by_agreement(self, pending: _Pending, candidates: list[Member], found: list[Member]) -> None:
         """Where two or more cost-0 members could draft, each one's context says whether another
         one's draft starts with the same token ("+agree"), only with others ("+differ") or
         whether it alone has a draft ("+alone"): acceptance is learnt apart for each. Copy-heavy
         traffic showed why: a suffix match found where prompt lookup finds none (from the
         segment's other documents) was accepted ~0-25% of the time, the same match length
         backed by prompt lookup 60%+ — pooled, the lone drafts looked worth a verification."""
-        if sum(1 for name in self.routes_of(pending.segment) if self._member(name).cost <= 0) < 2:
+        if sum(1 for m in candidates if m.cost <= 0) < 2:  # the segment's members: nothing to compare
             return
         firsts = {m.name: pending.drafts[m.name][0][0] for m in found if m.cost <= 0}
         for name, first in firsts.items():
