@@ -80,8 +80,11 @@ class SpecController:
         self.drafter_name = drafter_name
         self.moe_gate = moe_gate
         self.max_model_len = max_model_len
-        # a portfolio (its members' costs and stats), checked once: protocol isinstance is slow per step
-        self.members = proposer if isinstance(proposer, MemberStatsProposer) else None
+        # what the drafter can do, checked once: a protocol isinstance costs ~10 µs, several a step
+        self.members = proposer if isinstance(proposer, MemberStatsProposer) else None  # a portfolio
+        self._remote = proposer if isinstance(proposer, RemoteDraft) else None
+        self._contextual = proposer if isinstance(proposer, ContextualProposer) else None
+        self._local_model = proposer if isinstance(proposer, LocalModelProposer) else None
         self.adaptive = None
         if config.adaptive:
             priors = {}
@@ -118,7 +121,7 @@ class SpecController:
             return
         self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := self._forced_of(s))}
         # a remote drafter holds committed tokens only: after forced tokens it is not asked
-        remote = isinstance(self.proposer, RemoteDraft)
+        remote = self._remote is not None
         drafting = [s for s in eligible if not (remote and s.seq_id in self._forced)]
         # the drafter's K: each sequence's segment policy, a fixed K or adaptive K (planned
         # together, as one batch); forced tokens come on top of it
@@ -128,7 +131,10 @@ class SpecController:
         self._keys = {}
         if auto:  # self.adaptive is set whenever some policy is "auto"
             auto, keys, drafters = self._adaptive_keys(auto)
-            num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens, drafters=drafters)
+            # a portfolio plans with the rates it chose each member by (see planning_alpha)
+            alphas = None if self.members is None else [self.members.planning_alpha(s.seq_id) for s in auto]
+            num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens, drafters=drafters,
+                                                    alphas=alphas)
             self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
             drafter_k.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
         for s in eligible:
@@ -178,7 +184,7 @@ class SpecController:
         drafter with a draft context (ngram: the match length) splits both keys by it, so
         acceptance is learnt per context; sequences it has nothing to draft for are left out
         (K = 0, no probe wasted on them)."""
-        context = self.proposer.draft_context if isinstance(self.proposer, ContextualProposer) else None
+        context = self._contextual.draft_context if self._contextual is not None else None
         if context is None:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible], None
         kept, keys, contexts = [], [], []
@@ -252,7 +258,7 @@ class SpecController:
         self.timing.propose_s += elapsed
         self.timing.proposals += 1
         self.timing.draft_rounds += rounds
-        resynced = self.proposer.last_resynced if isinstance(self.proposer, RemoteDraft) else ()
+        resynced = self._remote.last_resynced if self._remote is not None else ()
         for s in drafting:
             if s.seq.seq_id in resynced:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
@@ -266,7 +272,7 @@ class SpecController:
     def _draft_cursors(self, drafting: list[ScheduledSeq], forced: dict[str, list[int]]) -> dict:
         """seq_id -> its grammar's draft cursor after its forced tokens, for a drafter that runs
         a model here (it drafts under the mask); none for model-free or remote drafters."""
-        if not isinstance(self.proposer, LocalModelProposer) or self.proposer.runner is None:
+        if self._local_model is None or self._local_model.runner is None:
             return {}
         out = {}
         for s in drafting:
@@ -407,8 +413,8 @@ class SpecController:
                 self.adaptive.costs.observe_sampling(False, sample_s)
 
     def _observe_target_step(self, forward_s: float) -> None:
-        if isinstance(self.proposer, RemoteDraft):  # a remote drafter's deadline follows the step time
-            self.proposer.observe_target_step(forward_s)
+        if self._remote is not None:  # a remote drafter's deadline follows the step time
+            self._remote.observe_target_step(forward_s)
 
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
@@ -436,7 +442,7 @@ class SpecController:
             if self.moe_gate.moe:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)
         st.draft_fallbacks = self.draft_fallbacks
-        st.draft_resyncs = int(self.proposer.num_resyncs) if isinstance(self.proposer, RemoteDraft) else 0
+        st.draft_resyncs = int(self._remote.num_resyncs) if self._remote is not None else 0
         if self.members is not None:  # a portfolio's members
             st.drafter_steps = self.members.drafter_stats()
         if self.adaptive is not None:  # from the measured step costs; the router's default gate

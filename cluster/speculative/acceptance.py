@@ -14,6 +14,10 @@ Two quantities carry two names everywhere (engine stats, metrics, traces, API, b
   target kept. Descriptive only: as an estimate of α it is biased low, since the untested
   positions after a rejection count as drafted (α = 0.8, K = 5: ~0.6). Nothing gates on it.
 
+A drafter that keeps its own estimates (the portfolio: a member's first-token rate apart from its
+later one, per draft context, segment and sequence) may hand adaptive K the pair (α1, α) for a
+sequence instead (``Alpha``).
+
 Owns: ``expected_committed``; the decayed counts every α estimate is made of (``AlphaCounts``);
 adaptive K's estimator (``AcceptanceEstimator``: sequence, segment and draft-context pool, each
 shrunk towards the level above); the live per-segment α the Router gates on (``LiveAlpha``:
@@ -30,14 +34,19 @@ CONTEXT_SEP = "|"  # "<segment or sequence id>|<draft context>", e.g. "chat|n2"
 LIVE_ALPHA_HALF_LIFE = 512  # draft tokens after which an observation weighs half (the Router's α)
 
 
-def expected_committed(alpha: float, k: float) -> float:
-    """Mean tokens committed by a step with k draft tokens at per-position acceptance alpha."""
-    alpha = min(max(alpha, 0.0), 1.0)
+Alpha = float | tuple[float, float]  # one α for every position, or (the first draft token's, each later one's)
+
+
+def expected_committed(alpha: Alpha, k: float) -> float:
+    """Mean tokens committed by a step with k draft tokens at per-position acceptance alpha; with
+    (α1, α) the first token is accepted at α1 and each later one (after an accepted one) at α:
+    1 + α1·(1 + α + … + α^(k-1))."""
+    first, later = alpha if isinstance(alpha, tuple) else (alpha, alpha)
+    first, later = min(max(first, 0.0), 1.0), min(max(later, 0.0), 1.0)
     if k <= 0:
         return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    run = float(k) if later >= 1.0 else (1.0 - later ** k) / (1.0 - later)  # 1 + α + … + α^(k-1)
+    return 1.0 + first * run
 
 
 def with_context(name: str, context: str) -> str:

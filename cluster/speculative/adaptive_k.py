@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cluster.speculative.acceptance import AcceptanceEstimator, expected_committed
+from cluster.speculative.acceptance import Alpha, AcceptanceEstimator, expected_committed
 
 
 class CostModel(Protocol):
@@ -119,6 +119,7 @@ class StepCostModel:
     _means: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> mean t, refit with _fit
     # (token counts ascending, the least t(n) from each count on), refit with _fit
     _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)
+    _times: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> t(n), refit with _fit
 
     def __post_init__(self) -> None:
         if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:
@@ -203,18 +204,23 @@ class StepCostModel:
                 top = max(top, self._means.get(n, a + b * n))
                 floors.append(top)
             self._floor = (keys, floors)
+            self._times = {}
         return self._fit
 
     def target_time(self, num_tokens: int) -> float:
         """Seconds of a forward over ``num_tokens`` batch tokens: the mean of the window's
         forwards of exactly that many (``min_points`` of them at least), else the line — never
-        below the estimate for fewer tokens (t(1) or a mean at a smaller count)."""
+        below the estimate for fewer tokens (t(1) or a mean at a smaller count). Kept per n until
+        the next observation (planning asks for the same few counts dozens of times a step)."""
+        if self._fit is not None and num_tokens in self._times:
+            return self._times[num_tokens]
         a, b = self.coefficients
         mean = self._means.get(num_tokens)
         own = a + b * num_tokens if mean is None else mean
         keys, floors = self._floor
         i = bisect.bisect_right(keys, num_tokens) - 1
-        return own if i < 0 else max(own, floors[i])
+        t = self._times[num_tokens] = own if i < 0 else max(own, floors[i])
+        return t
 
     def _solve(self) -> tuple[float, float]:
         # Minimize sum (a + b·n_i - t_i)^2 + wa·(a - a0)^2 + wb·(b - rho·a)^2: linear in (a, b).
@@ -252,7 +258,7 @@ def _rounds(other_draft_rounds: int | Mapping[str, int], drafter: str) -> dict[s
     return {drafter: other_draft_rounds}
 
 
-def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
+def step_rate(alpha: Alpha, k: int, costs: CostModel, batch_tokens_other: int,
               other_committed: float = 0.0, other_draft_rounds: int | Mapping[str, int] = 0,
               drafter: str = "") -> float:
     """Committed tokens per second of one step in which this sequence drafts k tokens with
@@ -264,7 +270,7 @@ def step_rate(alpha: float, k: int, costs: CostModel, batch_tokens_other: int,
     return (other_committed + expected_committed(alpha, k)) / max(seconds, 1e-9)
 
 
-def choose_k(alpha: float, max_draft_tokens: int, costs: CostModel, batch_tokens_other: int = 0,
+def choose_k(alpha: Alpha, max_draft_tokens: int, costs: CostModel, batch_tokens_other: int = 0,
              other_committed: float = 0.0, other_draft_rounds: int | Mapping[str, int] = 0,
              min_gain: float = 0.05, drafter: str = "") -> int:
     """K in [0, max_draft_tokens] maximizing committed tokens per second; 0 unless the best K gains more
@@ -317,7 +323,7 @@ def rounds_by_drafter(num_draft_tokens: list[int], drafters: list[str] | None, s
     return rounds
 
 
-def batch_rate(alphas: list[float], num_draft_tokens: list[int], costs: CostModel, extra_tokens: int = 0,
+def batch_rate(alphas: list[Alpha], num_draft_tokens: list[int], costs: CostModel, extra_tokens: int = 0,
                extra_committed: float = 0.0, drafters: list[str] | None = None) -> float:
     """Committed tokens per second of a step in which sequence i drafts num_draft_tokens[i] tokens
     (with ``drafters[i]``, default one drafter for all), sharing the forward with ``extra_tokens``
@@ -371,14 +377,17 @@ class AdaptiveK:
             raise ValueError("explore_every, explore_k and passes must be >= 1")
 
     def choose(self, seqs: list[tuple[str, str]], max_draft_tokens: int, extra_tokens: int = 0,
-               extra_committed: float = 0.0, drafters: list[str] | None = None) -> list[int]:
+               extra_committed: float = 0.0, drafters: list[str] | None = None,
+               alphas: list[Alpha | None] | None = None) -> list[int]:
         """seqs: (seq_id, segment) of every sequence that may speculate this step -> K each.
         extra_tokens / extra_committed: the rest of the same forward (sequences that cannot
         speculate, prefill chunks) — they make verification tokens dearer, as in a big batch.
         drafters: which drafter drafts for each (a portfolio's member: each has its own round
-        cost); None: one drafter for all."""
+        cost); None: one drafter for all. alphas: the drafter's own acceptance for a sequence
+        (the portfolio's rates for the member it chose), used instead of this estimator's."""
         n = len(seqs)
-        alphas = [self.estimator.estimate(s, seg) for s, seg in seqs]
+        given = alphas if alphas is not None else [None] * n
+        alphas = [self.estimator.estimate(s, seg) if a is None else a for (s, seg), a in zip(seqs, given)]
         num_draft_tokens = [0] * n
         if max_draft_tokens > 0 and n:
             def rate(ks_: list[int]) -> float:
@@ -402,7 +411,7 @@ class AdaptiveK:
             self._plain_streak[seq_id] = streak
         return num_draft_tokens
 
-    def _coordinate_ascent(self, alphas: list[float], num_draft_tokens: list[int], max_draft_tokens: int,
+    def _coordinate_ascent(self, alphas: list[Alpha], num_draft_tokens: list[int], max_draft_tokens: int,
                            extra_tokens: int, extra_committed: float, drafters: list[str] | None = None) -> None:
         committed = [expected_committed(a, k) for a, k in zip(alphas, num_draft_tokens)]
         for _ in range(self.passes):

@@ -4,8 +4,9 @@ runner's feature tap. Placement ``separate``: a DraftServer hosts it and feeds `
 features the SpecEngine sends over KVSync (``cluster.kvsync.features``).
 
 Owns: ``EagleProposer`` (DrafterKind.EAGLE). It is the target runner's feature tap: every
-committed target forward (prefill, plain decode, verification) hands it the fused features of the
-fed tokens, kept per sequence by position. To propose for a sequence with committed tokens
+committed target forward (prefill, plain decode, verification) hands it the features of the fed
+tokens; they are fused (``fc``) in batches of positions, or before a propose, and kept per sequence by
+position. To propose for a sequence with committed tokens
 x_0..x_{n-1} (features known for positions 0..n-2; the last token is the one the target has not
 run yet) it
 - catches up: runs the pairs (feature t, token t+1) for the anchors t it has not run yet
@@ -32,7 +33,7 @@ from cluster.speculative.types import DraftProposal, ProposeInput
 
 @dataclass(slots=True)
 class _SeqState:
-    feats: torch.Tensor  # [capacity, H] fused target features by position
+    feats: torch.Tensor  # [capacity, H] fused target features by position (written by _fuse_pending)
     filled: int = 0  # positions [0, filled) were written by some committed target forward
     k: torch.Tensor | None = None  # [Hkv, anchors, D] persistent head K/V (anchors 0..held-1)
     v: torch.Tensor | None = None
@@ -45,6 +46,7 @@ class _SeqState:
 
 class EagleProposer:
     kind = DrafterKind.EAGLE
+    fuse_rows = 64  # recorded target positions fused together (at most this many held raw)
 
     def __init__(self, head: EagleHead, target_runner: ModelRunner) -> None:
         self.head = head.eval()
@@ -56,6 +58,8 @@ class EagleProposer:
         self._seqs: dict[str, _SeqState] = {}
         self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per propose: K/V incl. drafts
+        self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []  # (state, start, end) rows, features not fused yet
+        self._pending_rows = 0
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
         target_runner.feature_tap = self
@@ -76,28 +80,46 @@ class EagleProposer:
     # -- feature tap -------------------------------------------------------------------------------
     @torch.inference_mode()
     def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
-        """features [sum len(token_ids), |layers| * H] of a committed target forward."""
-        fused = self.head.fuse(features.float())  # [T, H]
-        row = 0
+        """features [sum len(token_ids), |layers| * H] of a committed target forward. Kept raw and
+        fused (``fc``) later, ``fuse_rows`` positions or a propose at a time: ``fc`` reads its
+        weights once per call whatever the row count, so fusing each decode step's one row cost as
+        much as fusing 64 (and most steps of a sequence the head does not draft for never need it)."""
+        writes = []
         for c in chunks:
-            n = len(c.token_ids)
+            end = c.start_pos + len(c.token_ids)
             st = self._seqs.get(c.seq_id)
-            end = c.start_pos + n
             if st is None:
-                st = self._seqs[c.seq_id] = _SeqState(fused.new_zeros(max(64, 2 * end), fused.shape[1]))
+                st = self._seqs[c.seq_id] = _SeqState(torch.zeros(max(64, 2 * end), self.head.cfg.hidden_size))
             elif end > st.feats.shape[0]:
-                grown = fused.new_zeros(max(2 * st.feats.shape[0], end), fused.shape[1])
+                grown = st.feats.new_zeros(max(2 * st.feats.shape[0], end), st.feats.shape[1])
                 grown[: st.feats.shape[0]] = st.feats
                 st.feats = grown
-            st.feats[c.start_pos : end] = fused[row : row + n]
             st.filled = max(st.filled, end) if c.start_pos <= st.filled else st.filled
-            row += n
+            writes.append((st, c.start_pos, end))
+        self._pending.append((writes, features.to(torch.float32, copy=True)))
+        self._pending_rows += features.shape[0]
+        if self._pending_rows >= self.fuse_rows:
+            self._fuse_pending()
+
+    def _fuse_pending(self) -> None:
+        """Fuse every recorded forward not fused yet in one ``fc`` call and write the rows in the
+        order the forwards ran (a verification's rejected positions are overwritten later)."""
+        if not self._pending:
+            return
+        fused = self.head.fuse(torch.cat([f for _, f in self._pending]))  # [rows, H]
+        row = 0
+        for writes, _ in self._pending:
+            for st, start, end in writes:  # a state released since is written and dropped
+                st.feats[start:end] = fused[row : row + end - start]
+                row += end - start
+        self._pending, self._pending_rows = [], 0
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
         starts, feeds = [], []
         self._round, self._scratch = {}, {}
+        self._fuse_pending()
         for inp in inputs:
             n = len(inp.token_ids)
             st = self._seqs.get(inp.seq_id)

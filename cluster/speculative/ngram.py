@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.speculative.proposer import DrafterKind
+from cluster.speculative.token_history import TokenHistory
 from cluster.speculative.types import DraftProposal, ProposeInput
 
 
@@ -56,9 +57,8 @@ def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tupl
 
 @dataclass(slots=True)
 class _History:
-    buf: np.ndarray  # [capacity] int64
-    length: int
-    match: tuple[int, int] | None = None  # find_ngram_match of buf[:length], once searched
+    seen: TokenHistory  # int64
+    match: tuple[int, int] | None = None  # find_ngram_match of the tokens, once searched
 
 
 @dataclass(slots=True)
@@ -105,23 +105,12 @@ class NgramProposer:
         return tokens, h.match
 
     def _history(self, seq_id: str, token_ids: list[int]) -> np.ndarray:
-        """The committed tokens as a numpy view, appending only what is new since the last call.
-        Committed tokens are append-only per seq_id; anything else (shorter list, changed
-        endpoints) rebuilds the buffer."""
-        n = len(token_ids)
+        """The committed tokens as a numpy view, appending only what is new since the last call
+        (``TokenHistory``); anything but a longer or equal list rebuilds it."""
         h = self._cache.get(seq_id)
-        reusable = (h is not None and 0 < h.length <= n and h.buf[0] == token_ids[0]
-                    and h.buf[h.length - 1] == token_ids[h.length - 1])
-        if not reusable:
-            buf = np.empty(max(64, 2 * n), dtype=np.int64)
-            buf[:n] = token_ids
-            h = self._cache[seq_id] = _History(buf, n)
-        elif n > h.length:
-            if n > h.buf.shape[0]:
-                grown = np.empty(2 * n, dtype=np.int64)
-                grown[: h.length] = h.buf[: h.length]
-                h.buf = grown
-            h.buf[h.length : n] = token_ids[h.length : n]
-            h.length = n
+        grew = None if h is None else h.seen.follow(token_ids)
+        if grew is None:
+            h = self._cache[seq_id] = _History(TokenHistory.of(token_ids, np.int64))
+        elif grew:
             h.match = None
-        return h.buf[:n]
+        return h.seen.tokens

@@ -52,8 +52,11 @@ n-gram draft at an EAGLE head's cost or the other way round.
 
 Drafts are the chosen member's, q included (a model member's q travels unchanged), so
 verification stays lossless exactly as it is for that member alone.
-Ignores: K (the engine's adaptive K plans it per draft context; ``draft_context`` answers
-"<member>:<member's context>", so acceptance is learnt per member there too), sampling.
+Ignores: K (the engine's adaptive K plans it per draft context — ``draft_context`` answers
+"<member>:<member's context>" — with the rates the chosen member was valued at,
+``planning_alpha``: adaptive K's own estimate pools a context over segments, and a head hopeless
+on other languages made it plan K = 0 on chat, where this portfolio had measured the head
+winning), sampling.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
+from cluster.speculative.acceptance import expected_committed
 from cluster.speculative.adaptive_k import CostModel, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
@@ -118,6 +122,7 @@ class _Pending:
     chosen: str | None = None  # the member expected to commit most per cost (None: no candidate)
     sent: bool = False  # the chosen member's draft was returned by ``propose``
     probe: bool = False  # chosen to measure it (a costly member that had been losing), not by value
+    rates: tuple[float, float] | None = None  # (α1, α) the chosen member was valued at (optimistic: a probe)
 
 
 @dataclass(slots=True)
@@ -262,6 +267,15 @@ class PortfolioProposer:
             return a
         return part(self._seq_rates.get(seq_id, {}).get((member, context))).alpha(a, self.seq_weight)
 
+    def planning_alpha(self, seq_id: str) -> tuple[float, float] | None:
+        """(α1, α) the member chosen for the sequence's next draft was valued at — adaptive K plans
+        its K with them (its own estimator pools a draft context over segments: a head hopeless
+        on other languages planned K = 0 on chat, where this portfolio had measured it winning,
+        and the portfolio's probes there drafted nothing); the optimistic rates on a probe. None:
+        no choice was made (nothing to draft, or the segment's one routed member)."""
+        pending = self._pending.get(seq_id)
+        return None if pending is None or pending.chosen is None else pending.rates
+
     def member_cost_priors(self) -> dict[str, float]:
         """member -> its prior cost per draft round, in target decode steps."""
         return {m.name: m.cost for m in self.members}
@@ -289,20 +303,16 @@ class PortfolioProposer:
         E(k) = 1 + α1·(1 + α + … + α^(k-1)) tokens in k·c_member + t(k+1) + verification's extra
         sampling seconds, against 1 token in t(1); without measured costs, in 1 + (verify_slope +
         the member's prior cost)·k decode steps."""
-        later = alpha if later is None else later
-        alpha, later = min(max(alpha, 0.0), 1.0), min(max(later, 0.0), 1.0)
+        rates = (alpha, alpha if later is None else later)
         costs = self.costs
         if costs is None:
             plain, per_k, extra = 1.0, self.verify_slope + member.cost, 1.0
         else:
             plain = costs.target_time(1)
             per_k, extra = draft_cost_of(costs, member.name), verify_overhead(costs, {member.name: 1})
-        run, power = 0.0, 1.0  # run = 1 + α + … + α^(k-1)
         for k in range(1, max_k + 1):
-            run += power
-            power *= later
             step = per_k * k + (extra if costs is None else costs.target_time(k + 1) + extra)
-            yield (1.0 + alpha * run) * plain / max(step, 1e-12)
+            yield expected_committed(rates, k) * plain / max(step, 1e-12)
 
     # -- internals ----------------------------------------------------------------------------------
     def _member(self, name: str) -> Member:
@@ -343,10 +353,10 @@ class PortfolioProposer:
             self._refine_by_agreement(pending, candidates, [m for m, _ in found])
         for m, k in found:
             ctx = pending.drafts[m.name][1]
-            value = self.value(m, k, self.alpha(m.name, ctx, seq_id, segment),
-                               self.alpha(m.name, ctx, seq_id, segment, later=True))
+            rates = (self.alpha(m.name, ctx, seq_id, segment), self.alpha(m.name, ctx, seq_id, segment, later=True))
+            value = self.value(m, k, *rates)
             if value > best_value:
-                best, best_value = m.name, value
+                best, best_value, pending.rates = m.name, value, rates
         pending.chosen = best
         if not routed:
             self._explore(seq_id, pending, best, best_value)
@@ -390,12 +400,12 @@ class PortfolioProposer:
             self._losses[key] = self._losses.get(key, 0) + 1
             if pending.probe or self._losses[key] < self.explore_every:
                 continue
-            hope = self.value(member, self.horizon, self.optimistic_alpha(name, ctx, seq_id, pending.segment),
-                              self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
-            if hope <= best_value:
+            hope_rates = (self.optimistic_alpha(name, ctx, seq_id, pending.segment),
+                          self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
+            if self.value(member, self.horizon, *hope_rates) <= best_value:
                 continue  # cannot win this step even at its optimistic rate: probe at a later one
             self._losses[key] = 0
-            pending.chosen, pending.probe = name, True
+            pending.chosen, pending.probe, pending.rates = name, True, hope_rates
 
     def optimistic_alpha(self, member: str, context: str, seq_id: str | None, segment: str,
                          later: bool = False) -> float:

@@ -88,6 +88,10 @@ class MemberStatsProposer(Protocol):
     def member_of(self, context: str) -> str:
         """The member whose draft a ``draft_context`` label announces."""
 
+    def planning_alpha(self, seq_id: str) -> tuple[float, float] | None:
+        """(α1, α) the member chosen for the sequence's next draft was valued at (adaptive K plans
+        its K with them), or None to leave it to adaptive K's own estimate."""
+
     def use_costs(self, costs: Any) -> None:
         """Choose members with the engine's measured step costs (``adaptive_k.StepCostModel``)."""
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.speculative.proposer import DrafterKind
+from cluster.speculative.token_history import TokenHistory
 from cluster.speculative.types import DraftProposal, ProposeInput
 
 SEPARATOR = -1  # between documents in a segment's flat buffer: never matched, ends a continuation
@@ -221,9 +222,9 @@ def walk(sources: list[tuple[np.ndarray, np.ndarray]], max_len: int, min_token_p
 
 @dataclass(slots=True)
 class _Seen:
-    tokens: list[int]
+    history: TokenHistory  # int32, appended to step by step
     segment: str
-    draft: SuffixDraft | None = None  # the proposal for exactly ``tokens``, once computed
+    draft: SuffixDraft | None = None  # the proposal for exactly these tokens, once computed
 
 
 @dataclass(slots=True)
@@ -262,8 +263,8 @@ class SuffixProposer:
     def release(self, seq_id: str) -> None:
         """The sequence is done (or preempted): learn its last seen tokens into its segment."""
         seen = self._seen.pop(seq_id, None)
-        if seen is not None and len(seen.tokens) > 1:
-            self.index.add(seen.segment, seq_id, seen.tokens)
+        if seen is not None and seen.history.length > 1:
+            self.index.add(seen.segment, seq_id, seen.history.tokens.copy())  # not the spare capacity
 
     def proposal(self, seq_id: str, token_ids: list[int], segment: str = "") -> SuffixDraft:
         """The full draft (up to max_spec_tokens) with its probabilities and match length."""
@@ -271,11 +272,13 @@ class SuffixProposer:
 
     def _draft(self, seq_id: str, token_ids: list[int], segment: str) -> SuffixDraft:
         seen = self._seen.get(seq_id)
-        if seen is None or seen.segment != segment or len(seen.tokens) != len(token_ids) \
-                or (token_ids and seen.tokens[-1] != token_ids[-1]):
-            seen = self._seen[seq_id] = _Seen(list(token_ids), segment)
+        grew = None if seen is None or seen.segment != segment else seen.history.follow(token_ids)
+        if grew is None:
+            seen = self._seen[seq_id] = _Seen(TokenHistory.of(token_ids, np.int32), segment)
+        elif grew:
+            seen.draft = None
         if seen.draft is None:
-            seen.draft = self._search(np.asarray(token_ids, dtype=np.int32), segment)
+            seen.draft = self._search(seen.history.tokens, segment)
         return seen.draft
 
     def _search(self, history: np.ndarray, segment: str) -> SuffixDraft:

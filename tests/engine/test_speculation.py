@@ -187,3 +187,59 @@ def proposer_drafted(proposer) -> list[int]:
     out = proposer.propose([ProposeInput("probe", list(range(300, 340)), 5, SP())])
     proposer.release("probe")
     return out.draft_token_ids[0]
+
+
+class _Oracle:
+    """A costly portfolio member that drafts the target's own greedy continuation (known from a
+    plain run): every draft token is right."""
+
+    from cluster.speculative.proposer import DrafterKind
+    kind = DrafterKind.EAGLE
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.full = prompt + output
+
+    def draft_context(self, seq_id, token_ids, segment=""):
+        return "h"
+
+    def propose(self, inputs):
+        from cluster.speculative.types import DraftProposal
+
+        drafts = [self.full[len(i.token_ids): len(i.token_ids) + i.num_draft_tokens] for i in inputs]
+        return DraftProposal(drafts, [None] * len(inputs))
+
+    def release(self, seq_id):
+        pass
+
+
+@pytest.mark.parametrize("hand_rates", [True, False])
+def test_a_portfolio_plans_k_with_its_own_rates_not_adaptive_ks_pool(default_model, rows, hand_rates):
+    """Adaptive K pools a draft context over segments; a head hopeless on one segment made it plan
+    K = 0 on every other, overruling a portfolio that had chosen (or was probing) the head there.
+    The portfolio hands adaptive K the rates it chose the member by: a member right every time
+    drafts from the first step though the pool says α ≈ 0 (without that hand-over it does not)."""
+    from cluster.speculative.portfolio import Member, PortfolioProposer
+
+    class NoRates(PortfolioProposer):
+        __slots__ = ()
+
+        def planning_alpha(self, seq_id):
+            return None
+
+    tok = default_model.tokenizer
+    prompt = prompt_ids(tok, rows[0])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="ngram", num_draft_tokens="auto")),
+                              [GenerationRequest("p", prompt, params, mode=SpecMode.PLAIN)])["p"]["ids"]
+    portfolio = (PortfolioProposer if hand_rates else NoRates)([Member("head", _Oracle(prompt, plain), cost=0.05)])
+    eng = spec_engine(default_model, SpecConfig(drafter="portfolio", num_draft_tokens="auto"), portfolio)
+    for _ in range(300):  # another segment taught adaptive K that this context is never accepted
+        eng.spec.adaptive.estimator.update("elsewhere", "other|head:h", 4, 0)
+    assert eng.spec.adaptive.estimator.segment_estimate("chat|head:h") < 0.05
+    res = run_to_completion(eng, [GenerationRequest("r", prompt, params, segment="chat")])["r"]
+    assert res["ids"] == plain
+    spec = res["spec"]
+    if hand_rates:
+        assert spec.accepted_tokens == spec.draft_tokens >= 16 and spec.drafts <= 8
+    else:  # adaptive K's own probes only (one after 16 plain steps, then what it taught)
+        assert spec.drafts <= 2 and spec.draft_tokens <= 6

@@ -19,6 +19,16 @@ def test_expected_committed_matches_design_numbers():
     assert expected_committed(0.7, 0) == 1.0
 
 
+def test_expected_committed_with_a_first_token_rate_apart():
+    """(α1, α): 1 + α1·(1 + α + … + α^(k-1)); equal rates give the one-α formula."""
+    assert expected_committed((0.5, 0.8), 3) == pytest.approx(1 + 0.5 * (1 + 0.8 + 0.64))
+    assert expected_committed((0.2, 1.0), 4) == pytest.approx(1 + 0.2 * 4)
+    assert expected_committed((0.0, 0.9), 6) == 1.0 and expected_committed((0.9, 0.3), 0) == 1.0
+    for a in (0.0, 0.35, 0.9, 1.0):
+        for k in range(7):
+            assert expected_committed((a, a), k) == pytest.approx(expected_committed(a, k))
+
+
 
 
 def _geometric_step(rng: random.Random, alpha: float, k: int) -> int:

@@ -332,3 +332,16 @@ def test_a_token_count_seen_often_is_priced_by_its_own_mean_never_below_fewer_to
         noisy.observe_target(2, t2)
     assert noisy.target_time(2) >= noisy.target_time(1) == pytest.approx(0.013333, rel=1e-3)
     assert break_even_alpha(noisy, 4) > 0.0
+
+
+def test_a_drafter_may_hand_its_own_rates_for_a_sequence():
+    """``choose(alphas=...)``: a sequence's given (α1, α) replace the estimator's (a portfolio's
+    rates for the member it chose); None keeps the estimator's."""
+    costs = LinearCosts(draft_cost=0.0005, a=0.020, b=0.0002)
+    ak = AdaptiveK(estimator=AcceptanceEstimator(prior_alpha=0.02), costs=costs)
+    seqs = [("a", "chat"), ("b", "chat")]
+    assert ak.choose(seqs, 6) == [0, 0]  # the estimator: hopeless (no probe due yet)
+    ks = ak.choose(seqs, 6, alphas=[(0.9, 0.9), None])
+    assert ks[0] == choose_k((0.9, 0.9), 6, costs, batch_tokens_other=1) > 0 and ks[1] == 0
+    # a weak first token with sure later ones is planned long; a sure first token with weak later ones short
+    assert choose_k((0.5, 0.95), 6, costs) > choose_k((0.95, 0.2), 6, costs) > 0

@@ -192,3 +192,49 @@ def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
     expected = [float(q0[t]) / mass * n for t in support]
     assert min(expected) > 20, expected  # the test has power on every category
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+@pytest.mark.parametrize("fuse_rows", [1, 4, 10**6])
+def test_recorded_features_are_fused_later_exactly_as_when_each_forward_ran(tiny, head_dir, fuse_rows):
+    """Features are fused in batches (or before a propose): every position ends up with the fused
+    row of the last forward that wrote it (a verification's rejected positions are rewritten), a
+    growing sequence keeps its earlier rows, and a released sequence's pending rows never land in
+    a new sequence of the same id."""
+    from cluster.models.runner import SeqChunk
+
+    _, model = tiny
+    runner = model.with_fresh_kv(EngineConfig(model="tiny")).runner
+    prop = EagleProposer.from_dir(head_dir, runner)
+    prop.fuse_rows = fuse_rows
+    g = torch.Generator().manual_seed(3)
+    expected: dict[str, dict[int, torch.Tensor]] = {}
+    forwards = [
+        [SeqChunk("a", [1] * 5, 0, 1), SeqChunk("b", [2] * 3, 0, 1)],  # prefills
+        [SeqChunk("a", [1] * 4, 5, 4)],  # a verification: positions 5..8
+        [SeqChunk("a", [3] * 2, 6, 2), SeqChunk("b", [2] * 70, 3, 1)],  # a rewrites 6, 7; b grows past 64
+        "release b",
+        [SeqChunk("b", [4] * 6, 0, 1)],  # a new sequence under the old id
+        [SeqChunk("a", [5], 8, 1)],
+    ]
+    for fwd in forwards:
+        if fwd == "release b":
+            prop.release("b")
+            expected.pop("b")
+            continue
+        feats = torch.randn(sum(len(c.token_ids) for c in fwd), prop.feature_width, generator=g)
+        with torch.inference_mode():
+            fused = prop.head.fuse(feats)
+        row = 0
+        for c in fwd:
+            for i in range(len(c.token_ids)):
+                expected.setdefault(c.seq_id, {})[c.start_pos + i] = fused[row + i]
+            row += len(c.token_ids)
+        prop.record(fwd, feats)
+        assert prop._pending_rows < fuse_rows  # held raw only up to fuse_rows
+    prop.propose([])  # a propose fuses what is pending
+    assert prop._pending_rows == 0
+    for seq_id, rows in expected.items():
+        st = prop._seqs[seq_id]
+        assert st.filled == max(rows) + 1
+        for pos, want in rows.items():
+            torch.testing.assert_close(st.feats[pos], want, rtol=1e-5, atol=1e-5, msg=f"{seq_id} position {pos}")

@@ -263,3 +263,29 @@ def test_cheap_members_learn_apart_whether_their_drafts_agree():
     assert pf.alpha("suffix", "m2+differ") == pf.prior_alpha
     one = PortfolioProposer([Member("ngram", Fixed([1], "n1")), Member("head", Costly([5], "h"), cost=0.1)])
     assert one.draft_context("b", [0]) == "ngram:n1"  # one cheap member: nothing to compare, no tag
+
+
+def test_adaptive_k_is_handed_the_rates_the_chosen_member_was_valued_at():
+    """``planning_alpha``: the chosen member's (α1, α) for this sequence — its optimistic rates
+    on a probe — and None where nothing was chosen or the segment's one routed member drafts."""
+    cheap, head = Fixed([1, 2, 3], "n"), Costly([7, 8, 9], "h")
+    pf = PortfolioProposer([Member("ngram", cheap), Member("head", head, cost=0.05)], explore_every=2)
+    hist = [0]
+    seen = []
+    for _ in range(6):  # the target commits what the n-gram drafts: the head loses, then is probed
+        pf.propose([ProposeInput("s", list(hist), 3, GREEDY, segment="a")])
+        pending = pf._pending["s"]
+        name, ctx = pf.last_choice["s"], pending.drafts[pf.last_choice["s"]][1]
+        want = ((pf.optimistic_alpha(name, ctx, "s", "a"), pf.optimistic_alpha(name, ctx, "s", "a", later=True))
+                if pending.probe else (pf.alpha(name, ctx, "s", "a"), pf.alpha(name, ctx, "s", "a", later=True)))
+        assert pf.planning_alpha("s") == pytest.approx(want)
+        seen.append((name, pending.probe))
+        hist += [1, 2, 3, 4]
+    assert ("head", True) in seen and ("ngram", False) in seen  # both kinds of step were checked
+    nothing = PortfolioProposer([Member("ngram", Fixed(None))])
+    nothing.propose([inp("t", [0])])
+    assert nothing.planning_alpha("t") is None and nothing.planning_alpha("never-seen") is None
+    routed = PortfolioProposer([Member("ngram", Fixed([1, 2])), Member("head", Costly([7], "h"), cost=0.05)],
+                               routes=SegmentRoutes(default="head"))
+    routed.propose([inp("r", [0])])
+    assert routed.last_choice == {"r": "head"} and routed.planning_alpha("r") is None

@@ -143,6 +143,23 @@ def test_a_single_occurrence_walks_its_continuation_as_the_general_walk_does():
         assert fast == general
 
 
+def test_a_growing_sequence_drafts_as_a_fresh_proposer_would_and_a_rollback_starts_afresh():
+    """A sequence's history is kept and appended to step by step (not rebuilt from the token
+    list each time); drafts equal those of a proposer that sees the tokens for the first time,
+    also after the sequence shrinks (preemption) or its id is reused for other tokens, and what is
+    learnt on release is exactly the last token list shown."""
+    rng = np.random.default_rng(7)
+    seq = rng.integers(0, 12, 400).tolist()
+    p = SuffixProposer()
+    learn(p, "old", rng.integers(0, 12, 300).tolist())
+    shown = [seq[:n] for n in range(1, 200, 3)] + [seq[:50], seq[:120], [5] + seq[1:150], seq[:150]]
+    for tokens in shown:
+        fresh = SuffixProposer(index=p.index)
+        assert p.proposal("x", tokens, "s") == fresh.proposal("y", tokens, "s"), len(tokens)
+    p.release("x")
+    assert np.array_equal(p.index._segments["s"].docs["x"], np.asarray(seq[:150], dtype=np.int32))
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         SuffixProposer(min_token_prob=1.5)
