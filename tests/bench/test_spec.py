@@ -114,6 +114,19 @@ def test_drafter_goals_are_ratios_to_ngram_in_the_same_run():
     segments["chat"]["eagle/k3"] = row(1.2, [0.55])
     assert not bench_spec.drafter_goals(segments)["eagle_alpha_position_1_chat"]["pass"]
     assert bench_spec.drafter_goals({"chat": {"ngram/auto": row(1.0)}}) == {}  # rows not run: no goal
+    assert "portfolio_over_ngram_paired" not in g  # rows without per-prompt walls: no paired ratio
+
+
+def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
+    """Beside the goal (a ratio of the two rows' median speedups) the summary gives the median of
+    the per-prompt ratios of the same two rows' wall-clocks (each prompt's runs back to back)."""
+    segments = {"edit": {"ngram/auto": {"speedup": 2.0, "wall_s": [1.0, 3.0, 2.0]},
+                         "portfolio/auto": {"speedup": 1.9, "wall_s": [0.5, 3.3, 2.0]}}}
+    g = bench_spec.drafter_goals(segments)
+    assert g["portfolio_over_ngram"]["measured"] == {"edit": 0.95}
+    assert g["portfolio_over_ngram_paired"]["measured"] == {"edit": 1.0}  # ratios 2.0, 0.909, 1.0
+    shown = bench_spec.format_table({"segments": {}, "plain": {}, "summary": g})
+    assert "INFO  portfolio_over_ngram_paired" in shown and "FAIL  portfolio_over_ngram" in shown
 
 
 def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
