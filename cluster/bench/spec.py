@@ -14,7 +14,8 @@ Method. For every prompt, every method runs once, back to back (ours plain, ours
 plain, HF variants), so machine noise hits all of them alike; a row reports medians over prompts.
 speedup = median over prompts of plain wall-clock / spec wall-clock (whole request, prefill
 included); each row keeps its per-prompt wall-clocks (``wall_s``), so two rows compare prompt by
-prompt too (the portfolio against n-gram: ``portfolio_over_ngram_paired`` beside its goal). Costs are relative to t, the median wall time of one plain decode step (same segment):
+prompt too (the portfolio against n-gram: ``portfolio_over_ngram_paired`` beside its goal).
+Costs are relative to t, the median wall time of one plain decode step (same segment):
 c = draft time per draft round / t, v = (verification step wall time - its draft time) / t
 (median over verification steps; the engine's bookkeeping and rejection sampling are in v).
 α is the per-position acceptance probability, accepted / (accepted + rejections)

@@ -58,7 +58,8 @@ class EagleProposer:
         self._seqs: dict[str, _SeqState] = {}
         self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per propose: K/V incl. drafts
-        self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []  # (state, start, end) rows, features not fused yet
+        # recorded forwards not fused yet: the (state, start, end) rows each wrote, its features
+        self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []
         self._pending_rows = 0
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
