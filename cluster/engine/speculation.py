@@ -265,8 +265,8 @@ class SpecController:
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(rounds, elapsed)
             if self.members is not None:  # and each member's rounds on their own
-                for member, (member_rounds, seconds) in self.members.last_member_rounds.items():
-                    self.adaptive.costs.observe_draft(member_rounds, seconds, member)
+                for member, (member_rounds, seconds, caught_up) in self.members.last_member_rounds.items():
+                    self.adaptive.costs.observe_draft(member_rounds, seconds, member, catch_up=caught_up)
         return proposals
 
     def _draft_cursors(self, drafting: list[ScheduledSeq], forced: dict[str, list[int]]) -> dict:

@@ -47,6 +47,14 @@ def draft_seconds(rounds: Mapping[str, int], costs: CostModel) -> float:
     return sum(n * draft_cost_of(costs, d) for d, n in rounds.items() if n > 0)
 
 
+def catch_up_cost_of(costs: CostModel, drafter: str) -> float:
+    """Seconds ``drafter`` spends per committed position it runs before drafting (an EAGLE head
+    catching up on the target's features since its last draft for the sequence); 0 for a cost
+    model that does not measure it."""
+    per = getattr(costs, "catch_up_cost_of", None)
+    return 0.0 if per is None or not drafter else per(drafter)
+
+
 def verify_overhead(costs: CostModel, rounds: Mapping[str, int]) -> float:
     """What verifying costs beyond a plain step's sampling, charged once to a step in which any
     sequence drafts (0 for a cost model that does not measure it)."""
@@ -74,6 +82,29 @@ class _Mean:
         self.n += 1
         beta = max(ewma, 1.0 / (self.n + 1))
         self.seconds += beta * (per_round - self.seconds)
+
+
+@dataclass(slots=True)
+class _DraftCost:
+    """One named drafter's measured costs: seconds ≈ c·rounds + g·positions caught up. A draft
+    model that keeps its own state (an EAGLE head) first runs the positions committed since its
+    last draft for the sequence — all of the prompt on its first — so a propose after a long gap
+    took 5-30 ms where a round takes ~1.5 ms (the default model's head, 2 cores): averaged into
+    the round cost, those catch-ups priced the head 15-30% dearer on every segment after the
+    copy-heavy ones where it is only probed. ``g`` is learnt from proposes that caught up at least
+    ``min_positions`` (below that a batch of positions costs about what one does), from what the
+    rounds do not explain; the round cost from what the catch-up does not."""
+
+    per_round: _Mean = field(default_factory=_Mean)
+    per_position: _Mean = field(default_factory=_Mean)
+    min_positions: int = 32
+
+    def observe(self, rounds: int, seconds: float, positions: int, ewma: float, prior: float | None) -> None:
+        per_round = self.per_round.seconds if self.per_round.n else prior  # None: nothing to tell them apart by
+        if positions >= self.min_positions and per_round is not None:
+            self.per_position.observe(max(0.0, seconds - rounds * per_round) / positions, ewma)
+        caught_up = positions * self.per_position.seconds
+        self.per_round.observe(max(0.0, seconds - caught_up) / rounds, ewma, prior)
 
 
 @dataclass(slots=True)
@@ -110,7 +141,7 @@ class StepCostModel:
     draft_ewma: float = 0.05
     _draft_cost: float = field(default=0.0, init=False)
     _draft_n: int = field(default=0, init=False)
-    _by_drafter: dict[str, _Mean] = field(default_factory=dict, init=False, repr=False)
+    _by_drafter: dict[str, _DraftCost] = field(default_factory=dict, init=False, repr=False)
     # seconds a step spends outside the forward and the drafter picking its tokens: sampling
     # (plain) or rejection sampling (speculative); their difference is what verifying costs extra
     _sampling: dict[bool, _Mean] = field(default_factory=dict, init=False, repr=False)
@@ -134,14 +165,16 @@ class StepCostModel:
             raise ValueError("draft_ewma must be in (0, 1]")
         self._draft_cost = self.draft_cost_prior
 
-    def observe_draft(self, rounds: int, seconds: float, drafter: str = "") -> None:
+    def observe_draft(self, rounds: int, seconds: float, drafter: str = "", catch_up: int = 0) -> None:
         """``rounds`` draft rounds took ``seconds``: of the engine's drafter as a whole (""), or of
-        one named drafter (a portfolio member, timed inside the portfolio)."""
+        one named drafter (a portfolio member, timed inside the portfolio), which first ran
+        ``catch_up`` committed positions it had not run (its catch-up, priced apart)."""
         if rounds <= 0 or seconds < 0:
             return
         if drafter:
             prior = self.draft_cost_of(drafter) if drafter in self.draft_cost_ratio_priors else None
-            self._by_drafter.setdefault(drafter, _Mean()).observe(seconds / rounds, self.draft_ewma, prior)
+            self._by_drafter.setdefault(drafter, _DraftCost()).observe(rounds, seconds, max(0, catch_up),
+                                                                       self.draft_ewma, prior)
             return
         if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
             self._draft_cost = seconds / rounds  # the ratio prior served until now; trust data
@@ -181,10 +214,15 @@ class StepCostModel:
         decode step, else the engine-wide cost."""
         measured = self._by_drafter.get(drafter)
         if measured is not None:
-            return measured.seconds
+            return measured.per_round.seconds
         if drafter in self.draft_cost_ratio_priors:
             return self.draft_cost_ratio_priors[drafter] * self.target_time(1)
         return self.draft_cost
+
+    def catch_up_cost_of(self, drafter: str) -> float:
+        """Seconds per position a named drafter catches up before drafting (0 until measured)."""
+        measured = self._by_drafter.get(drafter)
+        return 0.0 if measured is None else measured.per_position.seconds
 
     @property
     def coefficients(self) -> tuple[float, float]:
@@ -248,6 +286,7 @@ class StepCostModel:
         named = sorted({*self.draft_cost_ratio_priors, *self._by_drafter})
         if named:
             out["draft_cost_s_by_drafter"] = {d: self.draft_cost_of(d) for d in named}
+            out["catch_up_s_per_position_by_drafter"] = {d: self.catch_up_cost_of(d) for d in named}
         return out
 
 

@@ -48,7 +48,11 @@ Only a segment's members are asked (shadow drafts, learning and stats work as ab
 
 Each costly member's draft rounds are timed (``last_member_rounds``): the engine's cost model
 learns every member's round cost on its own, so neither adaptive K nor this choice plans an
-n-gram draft at an EAGLE head's cost or the other way round.
+n-gram draft at an EAGLE head's cost or the other way round — and, apart from it, what the
+member's catch-up costs per position: a head first runs the positions committed since it last
+drafted for the sequence (all of a 750-token prompt on its first draft: 30 ms on 2 cores, where a
+round takes 1.5). A choice charges that catch-up shared over ``catch_up_steps`` drafts, and a
+probe waits longer where its catch-up is dear (``probe_budget``).
 
 Drafts are the chosen member's, q included (a model member's q travels unchanged), so
 verification stays lossless exactly as it is for that member alone.
@@ -66,7 +70,7 @@ from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.acceptance import expected_committed
-from cluster.speculative.adaptive_k import CostModel, draft_cost_of, verify_overhead
+from cluster.speculative.adaptive_k import CostModel, catch_up_cost_of, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -123,6 +127,7 @@ class _Pending:
     sent: bool = False  # the chosen member's draft was returned by ``propose``
     probe: bool = False  # chosen to measure it (a costly member that had been losing), not by value
     rates: tuple[float, float] | None = None  # (α1, α) the chosen member was valued at (optimistic: a probe)
+    catch_up: dict[str, int] = field(default_factory=dict)  # costly member -> positions it would run first
 
 
 @dataclass(slots=True)
@@ -167,17 +172,22 @@ class PortfolioProposer:
     probe_z: float = 2.0  # a probe's optimism: standard errors of the segment's rate added to it
     probe_memory: float = 64.0  # the most segment trials that shrink that optimism
     min_gain: float = 0.05  # a member must beat plain decoding by this much (adaptive K's margin)
+    catch_up_steps: int = 2  # a costly member's catch-up is charged to this many of its drafts
+    probe_budget: float = 0.02  # probes' catch-ups take at most this share of a segment's decode time
     routes: SegmentRoutes | None = None  # set: each sequence drafts with its segment's members only
     kind: DrafterKind = field(default=DrafterKind.PORTFOLIO, init=False)
     last_choice: dict[str, str] = field(default_factory=dict, init=False)  # seq_id -> member, last propose
-    # costly member -> (draft rounds, seconds) of the last propose: the engine's cost model learns from it
-    last_member_rounds: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+    # costly member -> (draft rounds, seconds, positions it caught up on first) of the last propose:
+    # the engine's cost model learns from it
+    last_member_rounds: dict[str, tuple[int, float, int]] = field(default_factory=dict, init=False)
     costs: CostModel | None = field(default=None, init=False, repr=False)  # the engine's, once given
     _rates: dict[tuple[str, str], Acceptance] = field(default_factory=dict, init=False, repr=False)  # (member, ctx)
     _segment_rates: dict[tuple[str, str, str], Acceptance] = field(default_factory=dict, init=False, repr=False)
     _seq_rates: dict[str, dict[tuple[str, str], Acceptance]] = field(default_factory=dict, init=False, repr=False)
     _losses: dict[tuple[str, str], int] = field(default_factory=dict, init=False, repr=False)  # (segment, member)
     _pending: dict[str, _Pending] = field(default_factory=dict, init=False, repr=False)
+    # seq_id -> costly member -> the sequence's length when the member last drafted for it
+    _drafted_at: dict[str, dict[str, int]] = field(default_factory=dict, init=False, repr=False)
     _stats: dict[str, MemberStats] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -190,8 +200,8 @@ class PortfolioProposer:
             raise ValueError("prior_alpha must be in (0, 1), prior_weight, seq_weight and segment_weight > 0")
         if self.explore_every < 1 or self.probe_z < 0 or self.probe_memory < 0:
             raise ValueError("explore_every must be >= 1, probe_z and probe_memory >= 0")
-        if self.min_gain < 0:
-            raise ValueError("min_gain must be >= 0")
+        if self.min_gain < 0 or self.catch_up_steps < 1 or not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError("min_gain must be >= 0, catch_up_steps >= 1 and probe_budget in (0, 1]")
         if self.routes is not None:
             unknown = self.routes.names() - set(names)
             if unknown:
@@ -224,7 +234,10 @@ class PortfolioProposer:
             t0 = time.perf_counter()
             got = self._member(name).proposer.propose([inputs[r] for r in rows])
             rounds = max(inputs[r].num_draft_tokens for r in rows)
-            self.last_member_rounds[name] = (rounds, time.perf_counter() - t0)
+            caught_up = sum(self._pending[inputs[r].seq_id].catch_up.get(name, 0) for r in rows)
+            self.last_member_rounds[name] = (rounds, time.perf_counter() - t0, caught_up)
+            for r in rows:
+                self._drafted_at.setdefault(inputs[r].seq_id, {})[name] = len(inputs[r].token_ids)
             for r, ids, q in zip(rows, got.draft_token_ids, got.draft_probs):
                 drafts[r] = list(ids)[: inputs[r].num_draft_tokens]
                 probs[r] = q[: len(drafts[r])] if q is not None and drafts[r] else None
@@ -243,6 +256,7 @@ class PortfolioProposer:
         self._pending.pop(seq_id, None)
         self.last_choice.pop(seq_id, None)
         self._seq_rates.pop(seq_id, None)
+        self._drafted_at.pop(seq_id, None)
         for m in self.members:
             m.proposer.release(seq_id)
 
@@ -288,21 +302,24 @@ class PortfolioProposer:
         """Plan with the engine's measured step costs (its members' round costs included)."""
         self.costs = costs
 
-    def expected_per_cost(self, member: Member, k: int, alpha: float, later: float | None = None) -> float:
+    def expected_per_cost(self, member: Member, k: int, alpha: float, later: float | None = None,
+                          catch_up: int = 0) -> float:
         """Tokens committed per unit time drafting k tokens with ``member`` (its first token
-        accepted at ``alpha``, each next one at ``later``, default the same), relative to plain
-        decoding (1.0: as fast as plain)."""
-        return list(self._per_cost(member, k, alpha, later))[-1] if k >= 1 else 0.0
+        accepted at ``alpha``, each next one at ``later``, default the same; ``catch_up``
+        positions to run first), relative to plain decoding (1.0: as fast as plain)."""
+        return list(self._per_cost(member, k, alpha, later, catch_up))[-1] if k >= 1 else 0.0
 
-    def value(self, member: Member, max_k: int, alpha: float, later: float | None = None) -> float:
+    def value(self, member: Member, max_k: int, alpha: float, later: float | None = None, catch_up: int = 0) -> float:
         """``expected_per_cost`` at the member's best k in [1, max_k]."""
-        return max(self._per_cost(member, max_k, alpha, later), default=0.0)
+        return max(self._per_cost(member, max_k, alpha, later, catch_up), default=0.0)
 
-    def _per_cost(self, member: Member, max_k: int, alpha: float, later: float | None):
+    def _per_cost(self, member: Member, max_k: int, alpha: float, later: float | None, catch_up: int = 0):
         """``expected_per_cost`` for k = 1 .. max_k in one pass (the step's cost terms read once):
         E(k) = 1 + α1·(1 + α + … + α^(k-1)) tokens in k·c_member + t(k+1) + verification's extra
-        sampling seconds, against 1 token in t(1); without measured costs, in 1 + (verify_slope +
-        the member's prior cost)·k decode steps."""
+        sampling seconds + the member's catch-up (``catch_up`` positions at its measured cost per
+        position, shared by ``catch_up_steps`` drafts: once caught up, the drafts after it ride on
+        it), against 1 token in t(1); without measured costs, in 1 + (verify_slope + the member's
+        prior cost)·k decode steps."""
         rates = (alpha, alpha if later is None else later)
         costs = self.costs
         if costs is None:
@@ -310,6 +327,8 @@ class PortfolioProposer:
         else:
             plain = costs.target_time(1)
             per_k, extra = draft_cost_of(costs, member.name), verify_overhead(costs, {member.name: 1})
+            if catch_up > 0:
+                extra += catch_up * catch_up_cost_of(costs, member.name) / self.catch_up_steps
         for k in range(1, max_k + 1):
             step = per_k * k + (extra if costs is None else costs.target_time(k + 1) + extra)
             yield expected_committed(rates, k) * plain / max(step, 1e-12)
@@ -338,6 +357,7 @@ class PortfolioProposer:
                 continue
             if m.cost > 0:
                 draft, k = [], self.horizon
+                pending.catch_up[m.name] = self._positions_behind(seq_id, m.name, len(token_ids))
             else:
                 inp = ProposeInput(seq_id, token_ids, self.horizon, _GREEDY, segment=segment)
                 draft = list(m.proposer.propose([inp]).draft_token_ids[0])
@@ -354,7 +374,7 @@ class PortfolioProposer:
         for m, k in found:
             ctx = pending.drafts[m.name][1]
             rates = (self.alpha(m.name, ctx, seq_id, segment), self.alpha(m.name, ctx, seq_id, segment, later=True))
-            value = self.value(m, k, *rates)
+            value = self.value(m, k, *rates, catch_up=pending.catch_up.get(m.name, 0))
             if value > best_value:
                 best, best_value, pending.rates = m.name, value, rates
         pending.chosen = best
@@ -378,6 +398,13 @@ class PortfolioProposer:
             draft, ctx = pending.drafts[name]
             pending.drafts[name] = (draft, f"{ctx}+{tag}")
 
+    def _positions_behind(self, seq_id: str, member: str, length: int) -> int:
+        """Committed positions a costly member would run before drafting for the sequence: those
+        since it last drafted for it (an EAGLE head holds its K/V up to there), else all but the
+        last token (it never ran the sequence)."""
+        since = self._drafted_at.get(seq_id, {}).get(member)
+        return max(0, length - 1 if since is None else length - since)
+
     def routes_of(self, segment: str) -> tuple[str, ...]:
         """The members that may draft for ``segment``."""
         return tuple(m.name for m in self.members) if self.routes is None else self.routes.candidates(segment)
@@ -398,14 +425,25 @@ class PortfolioProposer:
                 continue
             key = (pending.segment, name)
             self._losses[key] = self._losses.get(key, 0) + 1
-            if pending.probe or self._losses[key] < self.explore_every:
+            catch_up = pending.catch_up.get(name, 0)
+            if pending.probe or self._losses[key] < self._probe_interval(name, catch_up):
                 continue
             hope_rates = (self.optimistic_alpha(name, ctx, seq_id, pending.segment),
                           self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
-            if self.value(member, self.horizon, *hope_rates) <= best_value:
+            if self.value(member, self.horizon, *hope_rates, catch_up=catch_up) <= best_value:
                 continue  # cannot win this step even at its optimistic rate: probe at a later one
             self._losses[key] = 0
             pending.chosen, pending.probe, pending.rates = name, True, hope_rates
+
+    def _probe_interval(self, member: str, catch_up: int) -> int:
+        """Lost choices in a row before a probe: ``explore_every``, or more where the probe's
+        catch-up is dear — its seconds at most ``probe_budget`` of the decode steps in between (a
+        head probed on long summarize or edit prompts ran 100-750 positions first, 5-30 ms, every
+        16 steps: 2-3% of those segments' time for a member that lost there)."""
+        if self.costs is None or catch_up <= 0:
+            return self.explore_every
+        seconds = catch_up * catch_up_cost_of(self.costs, member)
+        return max(self.explore_every, math.ceil(seconds / (self.probe_budget * self.costs.target_time(1))))
 
     def optimistic_alpha(self, member: str, context: str, seq_id: str | None, segment: str,
                          later: bool = False) -> float:

@@ -77,7 +77,8 @@ class MemberStatsProposer(Protocol):
     """A drafter made of member drafters (the portfolio): the drafts each member produced, and
     each member's draft cost on its own (the engine's cost model times members separately)."""
 
-    last_member_rounds: dict[str, tuple[int, float]]  # member -> (draft rounds, seconds), last propose
+    # member -> (draft rounds, seconds, committed positions it caught up on first), last propose
+    last_member_rounds: dict[str, tuple[int, float, int]]
 
     def drafter_stats(self) -> dict[str, dict]:
         """member -> {steps, draft_tokens, accepted_tokens}."""

@@ -236,8 +236,13 @@ def test_each_named_drafter_has_its_own_round_cost():
 class PerDrafterCosts(LinearCosts):
     by_drafter: dict | None = None
 
+    catch_up: dict | None = None  # drafter -> seconds per position it catches up on
+
     def draft_cost_of(self, drafter: str) -> float:
         return (self.by_drafter or {}).get(drafter, self.draft_cost)
+
+    def catch_up_cost_of(self, drafter: str) -> float:
+        return (self.catch_up or {}).get(drafter, 0.0)
 
 
 def test_k_is_planned_at_each_sequences_own_drafter_cost():
@@ -298,6 +303,32 @@ def test_one_slow_draft_round_does_not_price_a_drafter_out():
     for _ in range(10):
         m.observe_draft(2, 0.002, "eagle")  # 1 ms rounds
     assert m.draft_cost_of("eagle") < 1.4 * prior
+
+
+def test_a_drafters_catch_up_is_priced_apart_from_its_rounds():
+    """A head's propose after a long gap first runs the positions it missed (5-30 ms where a round
+    takes 1.5): the cost per caught-up position is learnt apart, so the round cost the head is
+    planned at everywhere stays a round's — averaged in, a copy-heavy segment's probes priced
+    it 15-30% dearer on the next segment."""
+    def model():
+        m = StepCostModel(draft_cost_ratio_prior=0.0, draft_cost_ratio_priors={"eagle": 0.08}, target_a_prior=0.0125)
+        for _ in range(10):
+            m.observe_target(1, 0.0125)
+        for _ in range(5):
+            m.observe_draft(2, 0.002, "eagle", catch_up=3)  # 1 ms rounds, a few positions each
+        return m
+
+    apart, averaged = model(), model()
+    assert apart.catch_up_cost_of("eagle") == 0.0  # under min_positions: not told apart yet
+    for _ in range(20):  # a 1-round probe after 300 positions: 1 ms + 300 x 25 µs
+        apart.observe_draft(1, 0.0085, "eagle", catch_up=300)
+        averaged.observe_draft(1, 0.0085, "eagle")  # the catch-up not told: all of it is the round's
+    assert apart.catch_up_cost_of("eagle") == pytest.approx(25e-6, rel=0.1)
+    assert apart.draft_cost_of("eagle") == pytest.approx(0.001, rel=0.15)
+    assert averaged.draft_cost_of("eagle") > 2.5 * apart.draft_cost_of("eagle")
+    assert averaged.catch_up_cost_of("eagle") == 0.0
+    assert apart.to_dict()["catch_up_s_per_position_by_drafter"]["eagle"] == pytest.approx(25e-6, rel=0.1)
+    assert apart.catch_up_cost_of("never-timed") == 0.0
 
 
 def test_a_new_segment_inherits_at_most_explore_inherit_max():

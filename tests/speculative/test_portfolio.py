@@ -190,9 +190,63 @@ def test_with_the_engines_costs_members_are_valued_and_timed_apart():
     pf2.use_costs(costs)
     pf2.propose([inp("a", [0], k=3)])
     assert pf2.last_choice == {"a": "head"}
-    rounds, seconds = pf2.last_member_rounds["head"]
+    rounds, seconds, caught_up = pf2.last_member_rounds["head"]
     assert rounds == 3 and seconds >= 0.0 and set(pf2.last_member_rounds) == {"head"}  # cost-0 members are not timed
+    assert caught_up == 0  # a 1-token sequence: nothing to run before drafting
     assert pf2.member_of("head:h") == "head" and pf2.member_cost_priors() == {"ngram": 0.0, "head": 0.1}
+
+
+def test_a_costly_members_catch_up_is_charged_to_its_choice_and_reported():
+    """A head first runs the positions committed since it last drafted for the sequence (all but
+    the last token on its first draft). Its choice is charged that catch-up — shared over
+    ``catch_up_steps`` drafts — so it does not draft for a long sequence it has not followed at a
+    rate that pays only once caught up; the positions are reported with its timing (the cost
+    model learns them apart from its rounds), and once it drafted, only the new ones count."""
+    from tests.speculative.test_adaptive_k import PerDrafterCosts
+
+    costs = PerDrafterCosts(draft_cost=0.0, a=0.015, b=0.0002, by_drafter={"head": 0.001},
+                            catch_up={"head": 25e-6})
+    def portfolio():
+        pf = PortfolioProposer([Member("head", Costly([5, 6, 7], "h"), cost=0.08)], prior_alpha=0.35,
+                               catch_up_steps=2)
+        pf.use_costs(costs)
+        return pf
+
+    pf = portfolio()
+    head = pf.members[0]
+    # α 0.35: 1.35 tokens for ~1.09 plain steps pays; +600 positions (15 ms, half of it charged) does not
+    assert pf.value(head, 6, 0.35) > 1.2 > 1.0 > pf.value(head, 6, 0.35, catch_up=600)
+    assert pf.value(head, 6, 0.35, catch_up=10) > 1.2  # a few positions cost next to nothing
+    short, long = list(range(20)), list(range(601))
+    assert pf.draft_context("s", short) == "head:h" and pf.draft_context("l", long) is None
+    pf.propose([inp("s", short, k=2)])
+    assert pf.last_member_rounds["head"][0] == 2 and pf.last_member_rounds["head"][2] == 19
+    pf.propose([inp("s", short + [5, 6, 1], k=2)])  # three committed since its draft: only those
+    assert pf.last_member_rounds["head"][2] == 3
+    pf.release("s")
+    pf.propose([inp("s", short, k=2)])  # a released sequence starts afresh
+    assert pf.last_member_rounds["head"][2] == 19
+    # without measured costs (no cost model): nothing to charge, the long sequence drafts too
+    bare = PortfolioProposer([Member("head", Costly([5, 6, 7], "h"), cost=0.08)], prior_alpha=0.35)
+    assert bare.draft_context("l", long) == "head:h"
+
+
+def test_a_probe_waits_longer_where_its_catch_up_is_dear():
+    """Probes' catch-ups take at most ``probe_budget`` of the decode time between them: a head
+    probed on 750-token prompts every 16 lost choices spent 2-3% of a copy-heavy segment on
+    catch-ups it lost."""
+    from tests.speculative.test_adaptive_k import PerDrafterCosts
+
+    pf = PortfolioProposer([Member("head", Costly([5], "h"), cost=0.08)], explore_every=16, probe_budget=0.02)
+    assert pf._probe_interval("head", 750) == 16  # no cost model: the fixed interval
+    pf.use_costs(PerDrafterCosts(draft_cost=0.0, a=0.015, b=0.0, by_drafter={"head": 0.001},
+                                 catch_up={"head": 25e-6}))
+    assert pf._probe_interval("head", 100) == 16  # 2.5 ms: within 2% of 16 x 15 ms
+    assert pf._probe_interval("head", 750) == 63  # 18.75 ms / (0.02 x 15 ms)
+    with pytest.raises(ValueError):
+        PortfolioProposer([Member("head", Costly([5], "h"), cost=0.08)], probe_budget=0.0)
+    with pytest.raises(ValueError):
+        PortfolioProposer([Member("head", Costly([5], "h"), cost=0.08)], catch_up_steps=0)
 
 
 def test_acceptance_is_learnt_per_segment_and_a_losing_costly_member_is_probed():
