@@ -358,9 +358,12 @@ class SpecController:
 
         def run(rows: list[int]) -> list[Verdict]:
             seqs, ids = [sampling[r] for r in rows], [seq_ids[r] for r in rows]
-            target_rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+            if len(rows) == len(sampling):  # every row (not isolating a fault): no gathered copy
+                own = logits
+            else:
+                own = logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])]
             result = rejection_sample(
-                mask_rows(logits[target_rows], seqs, drafts),  # [sum(K_i + 1), V]
+                mask_rows(own, seqs, drafts),  # [sum(K_i + 1), V]
                 drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
                 SpecBatchMetadata.from_num_draft_tokens([num_draft_tokens[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])

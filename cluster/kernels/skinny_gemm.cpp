@@ -7,6 +7,10 @@
 // Every output element is summed over k = 0..K-1 in the same order whatever M is, so a row's
 // result does not depend on how many other rows share the call (decode and verification agree
 // bit for bit).
+//
+// Weights whose values are bfloat16 (an EAGLE head is stored so) can be packed as bfloat16 tiles:
+// half the bytes streamed, each widened to float32 exactly (a 16-bit shift) before the same
+// multiply-adds in the same order — the result equals the float32 kernel's bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,9 +26,26 @@ constexpr int MR = 6;             // rows per register block
 constexpr int PREFETCH_ROWS = 16; // tile rows ahead (4 KiB) for the software prefetch
 constexpr int PREFETCH_LOCALITY = 1;  // into L2/L3, not L1 (measured best of 0..3)
 typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+typedef uint16_t hvec __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(VL * sizeof(uint32_t))));
 
-template <int R>
-inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+// VL weights at p as float32: a float32 tile as is, a bfloat16 one widened exactly.
+inline vec load_w(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));
+  return v;
+}
+inline vec load_w(const at::BFloat16* p) {
+  hvec h;
+  std::memcpy(&h, p, sizeof(hvec));
+  const uvec u = __builtin_convertvector(h, uvec) << 16;
+  vec v;
+  std::memcpy(&v, &u, sizeof(vec));
+  return v;
+}
+
+template <int R, typename W>
+inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
                   int ncols, const float* add, int64_t ldadd) {
   vec acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -33,10 +54,10 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
       else acc[r][j] = vec{};
     }
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * NB;
+    const W* wk = w + k * NB;
     for (int j = 0; j < NV; ++j) __builtin_prefetch(wk + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
     vec wv[NV];
-    for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * VL, sizeof(vec));
+    for (int j = 0; j < NV; ++j) wv[j] = load_w(wk + j * VL);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * ldx + k];
       for (int j = 0; j < NV; ++j) acc[r][j] += xs * wv[j];
@@ -55,7 +76,8 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
 
 // One row over two full tiles at once: two independent streams per core keep more cache misses in
 // flight, which is what a single row (batch-1 decode) is bound by. Same k order as block<1>.
-inline void one_row_two_tiles(const float* x, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+template <typename W>
+inline void one_row_two_tiles(const float* x, const W* wa, const W* wb, int64_t K, float* ya, float* yb,
                               const float* adda, const float* addb) {
   vec a[NV], b[NV];
   for (int j = 0; j < NV; ++j) {
@@ -63,15 +85,15 @@ inline void one_row_two_tiles(const float* x, const float* wa, const float* wb, 
     else { a[j] = vec{}; b[j] = vec{}; }
   }
   for (int64_t k = 0; k < K; ++k) {
-    const float* pa = wa + k * NB;
-    const float* pb = wb + k * NB;
+    const W* pa = wa + k * NB;
+    const W* pb = wb + k * NB;
     for (int j = 0; j < NV; ++j) {
       __builtin_prefetch(pa + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
       __builtin_prefetch(pb + PREFETCH_ROWS * NB + j * VL, 0, PREFETCH_LOCALITY);
     }
     const float xs = x[k];
-    for (int j = 0; j < NV; ++j) { vec w; std::memcpy(&w, pa + j * VL, sizeof(vec)); a[j] += xs * w; }
-    for (int j = 0; j < NV; ++j) { vec w; std::memcpy(&w, pb + j * VL, sizeof(vec)); b[j] += xs * w; }
+    for (int j = 0; j < NV; ++j) a[j] += xs * load_w(pa + j * VL);
+    for (int j = 0; j < NV; ++j) b[j] += xs * load_w(pb + j * VL);
   }
   for (int j = 0; j < NV; ++j) {
     std::memcpy(ya + j * VL, &a[j], sizeof(vec));
@@ -79,7 +101,8 @@ inline void one_row_two_tiles(const float* x, const float* wa, const float* wb, 
   }
 }
 
-void tile_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+template <typename W>
+void tile_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, float* y, int64_t ldy,
                int ncols, const float* add, int64_t ldadd) {
   int64_t m = 0;
   for (; m + MR <= M; m += MR)
@@ -97,21 +120,49 @@ void tile_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K
   }
 }
 
-// [K, N] float32 -> [ceil(N / 64), K, 64], zero-padded columns.
+// [K, N] float32 or bfloat16 -> [ceil(N / 64), K, 64] of the same type, zero-padded columns.
 at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "skinny_pack wants a 2-D float32 CPU tensor [in, out], got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.device().is_cpu(),
+              "skinny_pack wants a 2-D float32 or bfloat16 CPU tensor [in, out], got ", w.sizes(), " ", w.scalar_type());
   const int64_t K = w.size(0), N = w.size(1), T = (N + NB - 1) / NB;
   auto padded = at::zeros({K, T * NB}, w.options());
   padded.narrow(1, 0, N).copy_(w);
   return padded.view({K, T, NB}).permute({1, 0, 2}).contiguous();
 }
 
+template <typename W>
+void run(const float* xp, int64_t ldx, int64_t M, const W* wp, int64_t K, int64_t T, int64_t N, float* yp,
+         const float* addp, int64_t ldadd) {
+  if (M == 1 && N % NB == 0) {  // batch-1 decode: pair tile t with tile t + half in each thread's range
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      const int64_t half = (end - begin) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t ta = begin + i, tb = begin + half + i;
+        one_row_two_tiles(xp, wp + ta * K * NB, wp + tb * K * NB, K, yp + ta * NB, yp + tb * NB,
+                          addp ? addp + ta * NB : nullptr, addp ? addp + tb * NB : nullptr);
+      }
+      if ((end - begin) % 2) {
+        const int64_t t = end - 1;
+        tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, NB, addp ? addp + t * NB : nullptr, ldadd);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NB, N - t * NB));
+      tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, ncols, addp ? addp + t * NB : nullptr, ldadd);
+    }
+  });
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& add) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "skinny_linear wants x as float32 CPU rows [M, K] with unit column stride, got ", x.sizes(), " ",
               x.strides(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous() && packed.scalar_type() == at::kFloat,
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || bf16),
               "skinny_linear wants a packed weight [T, K, 64] from skinny_pack");
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x has ", K, " columns, the packed weight has ", packed.size(1), " rows");
@@ -127,31 +178,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   }
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (M == 1 && N % NB == 0) {  // batch-1 decode: pair tile t with tile t + half in each thread's range
-    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-      const int64_t half = (end - begin) / 2;
-      for (int64_t i = 0; i < half; ++i) {
-        const int64_t ta = begin + i, tb = begin + half + i;
-        one_row_two_tiles(xp, wp + ta * K * NB, wp + tb * K * NB, K, yp + ta * NB, yp + tb * NB,
-                          addp ? addp + ta * NB : nullptr, addp ? addp + tb * NB : nullptr);
-      }
-      if ((end - begin) % 2) {
-        const int64_t t = end - 1;
-        tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, NB, addp ? addp + t * NB : nullptr, ldadd);
-      }
-    });
-    return y;
-  }
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int ncols = static_cast<int>(std::min<int64_t>(NB, N - t * NB));
-      tile_rows(xp, ldx, M, wp + t * K * NB, K, yp + t * NB, N, ncols, addp ? addp + t * NB : nullptr, ldadd);
-    }
-  });
+  if (bf16)
+    run(x.data_ptr<float>(), x.stride(0), M, packed.data_ptr<at::BFloat16>(), K, T, N, y.data_ptr<float>(), addp, ldadd);
+  else
+    run(x.data_ptr<float>(), x.stride(0), M, packed.data_ptr<float>(), K, T, N, y.data_ptr<float>(), addp, ldadd);
   return y;
 }
 }  // namespace

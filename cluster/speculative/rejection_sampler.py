@@ -67,6 +67,9 @@ def rejection_sample(
     target_start = cu[:-1] + torch.arange(batch, device=device)  # [B] first target row of each seq
     draft_start = cu[:-1]  # [B]
 
+    if all(p.greedy for p in params):  # the usual case: matched in lists, not ~25 small tensor ops
+        out, acc = _match_greedy(target_logits, draft_token_ids, metadata.num_draft_tokens, width)
+        return RejectionResult(out.to(device), acc.to(device))
     # Greedy and seeded rows: a deterministic target token per position, drafts matched against it.
     choice_rows = [i for i, p in enumerate(params) if p.greedy or p.coupled]
     sampling_rows = [i for i, p in enumerate(params) if not (p.greedy or p.coupled)]
@@ -178,6 +181,25 @@ def _match_target(choice, draft_token_ids, target_start, draft_start, k, max_dra
     keep = torch.arange(max_draft_tokens + 1, device=k.device)[None, :] <= num_accepted[:, None]
     out = torch.where(keep & t_valid, target_ids, torch.full_like(target_ids, PLACEHOLDER_TOKEN_ID))
     return out, num_accepted
+
+
+def _match_greedy(target_logits, draft_token_ids, num_draft_tokens: list[int], width: int):
+    """Every row greedy: ``_match_target`` on the argmax, walked in Python lists (one argmax and
+    two transfers; the vectorized walk cost ~0.2-0.5 ms of a 17 ms verification step on a CPU)
+    -> (output [B, width], num_accepted [B]) on the CPU."""
+    choice = target_logits.argmax(dim=-1).tolist()  # [sum(K_i + 1)]
+    drafts = draft_token_ids.tolist()  # [sum(K_i)]
+    out = [[PLACEHOLDER_TOKEN_ID] * width for _ in num_draft_tokens]
+    accepted = [0] * len(num_draft_tokens)
+    t = d = 0
+    for i, k in enumerate(num_draft_tokens):
+        n = 0
+        while n < k and drafts[d + n] == choice[t + n]:
+            n += 1
+        out[i][: n + 1] = choice[t : t + n + 1]  # the accepted drafts, then the recovered / bonus token
+        accepted[i] = n
+        t, d = t + k + 1, d + k
+    return torch.tensor(out, dtype=torch.int64), torch.tensor(accepted, dtype=torch.int64)
 
 
 def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_start, k, row_list,

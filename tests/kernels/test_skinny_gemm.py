@@ -60,5 +60,22 @@ def test_bad_inputs_raise_clear_errors():
         skinny_gemm.linear(torch.randn(2, 16), packed, 65)
     with pytest.raises(RuntimeError, match="add"):
         skinny_gemm.linear(torch.randn(2, 16), packed, 64, torch.randn(3, 64))
-    with pytest.raises(RuntimeError, match="float32"):
-        skinny_gemm.pack(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        skinny_gemm.pack(torch.randn(4, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 130), (7, 1)])
+def test_bfloat16_tiles_give_the_float32_result_bit_for_bit(k, n):
+    """Weights that are bfloat16 values packed as bfloat16: half the bytes, each widened exactly
+    and summed in the same order — equal to the float32 packing's result, with adds and biases,
+    at every row count."""
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(k, n, generator=g).to(torch.bfloat16)
+    wide, narrow = skinny_gemm.pack(w.float()), skinny_gemm.pack(w)
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    for m in (1, 2, 3, 6, 7, 13):
+        x, add, bias = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g), torch.randn(n, generator=g)
+        assert torch.equal(skinny_gemm.linear(x, narrow, n), skinny_gemm.linear(x, wide, n))
+        assert torch.equal(skinny_gemm.linear(x, narrow, n, add), skinny_gemm.linear(x, wide, n, add))
+        assert torch.equal(skinny_gemm.linear(x, narrow, n, bias.expand(m, n)),
+                           skinny_gemm.linear(x, wide, n, bias.expand(m, n)))

@@ -32,3 +32,16 @@ def test_select_outputs_keeps_the_chosen_columns():
     assert sub.shape == (16, 4)
     x = torch.randn(2, 16)
     assert torch.allclose(sub(x), x @ w[:, keep], atol=1e-5)
+
+
+def test_a_weight_of_bfloat16_values_streams_a_bfloat16_copy_for_few_rows():
+    """narrow_copy: kept only where every weight is a bfloat16 value (then the result is the
+    same bit for bit, whatever the row count); a float32 weight that is not gets none."""
+    w = torch.randn(64, 130).to(torch.bfloat16).float()
+    lin, wide = Linear(w, narrow_copy=True), Linear(w)
+    assert lin.narrow == skinny_gemm.available() and not wide.narrow
+    for m in (1, 3, 8, 9, 40):  # the bfloat16 copy up to NARROW_ROWS, float32 tiles beyond
+        x = torch.randn(m, 64)
+        assert torch.equal(lin(x), wide(x)) and torch.equal(lin(x, torch.ones(130)), wide(x, torch.ones(130)))
+    assert not Linear(torch.randn(64, 130), narrow_copy=True).narrow  # not bfloat16 values: no copy
+    assert torch.equal(lin.weight(), w)

@@ -92,6 +92,28 @@ def test_non_finite_logits_raise_a_clear_error():
         sample(logits, [SamplingParams(temperature=1.0)] * 3, [0] * 3)
 
 
+def test_the_finite_check_passes_masks_and_huge_finite_scores_and_catches_each_bad_row():
+    """check_finite's one-reduction fast path (the sum) falls back to the row checks whenever the
+    sum is not finite: a -inf mask, or finite scores whose sum overflows, pass; +inf, NaN or a
+    fully masked row anywhere raise."""
+    from cluster.sampling.sampler import check_finite
+
+    check_finite(torch.randn(7, 49152))
+    masked = torch.randn(4, 10)
+    masked[:, :5] = float("-inf")  # a grammar's mask
+    check_finite(masked)
+    check_finite(torch.full((3, 10), 3e38))  # every score finite; their sum overflows
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(5, 10)
+        x[3, 7] = bad
+        with pytest.raises(NonFiniteScoresError, match="1 of 5 rows"):
+            check_finite(x)
+    x = torch.randn(5, 10)
+    x[2] = float("-inf")
+    with pytest.raises(NonFiniteScoresError, match="1 of 5 rows"):
+        check_finite(x)
+
+
 @pytest.mark.parametrize("kw,msg", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "temperature"),

@@ -79,3 +79,32 @@ def test_packed_projections_match_the_modules_and_stay_out_of_training(tmp_path)
     assert torch.equal(logits, torch.zeros_like(logits))
     logits.sum().backward()
     assert head.lm_head.weight.grad is not None and head.qkv.weight.grad is not None
+
+
+def test_a_saved_head_drafts_through_bfloat16_copies_with_the_same_results(tmp_path):
+    """A saved head's weights are bfloat16 values: packed for inference, its draft rounds stream
+    bfloat16 copies (half the bytes) and give the float32 packing's results bit for bit; a
+    catch-up over many positions stays on float32 tiles, with the same results too."""
+    from cluster.kernels import skinny_gemm
+    from cluster.models.linear import Linear
+
+    a = LlamaModel.load(make_tiny_model_dir(tmp_path / "a", "llama", num_hidden_layers=4), torch.float32)
+    torch.manual_seed(0)
+    save_head(EagleHead(EagleConfig.for_target(a, 64)), tmp_path / "head")
+    head = load_head(tmp_path / "head", a)
+    head.pack_for_inference()
+    assert all(p.narrow for p in head._packed.values()) == skinny_gemm.available()
+    narrow = dict(head._packed)
+    wide = {name: Linear(p.weight()) for name, p in narrow.items()}  # float32 tiles only
+
+    def run(packed, q):
+        head._packed = packed
+        hidden, emb = torch.randn(1, q, 64, generator=torch.Generator().manual_seed(q)), torch.ones(1, q, 64)
+        mask = torch.ones(q, q, dtype=torch.bool).tril()[None, None]
+        with torch.inference_mode():
+            out = head.layer(hidden, emb, torch.arange(q)[None], None, None, mask)[0]
+            return head.draft_logits(out), head.fuse(torch.ones(q, 3 * 64))
+
+    for q in (1, 3, 20):  # a draft round, a short and a long catch-up
+        for got, want in zip(run(narrow, q), run(wide, q)):
+            assert torch.equal(got, want)

@@ -336,7 +336,10 @@ def _reference_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
-def test_vectorized_greedy_matches_reference_loop():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_vectorized_greedy_matches_reference_loop(mixed):
+    """All-greedy batches take the list walk (``_match_greedy``); a batch with a seeded row
+    (``mixed``) matches its greedy rows in the vectorized walk: both agree with the reference."""
     g = torch.Generator().manual_seed(5)
     for trial in range(30):
         num_draft_tokens = torch.randint(0, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
@@ -344,9 +347,12 @@ def test_vectorized_greedy_matches_reference_loop():
         vocab = 4  # small vocabulary: random drafts often agree with the target
         logits = torch.randn(sum(num_draft_tokens) + len(num_draft_tokens), vocab, generator=g)
         drafts = torch.randint(0, vocab, (sum(num_draft_tokens),), generator=g)
-        res = rejection_sample(logits, drafts, [None] * len(num_draft_tokens), meta, [GREEDY] * len(num_draft_tokens), [0] * len(num_draft_tokens))
+        params = [GREEDY] * len(num_draft_tokens)
+        if mixed:
+            params[0] = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+        res = rejection_sample(logits, drafts, [None] * len(num_draft_tokens), meta, params, [0] * len(num_draft_tokens))
         argmax = logits.argmax(-1)
-        for i in range(len(num_draft_tokens)):
+        for i in range(1 if mixed else 0, len(num_draft_tokens)):
             expected = _reference_greedy(argmax[meta.target_slice(i)].tolist(), drafts[meta.draft_slice(i)].tolist())
             assert res.committed(i) == expected
             assert res.output_token_ids[i, len(expected):].tolist() == [PH] * (meta.max_draft_tokens + 1 - len(expected))
