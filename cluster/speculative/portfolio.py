@@ -428,12 +428,15 @@ class PortfolioProposer:
             catch_up = pending.catch_up.get(name, 0)
             if pending.probe or self._losses[key] < self._probe_interval(name, catch_up):
                 continue
-            hope_rates = (self.optimistic_alpha(name, ctx, seq_id, pending.segment),
-                          self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
+            first = self.optimistic_alpha(name, ctx, seq_id, pending.segment)
+            hope_rates = (first, self.optimistic_alpha(name, ctx, seq_id, pending.segment, later=True))
             if self.value(member, self.horizon, *hope_rates, catch_up=catch_up) <= best_value:
                 continue  # cannot win this step even at its optimistic rate: probe at a later one
             self._losses[key] = 0
-            pending.chosen, pending.probe, pending.rates = name, True, hope_rates
+            # K is planned optimistic about the first token only — what a probe asks; planned at
+            # both optimistic rates, probes drafted 5 tokens where the head was rejected at once
+            pending.chosen, pending.probe = name, True
+            pending.rates = (first, self.alpha(name, ctx, seq_id, pending.segment, later=True))
 
     def _probe_interval(self, member: str, catch_up: int) -> int:
         """Lost choices in a row before a probe: ``explore_every``, or more where the probe's

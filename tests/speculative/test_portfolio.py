@@ -320,8 +320,10 @@ def test_cheap_members_learn_apart_whether_their_drafts_agree():
 
 
 def test_adaptive_k_is_handed_the_rates_the_chosen_member_was_valued_at():
-    """``planning_alpha``: the chosen member's (α1, α) for this sequence — its optimistic rates
-    on a probe — and None where nothing was chosen or the segment's one routed member drafts."""
+    """``planning_alpha``: the chosen member's (α1, α) for this sequence — on a probe its
+    optimistic first-token rate and its ordinary later rate (a probe asks about the first token:
+    planned at both optimistic rates, probes drafted 5 tokens where the head was rejected at once)
+    — and None where nothing was chosen or the segment's one routed member drafts."""
     cheap, head = Fixed([1, 2, 3], "n"), Costly([7, 8, 9], "h")
     pf = PortfolioProposer([Member("ngram", cheap), Member("head", head, cost=0.05)], explore_every=2)
     hist = [0]
@@ -330,9 +332,11 @@ def test_adaptive_k_is_handed_the_rates_the_chosen_member_was_valued_at():
         pf.propose([ProposeInput("s", list(hist), 3, GREEDY, segment="a")])
         pending = pf._pending["s"]
         name, ctx = pf.last_choice["s"], pending.drafts[pf.last_choice["s"]][1]
-        want = ((pf.optimistic_alpha(name, ctx, "s", "a"), pf.optimistic_alpha(name, ctx, "s", "a", later=True))
-                if pending.probe else (pf.alpha(name, ctx, "s", "a"), pf.alpha(name, ctx, "s", "a", later=True)))
+        first = pf.optimistic_alpha(name, ctx, "s", "a") if pending.probe else pf.alpha(name, ctx, "s", "a")
+        want = (first, pf.alpha(name, ctx, "s", "a", later=True))
         assert pf.planning_alpha("s") == pytest.approx(want)
+        if pending.probe:  # the later rate it was probed at is higher than the one K is planned with
+            assert pf.planning_alpha("s")[1] < pf.optimistic_alpha(name, ctx, "s", "a", later=True) - 0.1
         seen.append((name, pending.probe))
         hist += [1, 2, 3, 4]
     assert ("head", True) in seen and ("ngram", False) in seen  # both kinds of step were checked
