@@ -97,6 +97,7 @@ class Run:
     tokens: int
     ids: list[int]
     decode_steps: list[float] = field(default_factory=list)  # plain decode step walls (no prefill)
+    prefill_s: float = 0.0  # the first step's wall (the prompt's forward)
     verify_steps: list[float] = field(default_factory=list)  # verify step wall - its draft time
     round_costs: list[float] = field(default_factory=list)  # draft seconds per round, per step
     draft_tokens: int = 0
@@ -138,7 +139,7 @@ def run_ours(engine, request) -> Run:
             ids += o.new_token_ids
             if o.finished:
                 spec = o.spec
-    run = Run(time.perf_counter() - t0, len(ids), ids)
+    run = Run(time.perf_counter() - t0, len(ids), ids, prefill_s=walls[0] if walls else 0.0)
     for i, (w, k) in enumerate(zip(walls, kinds)):
         if i == 0:
             continue  # the prefill step
@@ -243,13 +244,16 @@ def member_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, d
     return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in counts.items()} for m, counts in after.items()}
 
 
-def predicted_speedup(alpha: float, steps: list[int], c: float, v: float, plain_steps: int = 0) -> float:
+def predicted_speedup(alpha: float, steps: list[int], c: float, v: float, plain_steps: int = 0,
+                      plain_cost: float = 1.0, prefill: float = 0.0) -> float:
     """Speedup over plain decoding the cost model predicts from per-position ``alpha``: steps[K]
     verification steps drafted K tokens, each committing E(α, K) tokens at K·c + v plain-step
-    times; ``plain_steps`` decode steps drafted nothing (1 token, 1 plain-step time each)."""
+    times; ``plain_steps`` decode steps drafted nothing (1 token each, ``plain_cost`` plain-step
+    times: the speculative engine's own decode step); both runs also spend ``prefill`` plain-step
+    times on the prompts (what end-to-end wall-clocks include)."""
     tokens = plain_steps + sum(n * expected_committed(alpha, k) for k, n in enumerate(steps) if k > 0)
-    cost = plain_steps + sum(n * (k * c + v) for k, n in enumerate(steps) if k > 0)
-    return tokens / cost if cost > 0 else 1.0
+    cost = plain_steps * plain_cost + sum(n * (k * c + v) for k, n in enumerate(steps) if k > 0)
+    return (prefill + tokens) / (prefill + cost) if cost > 0 else 1.0
 
 
 def choose_self_layers(target, rows: list[tuple[str, list[int]]], k: int, max_tokens: int = 32,
@@ -287,9 +291,32 @@ def _r(x, nd=4):
     return None if x is None else round(float(x), nd)
 
 
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _predicted_pooled(alpha: float, spec: list[Run], t_mean: float | None) -> float:
+    """``predicted_speedup`` over all of a row's prompts together, each cost its mean over them (a
+    total time is a sum: medians understated the skewed verification steps), the prefills
+    included: what the row's pooled speedup (all plain wall-clock over all of its own) measures.
+    Plugged with median costs and no prefill, it overstated n-gram at K = 4 on summarize and
+    multilingual by 13-18% (measured 0.82-0.87 of it) — on those segments speculation takes the
+    decode time to half, so the prompts' forwards weigh twice as much in the end-to-end time."""
+    if not t_mean:
+        return 1.0
+    c = _mean([x for r in spec for x in r.round_costs]) or 0.0
+    v = _mean([x for r in spec for x in r.verify_steps])
+    d = _mean([x for r in spec for x in r.decode_steps])
+    return predicted_speedup(alpha, steps_by_k(spec), c / t_mean, (v or t_mean) / t_mean,
+                             sum(len(r.decode_steps) for r in spec), (d or t_mean) / t_mean,
+                             sum(r.prefill_s for r in spec) / t_mean)
+
+
 def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None, hf: list[Run] | None,
                   k_label: int | str) -> dict:
     t = _med([x for r in plain for x in r.decode_steps])
+    t_mean = _mean([x for r in plain for x in r.decode_steps])
     drafted = sum(r.draft_tokens for r in spec)
     drafts = sum(r.drafts for r in spec)
     alpha = alpha_of(spec)
@@ -299,7 +326,7 @@ def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None,
     v = _med([x for r in spec for x in r.verify_steps])
     c = (c / t) if (c is not None and t) else 0.0
     v = (v / t) if (v is not None and t) else 1.0
-    predicted = predicted_speedup(alpha, steps_by_k(spec), c, v, sum(len(r.decode_steps) for r in spec))
+    predicted = _predicted_pooled(alpha, spec, t_mean)
     row = {
         "k": k_label,
         "k_mean": _r(k_mean, 3),
@@ -308,6 +335,8 @@ def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None,
         "mean_acceptance_length": _r(mal),
         "alpha_by_position": alpha_by_position(spec, fixed=k_label != "auto"),
         "speedup": _r(_med([p.wall_s / s.wall_s for p, s in zip(plain, spec)])),
+        # all prompts' plain wall-clock over all of theirs: the aggregate the prediction is of
+        "pooled_speedup": _r(sum(p.wall_s for p in plain) / sum(s.wall_s for s in spec)) if spec else None,
         "predicted_speedup": _r(predicted),
         "c": _r(c),
         "v": _r(v),
@@ -332,11 +361,11 @@ def goals(segments: dict, ngram_key: str | None) -> dict:
             if ngram_key and s in segments and ngram_key in segments[s]}
     out["ngram_summarize_edit_2x"] = {"goal": f">= {GOAL_NGRAM}x over plain ({ngram_key})", "measured": vals,
                                       "pass": bool(vals) and all(x is not None and x >= GOAL_NGRAM for x in vals.values())}
-    ratios = {f"{s}/{d}": _r(r["speedup"] / r["predicted_speedup"], 3)
+    ratios = {f"{s}/{d}": _r(r["pooled_speedup"] / r["predicted_speedup"], 3)  # both over every prompt together
               for s, rows in segments.items() for d, r in rows.items()
-              if r["k"] != "auto" and r["speedup"] and r["predicted_speedup"]}
+              if r["k"] != "auto" and r.get("pooled_speedup") and r["predicted_speedup"]}
     worst = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
-    out["measured_vs_predicted"] = {"goal": f"speedup >= {GOAL_PRED} x predicted (fixed-K rows)", "worst": worst,
+    out["measured_vs_predicted"] = {"goal": f"pooled speedup >= {GOAL_PRED} x predicted (fixed-K rows)", "worst": worst,
                                     "failing": {k: v for k, v in ratios.items() if v < GOAL_PRED},
                                     "pass": bool(ratios) and all(v >= GOAL_PRED for v in ratios.values())}
     vs = {f"{s}/{d}": r["vs_hf"] for s, rows in segments.items() for d, r in rows.items() if r["vs_hf"] is not None}

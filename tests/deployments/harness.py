@@ -12,6 +12,7 @@ import grpc
 from cluster.api import stubs
 
 FAKE = {"cls": "cluster.engine.fake_engine:FakeEngine"}
+PROXY_PORT_TRIES = 3  # serve.start on fresh ports when a picked one was taken before the proxy bound it
 SMALL = {"num_replicas": 1, "num_cpus": 0.1, "num_gpus": 0}
 
 
@@ -74,16 +75,27 @@ def serve_session_at(env: dict[str, str] | None = None, ray_kwargs: dict | None 
     from ray.serve.config import gRPCOptions
 
     os.environ.update(env or {})
-    grpc_port, http_port = free_port(), free_port()
     if ray_address is None:
         ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
     else:
         ray.init(address=ray_address, configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options=gRPCOptions(port=grpc_port,
-                                             grpc_servicer_functions=stubs.GRPC_SERVICER_FUNCTIONS))
+        for attempt in range(PROXY_PORT_TRIES):
+            # picked after Ray's own services took theirs; a port free when picked can still be
+            # taken before the proxy binds it (Ray's workers and connections use the same range:
+            # a CI run lost two modules' fixtures to "Failed to bind"): then again, on new ports
+            grpc_port, http_port = free_port(), free_port()
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                            grpc_options=gRPCOptions(port=grpc_port,
+                                                     grpc_servicer_functions=stubs.GRPC_SERVICER_FUNCTIONS))
+                break
+            except Exception as exc:  # noqa: BLE001 (RayTaskError wraps the proxy's RuntimeError)
+                if "Failed to bind" not in str(exc) or attempt == PROXY_PORT_TRIES - 1:
+                    raise
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
         yield Addresses(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}")
     finally:
         with contextlib.suppress(Exception):
