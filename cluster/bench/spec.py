@@ -365,7 +365,8 @@ def goals(segments: dict, ngram_key: str | None) -> dict:
               for s, rows in segments.items() for d, r in rows.items()
               if r["k"] != "auto" and r.get("pooled_speedup") and r["predicted_speedup"]}
     worst = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
-    out["measured_vs_predicted"] = {"goal": f"pooled speedup >= {GOAL_PRED} x predicted (fixed-K rows)", "worst": worst,
+    out["measured_vs_predicted"] = {"goal": f"pooled speedup >= {GOAL_PRED} x predicted (fixed-K rows)",
+                                    "worst": worst,
                                     "failing": {k: v for k, v in ratios.items() if v < GOAL_PRED},
                                     "pass": bool(ratios) and all(v >= GOAL_PRED for v in ratios.values())}
     vs = {f"{s}/{d}": r["vs_hf"] for s, rows in segments.items() for d, r in rows.items() if r["vs_hf"] is not None}

@@ -148,8 +148,8 @@ class EagleHead(nn.Module):
         head is: ``save_head``): the same results, a round 1.19 -> 0.93 ms in the engine (the
         default model's head, 2 cores; 33 MB of float32 weights do not stay in a 32 MB L3 between
         target forwards). Used only with autograd off; a head trained further must be packed again."""
-        self._packed = {name: Linear(getattr(self, name).weight.detach().t().float().contiguous(), narrow_copy=True)
-                        for name in self._PROJECTIONS}
+        self._packed = {name: Linear(getattr(self, name).weight.detach().t().float().contiguous(),
+                                     narrow_copy=True) for name in self._PROJECTIONS}
 
     def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         packed = self._packed.get(name)

@@ -31,7 +31,8 @@ one that lost its segment's choices is measured there again, after ``explore_eve
 in a row it drafts once (a probe), at the first step where it could still win: valued at
 optimistic rates (``optimistic_alpha``: two standard errors of the segment's own trials above
 them), it must beat that step's choice — a head rejected all along on a copy-heavy segment stops
-being probed against long n-gram matches it cannot beat. On the next call for the same
+being probed against long n-gram matches it cannot beat; its K is then planned optimistic about
+the first token only (what the probe asks). On the next call for the same
 sequence, the tokens committed since are compared with each member's last draft: the common
 prefix was accepted (exact for deterministic drafts: a rejected one-hot draft token is never
 the recovered token); a mismatch inside the committed tokens is one rejection; a draft longer
@@ -126,7 +127,9 @@ class _Pending:
     chosen: str | None = None  # the member expected to commit most per cost (None: no candidate)
     sent: bool = False  # the chosen member's draft was returned by ``propose``
     probe: bool = False  # chosen to measure it (a costly member that had been losing), not by value
-    rates: tuple[float, float] | None = None  # (α1, α) the chosen member was valued at (optimistic: a probe)
+    # (α1, α) the chosen member was valued at (K is planned with them); a probe: its optimistic α1,
+    # its ordinary α
+    rates: tuple[float, float] | None = None
     catch_up: dict[str, int] = field(default_factory=dict)  # costly member -> positions it would run first
 
 
@@ -285,7 +288,8 @@ class PortfolioProposer:
         """(α1, α) the member chosen for the sequence's next draft was valued at — adaptive K plans
         its K with them (its own estimator pools a draft context over segments: a head hopeless
         on other languages planned K = 0 on chat, where this portfolio had measured it winning,
-        and the portfolio's probes there drafted nothing); the optimistic rates on a probe. None:
+        and the portfolio's probes there drafted nothing); on a probe, its optimistic first-token
+        rate and its ordinary later rate (what a probe asks is the first token). None:
         no choice was made (nothing to draft, or the segment's one routed member)."""
         pending = self._pending.get(seq_id)
         return None if pending is None or pending.chosen is None else pending.rates
@@ -309,7 +313,8 @@ class PortfolioProposer:
         positions to run first), relative to plain decoding (1.0: as fast as plain)."""
         return list(self._per_cost(member, k, alpha, later, catch_up))[-1] if k >= 1 else 0.0
 
-    def value(self, member: Member, max_k: int, alpha: float, later: float | None = None, catch_up: int = 0) -> float:
+    def value(self, member: Member, max_k: int, alpha: float, later: float | None = None,
+              catch_up: int = 0) -> float:
         """``expected_per_cost`` at the member's best k in [1, max_k]."""
         return max(self._per_cost(member, max_k, alpha, later, catch_up), default=0.0)
 

@@ -311,7 +311,8 @@ def test_a_drafters_catch_up_is_priced_apart_from_its_rounds():
     planned at everywhere stays a round's — averaged in, a copy-heavy segment's probes priced
     it 15-30% dearer on the next segment."""
     def model():
-        m = StepCostModel(draft_cost_ratio_prior=0.0, draft_cost_ratio_priors={"eagle": 0.08}, target_a_prior=0.0125)
+        m = StepCostModel(draft_cost_ratio_prior=0.0, draft_cost_ratio_priors={"eagle": 0.08},
+                          target_a_prior=0.0125)
         for _ in range(10):
             m.observe_target(1, 0.0125)
         for _ in range(5):

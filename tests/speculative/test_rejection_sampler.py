@@ -350,7 +350,8 @@ def test_vectorized_greedy_matches_reference_loop(mixed):
         params = [GREEDY] * len(num_draft_tokens)
         if mixed:
             params[0] = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
-        res = rejection_sample(logits, drafts, [None] * len(num_draft_tokens), meta, params, [0] * len(num_draft_tokens))
+        res = rejection_sample(logits, drafts, [None] * len(num_draft_tokens), meta, params,
+                               [0] * len(num_draft_tokens))
         argmax = logits.argmax(-1)
         for i in range(1 if mixed else 0, len(num_draft_tokens)):
             expected = _reference_greedy(argmax[meta.target_slice(i)].tolist(), drafts[meta.draft_slice(i)].tolist())
