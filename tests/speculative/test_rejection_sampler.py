@@ -337,9 +337,9 @@ def _reference_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_vectorized_greedy_matches_reference_loop(mixed):
-    """All-greedy batches take the list walk (``_match_greedy``); a batch with a seeded row
-    (``mixed``) matches its greedy rows in the vectorized walk: both agree with the reference."""
+def test_deterministic_rows_match_the_reference_loop(mixed):
+    """The deterministic rows' walk (``_match_target``) agrees with the reference loop in an
+    all-greedy batch and in one with a seeded row among them (``mixed``)."""
     g = torch.Generator().manual_seed(5)
     for trial in range(30):
         num_draft_tokens = torch.randint(0, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
