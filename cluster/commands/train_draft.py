@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
     p.add_argument("--workloads", type=Path, default=None,
                    help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="fine-tune this trained head (same target; its draft vocabulary) instead of starting afresh")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
                           ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
-                          max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed)
+                          max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
+                          init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
     target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2))

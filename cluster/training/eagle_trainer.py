@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from cluster.common.errors import InvalidRequestError
 from cluster.models.runner import ModelRunner, SeqChunk
-from cluster.speculative.eagle_head import EagleConfig, EagleHead, EagleTargetMismatch, save_head, target_identity
+from cluster.speculative.eagle_head import (EagleConfig, EagleHead, EagleTargetMismatch, load_head, save_head,
+                                            target_identity)
 from cluster.training.self_distill import Sample, extend_samples
 
 CHECKPOINT = "checkpoint.pt"
@@ -66,6 +67,7 @@ class TrainConfig:
     gen_batch_size: int = 16
     checkpoint_every_s: float = 120.0
     seed: int = 0
+    init_from: str | None = None  # a head directory to start from (its weights and draft vocabulary)
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.epochs < 1 or self.ttt_steps < 1 or self.row_tokens < 8:
@@ -262,11 +264,20 @@ class Trainer:
         held = [s for s in samples if s.index in held_idx and s.greedy]
         if not train:
             raise InvalidRequestError("no training samples: raise --tokens or give more prompts")
-        d2t = (ckpt["draft_to_target"] if ckpt else
-               draft_vocabulary(train, cfg.draft_vocab_size, self.model.arch.vocab_size, self.eos_ids))
-        head = EagleHead(EagleConfig.for_target(self.model, len(d2t)))
+        start = self._initial_head() if ckpt is None and cfg.init_from else None
+        if start is not None:
+            d2t = start.draft_to_target.clone()
+        else:
+            d2t = (ckpt["draft_to_target"] if ckpt else
+                   draft_vocabulary(train, cfg.draft_vocab_size, self.model.arch.vocab_size, self.eos_ids))
+        layers = start.cfg.feature_layers if start is not None else None
+        if ckpt is not None:
+            layers = tuple(ckpt.get("feature_layers") or EagleConfig.for_target(self.model, len(d2t)).feature_layers)
+        head = EagleHead(EagleConfig.for_target(self.model, len(d2t), layers))
         head.draft_to_target.copy_(d2t)
-        if ckpt is None:  # start from the target's own output rows of the draft vocabulary
+        if start is not None:  # fine-tune a trained head: its weights, a fresh optimizer and schedule
+            head.load_state_dict(start.state_dict())
+        elif ckpt is None:  # start from the target's own output rows of the draft vocabulary
             with torch.no_grad():
                 head.lm_head.weight.copy_(self.model.lm_head.weight()[:, d2t].t().float())
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -282,6 +293,17 @@ class Trainer:
         self._log(event="eval", alpha_by_position=[None if math.isnan(a) else a for a in alphas],  # strict JSON
                   anchors=anchors, finished=finished, **state)
         return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors)
+
+    def _initial_head(self) -> EagleHead:
+        """The head ``init_from`` names: for this target (else EagleTargetMismatch), with the
+        draft vocabulary size asked for."""
+        start = load_head(Path(self.cfg.init_from), self.model)
+        if start.cfg.draft_vocab_size != self.cfg.draft_vocab_size:
+            raise InvalidRequestError(
+                f"--init-from {self.cfg.init_from} has a draft vocabulary of {start.cfg.draft_vocab_size} tokens, "
+                f"not --draft-vocab {self.cfg.draft_vocab_size}; pass --draft-vocab {start.cfg.draft_vocab_size}")
+        self.progress(f"starting from the head in {self.cfg.init_from} (its weights and draft vocabulary)")
+        return start
 
     def _runner(self) -> ModelRunner:
         bs = 16
@@ -351,6 +373,7 @@ class Trainer:
     def _save_checkpoint(self, head: EagleHead, opt, d2t: torch.Tensor, state: dict) -> None:
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "draft_to_target": d2t,
+                    "feature_layers": list(head.cfg.feature_layers),
                     "state": dict(state), "config": asdict(self.cfg), "target": asdict(self.identity)}, tmp)
         tmp.replace(self.out / CHECKPOINT)
 
@@ -366,8 +389,8 @@ class Trainer:
         free = ("checkpoint_every_s", "epochs")  # more epochs: train a finished head further
         recipe = {k: v for k, v in ckpt["config"].items() if k not in free}
         mine = {k: v for k, v in asdict(self.cfg).items() if k not in free}
-        if recipe != mine:
-            diff = sorted(k for k in mine if recipe.get(k) != mine[k])
+        diff = sorted(k for k in mine if recipe.get(k) != mine[k])  # a key an older run lacks counts as None
+        if diff:
             raise InvalidRequestError(f"{self.out} was started with another recipe (differs in {diff}); "
                              "resume with the same options or use another --out")
         return ckpt

@@ -3,8 +3,9 @@
 Owns: four prompt sources, woven in a fixed ratio (``_WEAVE``) in a deterministic shuffled order:
 - ``docs``: Python's own documentation (``pydoc_data.topics`` and standard-library docstrings, PSF
   licensed) through task templates (explain, summarize, write code, answer, rewrite as JSON);
-- ``chat``: open-ended requests (stories, advice, explanations, lists, letters, plans) made from
-  subjects and task templates written here;
+- ``chat``: open-ended requests (stories, poems, speeches, advice, explanations, lists, letters,
+  plans, scenes, advertisements) made from subjects and task templates written here, and
+  everyday how / why questions;
 - ``json``: extraction of synthetic records (made from name, place and item lists written here)
   into JSON objects with named keys;
 - ``multilingual``: short requests in French, German, Spanish, Italian and Portuguese.
@@ -61,6 +62,17 @@ _CHAT_SUBJECTS = (
     "a pet turtle", "a tiny robot", "a treasure hunt", "a thunderstorm", "a fishing boat", "a quiet morning",
     "a noisy neighbour", "a new language", "an apple orchard", "a mountain lake", "a clockmaker",
     "a detective", "a pirate ship", "a space station", "an orchestra", "a penguin", "a city park",
+    "a cargo ship", "an abandoned amusement park", "a beekeeper", "a haunted bookshop", "a mountain rescue team",
+    "a stray kitten", "a night train to the coast", "a village well", "a secret tunnel", "a glassblower",
+    "a weather balloon", "a giant tortoise", "a school bus", "a clock tower", "a small bakery that opens at dawn",
+    "a lost glove", "an ice rink", "a lighthouse cat", "a wind farm", "a traffic jam", "a magic paintbrush",
+    "a potter's wheel", "a tea ceremony", "a rooftop garden", "a circus acrobat", "a ferry crossing",
+    "a desert oasis", "a coral reef", "a lonely satellite", "a vending machine", "a river delta",
+    "a mountain goat", "a silent film", "a street musician", "a hot spring", "a paper lantern", "a bicycle courier",
+    "a puppet theatre", "a long winter", "a school library", "a cheese maker", "a wandering knight",
+    "a subway map", "a migrating flock of geese", "a village doctor", "a bowl of noodles", "a forgotten attic",
+    "a toy shop", "a harbour at sunset", "a wolf pack", "a recycling plant", "a sandcastle", "a tailor",
+    "a carousel", "a solar eclipse", "a monastery in the hills", "a homemade kite", "a chess-playing computer",
 )
 _CHAT_TASKS = (
     "Write a short story about {s}.",
@@ -81,6 +93,48 @@ _CHAT_TASKS = (
     "Write a motivational message inspired by {s}.",
     "Plan an afternoon around {s} and explain each step.",
     "Write the first paragraph of a novel that begins with {s}.",
+    "Write a haiku about {s}.",
+    "Write a limerick about {s}.",
+    "Write a bedtime story about {s} for a five-year-old.",
+    "Write a fable about {s} that ends with a moral.",
+    "Write a funny short story about {s}.",
+    "Write a short speech about {s} for a school assembly.",
+    "Write an advertisement for {s}.",
+    "What are the advantages and disadvantages of {s}?",
+    "Write a blog post about {s}.",
+    "Write a conversation between two friends about {s}.",
+    "Describe {s} from the point of view of a cat.",
+    "Write a scene for a play about {s}.",
+    "Write a short mystery story involving {s}.",
+    "Imagine {s} a hundred years from now and describe it.",
+    "Write a postcard from a trip that involved {s}.",
+    "Write a children's rhyme about {s}.",
+    "Write an encyclopedia-style entry about {s}.",
+    "Write a job advertisement for someone who works with {s}.",
+)
+_CHAT_QUESTIONS = (
+    "How does a refrigerator keep food cold?", "Why is the ocean salty?", "How do airplanes stay in the air?",
+    "What causes the seasons?", "How do vaccines train the immune system?", "Why do leaves change color in autumn?",
+    "How does a compass work?", "What is the difference between weather and climate?", "How do bees make honey?",
+    "Why do we dream?", "How can I sleep better?", "How do I start running if I have never exercised?",
+    "What should I pack for a week-long hiking trip?", "How can I make my small apartment feel bigger?",
+    "What are good ways to remember new vocabulary?", "How do I write a good cover letter?",
+    "What is a healthy way to deal with stress?", "How do I keep houseplants alive?",
+    "What is the best way to save for a holiday?", "How can I be more productive in the morning?",
+    "What are the benefits of learning a second language?", "Is it better to rent or to buy a home?",
+    "What are some fun activities for a rainy weekend?", "How do electric cars differ from petrol cars?",
+    "What makes a story interesting?", "How do I make a good first impression?",
+    "What are some tips for cooking rice perfectly?", "How do I teach a dog to sit?",
+    "What are the signs of a good teacher?", "How did ancient people tell time?",
+    "Why is exercise good for the brain?", "What is inflation, in simple terms?",
+    "How does the internet send a message across the world?", "Why do we have time zones?",
+    "How do volcanoes form?", "How do I plan a birthday party on a budget?",
+    "What are good questions to ask at the end of an interview?", "How can a family reduce food waste?",
+    "What should I know before adopting a cat?", "How do I choose a good book to read?",
+    "Why does bread rise?", "How do tides work?", "What is the water cycle?", "How do I politely say no to a friend?",
+    "What is a good routine for studying for exams?", "How do noise-cancelling headphones work?",
+    "Why do some people get seasick?", "How do I start a vegetable garden?", "What makes a good team leader?",
+    "How do I prepare for a long flight?",
 )
 _PEOPLE = ("Maria Lopez", "Tom Becker", "Aiko Sato", "Omar Farouk", "Nina Petrova", "Lucas Moreau", "Sara Lind",
            "Ravi Kumar", "Julia Rossi", "Ethan Brooks", "Mei Wong", "Pedro Alves", "Hana Novotna", "Ali Yilmaz")
@@ -192,7 +246,7 @@ def _sources(rng: random.Random, max_chars: int) -> dict[str, list[str]]:
     passages = _doc_passages(max_chars)
     rng.shuffle(passages)
     docs = [_TEMPLATES[i % len(_TEMPLATES)].format(name=name, text=text) for i, (name, text) in enumerate(passages)]
-    chat = [task.format(s=subject) for subject in _CHAT_SUBJECTS for task in _CHAT_TASKS]
+    chat = [task.format(s=subject) for subject in _CHAT_SUBJECTS for task in _CHAT_TASKS] + list(_CHAT_QUESTIONS)
     multilingual = [task.format(s=subject) for task, subjects in _MULTILINGUAL for subject in subjects]
     json_tasks = _json_prompts(rng, 2 * len(chat) // 3)
     for items in (chat, multilingual):

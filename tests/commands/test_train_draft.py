@@ -1,12 +1,14 @@
 """`specserve train-draft` end to end on a tiny random model (CPU, about a minute): data from the
 target's own generations, a head with its config and log, α by position printed; a run stopped
-by --minutes and a finished one both resume; a head or run directory for another target is
-refused; the trained head drafts losslessly through the engine."""
+by --minutes and a finished one both resume; a new run fine-tunes a trained head (--init-from); a
+head or run directory for another target is refused; the trained head drafts losslessly through
+the engine."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from cluster.cli import main
 from cluster.common.config import EngineConfig, SpecConfig
@@ -60,6 +62,16 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
                  *[a if a != "512" else "256" for a in ARGS]]) == 2
     assert "another recipe" in capsys.readouterr().err
 
+    # fine-tuning: a new run starts from the trained head (its weights and draft vocabulary)
+    tuned = tmp_path / "tuned"
+    assert train(tiny_llama_dir, tuned, "--epochs", "1", "--seed", "1", "--init-from", str(out)) == 0
+    assert f"starting from the head in {out}" in capsys.readouterr().err
+    assert torch.equal(load_head(tuned).draft_to_target, load_head(out).draft_to_target)
+    assert json.loads((tuned / CONFIG_FILE).read_text())["training"]["init_from"] == str(out)
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "t2"),
+                 *[a if a != "512" else "256" for a in ARGS], "--init-from", str(out)]) == 2
+    assert "has a draft vocabulary of 512 tokens, not --draft-vocab 256" in capsys.readouterr().err
+
     # another target: the head and the run directory are refused
     other_dir = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny_llama_dir, hidden_size=32,
                                     head_dim=8)
@@ -68,6 +80,8 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
         load_head(out, other.runner.model)
     assert train(other_dir, out, "--epochs", "2") == 2
     assert "checkpoint for another target" in capsys.readouterr().err
+    assert train(other_dir, tmp_path / "t3", "--init-from", str(out)) == 2  # nor fine-tuned for it
+    assert "trained for another target" in capsys.readouterr().err
 
     # the trained head drafts through the engine; greedy output equals plain decoding
     target = load_model(str(tiny_llama_dir), EngineConfig(model=str(tiny_llama_dir)))

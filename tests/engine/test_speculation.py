@@ -241,5 +241,6 @@ def test_a_portfolio_plans_k_with_its_own_rates_not_adaptive_ks_pool(default_mod
     spec = res["spec"]
     if hand_rates:
         assert spec.accepted_tokens == spec.draft_tokens >= 16 and spec.drafts <= 8
-    else:  # adaptive K's own probes only (one after 16 plain steps, then what it taught)
-        assert spec.drafts <= 2 and spec.draft_tokens <= 6
+    else:  # adaptive K's own probes only (one after 16 plain steps, then what it taught: how many
+        # drafts the last 8 tokens take depends on the K planned from this machine's step costs)
+        assert spec.drafts <= 3 and spec.draft_tokens <= 6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from cluster.training.prompt_corpus import (_CHAT_SUBJECTS, _CHAT_TASKS, _MULTILINGUAL, _TEMPLATES, DEFAULT_WORKLOADS,
-                                           build_prompts, workload_prompts)
+from cluster.training.prompt_corpus import (_CHAT_QUESTIONS, _CHAT_SUBJECTS, _CHAT_TASKS, _MULTILINGUAL, _TEMPLATES,
+                                           DEFAULT_WORKLOADS, build_prompts, workload_prompts)
 
 
 def test_corpus_is_deterministic_and_deduplicated():
@@ -34,7 +34,8 @@ def _source(prompt: str) -> str:
         return "docs"
     if any(prompt.startswith(t.split("{s}")[0]) for t, _ in _MULTILINGUAL):
         return "multilingual"
-    assert any(prompt.startswith(t.split("{s}")[0]) and prompt.endswith(t.split("{s}")[-1]) for t in _CHAT_TASKS), prompt
+    assert prompt in _CHAT_QUESTIONS or any(
+        prompt.startswith(t.split("{s}")[0]) and prompt.endswith(t.split("{s}")[-1]) for t in _CHAT_TASKS), prompt
     return "chat"
 
 
@@ -54,3 +55,13 @@ def test_chat_subjects_avoid_the_chat_workloads_subjects():
         words = subject.lower().split()
         phrase = " ".join(words[1:] if words[0] in ("a", "an", "the") else words)
         assert phrase not in chat, subject
+
+
+def test_every_chat_question_and_task_is_in_the_corpus_once_and_none_is_a_workload_prompt():
+    prompts = build_prompts()
+    workloads = {" ".join(p.lower().split()) for p in workload_prompts(DEFAULT_WORKLOADS)}
+    assert len(workloads) > 100
+    assert all(prompts.count(q) == 1 for q in _CHAT_QUESTIONS)
+    for task in _CHAT_TASKS:
+        assert task.format(s=_CHAT_SUBJECTS[0]) in prompts, task
+    assert not {" ".join(p.lower().split()) for p in prompts} & workloads
