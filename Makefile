@@ -40,8 +40,9 @@ run: setup
 # `ray start` and runs in a pytest process of its own.
 TWO_NODES := tests/chaos/test_two_nodes.py
 
+# --durations: the slowest tests are listed at the end, to keep the suite's time in view
 test: setup
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos)
 
 chaos: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests/chaos --deselect $(TWO_NODES) $(PYTEST_ARGS)

@@ -213,9 +213,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
     run(x.data_ptr<float>(), x.stride(0), M, packed.data_ptr<float>(), K, T, N, y.data_ptr<float>(), addp, ldadd);
   return y;
 }
+// Floats per vector this build uses (16 with AVX-512, else 8): tests check it matches the CPU.
+int64_t vector_width() { return VL; }
 }  // namespace
 
 TORCH_LIBRARY(specserve, m) {
+  m.def("skinny_vector_width() -> int", &vector_width);
   m.def("skinny_pack(Tensor w) -> Tensor", &pack);
   m.def("skinny_linear(Tensor x, Tensor packed, int n_out, Tensor? add=None) -> Tensor", &linear);
 }

@@ -96,6 +96,11 @@ def unavailable_reason() -> str | None:
     return None if available() else str(_state.get("why"))
 
 
+def vector_width() -> int:
+    """Floats per vector of the loaded build: 16 where the compiler targeted AVX-512, else 8."""
+    return int(torch.ops.specserve.skinny_vector_width())
+
+
 def pack(w_in_out: torch.Tensor) -> torch.Tensor:  # [K, N] -> [ceil(N/64), K, 64]
     return torch.ops.specserve.skinny_pack(w_in_out)
 
