@@ -270,10 +270,11 @@ class Trainer:
         else:
             d2t = (ckpt["draft_to_target"] if ckpt else
                    draft_vocabulary(train, cfg.draft_vocab_size, self.model.arch.vocab_size, self.eos_ids))
-        layers = start.cfg.feature_layers if start is not None else None
-        if ckpt is not None:
-            layers = tuple(ckpt.get("feature_layers") or EagleConfig.for_target(self.model, len(d2t)).feature_layers)
-        head = EagleHead(EagleConfig.for_target(self.model, len(d2t), layers))
+        if ckpt is not None:  # an older checkpoint has no feature_layers: the default ones
+            layers = ckpt.get("feature_layers")
+        else:
+            layers = start.cfg.feature_layers if start is not None else None
+        head = EagleHead(EagleConfig.for_target(self.model, len(d2t), tuple(layers) if layers else None))
         head.draft_to_target.copy_(d2t)
         if start is not None:  # fine-tune a trained head: its weights, a fresh optimizer and schedule
             head.load_state_dict(start.state_dict())
