@@ -43,8 +43,8 @@ from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
 from cluster.speculative.proposer import (
-    ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft, TargetFeatureReader,
-    parse_drafter_choice,
+    CatchUpProposer, ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft,
+    TargetFeatureReader, parse_drafter_choice,
 )
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput, SpecBatchMetadata
@@ -85,6 +85,8 @@ class SpecController:
         self._remote = proposer if isinstance(proposer, RemoteDraft) else None
         self._contextual = proposer if isinstance(proposer, ContextualProposer) else None
         self._local_model = proposer if isinstance(proposer, LocalModelProposer) else None
+        # a drafter that catches up before drafting (EAGLE); a portfolio prices its members' own
+        self._catch_up = proposer if self.members is None and isinstance(proposer, CatchUpProposer) else None
         self.adaptive = None
         if config.adaptive:
             priors = {}
@@ -133,8 +135,10 @@ class SpecController:
             auto, keys, drafters = self._adaptive_keys(auto)
             # a portfolio plans with the rates it chose each member by (see planning_alpha)
             alphas = None if self.members is None else [self.members.planning_alpha(s.seq_id) for s in auto]
+            behind = (None if self._catch_up is None
+                      else [self._catch_up.positions_behind(s.seq_id, self._context(s)) for s in auto])
             num_draft_tokens = self.adaptive.choose(keys, self.config.max_draft_tokens, drafters=drafters,
-                                                    alphas=alphas)
+                                                    alphas=alphas, behind=behind)
             self._keys = {s.seq_id: key for s, key in zip(auto, keys)}
             drafter_k.update((s.seq_id, k) for s, k in zip(auto, num_draft_tokens))
         for s in eligible:
@@ -263,7 +267,8 @@ class SpecController:
             if s.seq.seq_id in resynced:
                 s.seq.trace.resync(len(s.seq.token_ids), "draft lacked the committed prefix")
         if self.adaptive is not None:
-            self.adaptive.costs.observe_draft(rounds, elapsed)
+            caught_up = 0 if self._catch_up is None else self._catch_up.last_caught_up
+            self.adaptive.costs.observe_draft(rounds, elapsed, catch_up=caught_up)
             if self.members is not None:  # and each member's rounds on their own
                 for member, (member_rounds, seconds, caught_up) in self.members.last_member_rounds.items():
                     self.adaptive.costs.observe_draft(member_rounds, seconds, member, catch_up=caught_up)

@@ -20,6 +20,7 @@ the two differ).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -48,11 +49,18 @@ def draft_seconds(rounds: Mapping[str, int], costs: CostModel) -> float:
 
 
 def catch_up_cost_of(costs: CostModel, drafter: str) -> float:
-    """Seconds ``drafter`` spends per committed position it runs before drafting (an EAGLE head
-    catching up on the target's features since its last draft for the sequence); 0 for a cost
-    model that does not measure it."""
+    """Seconds ``drafter`` ("": the engine's) spends per committed position it runs before
+    drafting (an EAGLE head catching up on the target's features since its last draft for the
+    sequence); 0 for a cost model that does not measure it."""
     per = getattr(costs, "catch_up_cost_of", None)
-    return 0.0 if per is None or not drafter else per(drafter)
+    return 0.0 if per is None else per(drafter)
+
+
+def catch_up_wait(costs: CostModel, drafter: str, positions: int, budget: float) -> int:
+    """Plain steps a probe of ``drafter`` waits so that its catch-up over ``positions`` costs at
+    most ``budget`` of the decode time in between (0 while its catch-up is unmeasured)."""
+    seconds = max(0, positions) * catch_up_cost_of(costs, drafter)
+    return math.ceil(seconds / (budget * costs.target_time(1))) if seconds > 0 else 0
 
 
 def verify_overhead(costs: CostModel, rounds: Mapping[str, int]) -> float:
@@ -85,26 +93,40 @@ class _Mean:
 
 
 @dataclass(slots=True)
+class _CatchUp:
+    """Seconds per committed position a drafter runs before drafting (``g`` of ``_DraftCost``),
+    learnt from proposes that caught up at least ``min_positions``."""
+
+    per_position: _Mean = field(default_factory=_Mean)
+    min_positions: int = 32
+
+    def rounds_share(self, rounds: int, seconds: float, positions: int, per_round: float | None,
+                     ewma: float) -> float:
+        """A propose of ``rounds`` rounds after ``positions`` caught up took ``seconds`` -> the
+        seconds its rounds took (learning ``g`` from what ``per_round`` does not explain)."""
+        if positions >= self.min_positions and per_round is not None:
+            self.per_position.observe(max(0.0, seconds - rounds * per_round) / positions, ewma)
+        return max(0.0, seconds - max(0, positions) * self.per_position.seconds)
+
+
+@dataclass(slots=True)
 class _DraftCost:
     """One named drafter's measured costs: seconds ≈ c·rounds + g·positions caught up. A draft
     model that keeps its own state (an EAGLE head) first runs the positions committed since its
     last draft for the sequence — all of the prompt on its first — so a propose after a long gap
     took 5-30 ms where a round takes ~1.5 ms (the default model's head, 2 cores): averaged into
     the round cost, those catch-ups priced the head 15-30% dearer on every segment after the
-    copy-heavy ones where it is only probed. ``g`` is learnt from proposes that caught up at least
-    ``min_positions`` (below that a batch of positions costs about what one does), from what the
-    rounds do not explain; the round cost from what the catch-up does not."""
+    copy-heavy ones where it is only probed. ``g`` (``_CatchUp``) is learnt from proposes that caught
+    up at least its ``min_positions`` (below that a batch of positions costs about what one does),
+    from what the rounds do not explain; the round cost from what the catch-up does not."""
 
     per_round: _Mean = field(default_factory=_Mean)
-    per_position: _Mean = field(default_factory=_Mean)
-    min_positions: int = 32
+    catch_up: _CatchUp = field(default_factory=_CatchUp)
 
     def observe(self, rounds: int, seconds: float, positions: int, ewma: float, prior: float | None) -> None:
         per_round = self.per_round.seconds if self.per_round.n else prior  # None: nothing to tell them apart by
-        if positions >= self.min_positions and per_round is not None:
-            self.per_position.observe(max(0.0, seconds - rounds * per_round) / positions, ewma)
-        caught_up = positions * self.per_position.seconds
-        self.per_round.observe(max(0.0, seconds - caught_up) / rounds, ewma, prior)
+        seconds = self.catch_up.rounds_share(rounds, seconds, positions, per_round, ewma)
+        self.per_round.observe(seconds / rounds, ewma, prior)
 
 
 @dataclass(slots=True)
@@ -142,6 +164,7 @@ class StepCostModel:
     _draft_cost: float = field(default=0.0, init=False)
     _draft_n: int = field(default=0, init=False)
     _by_drafter: dict[str, _DraftCost] = field(default_factory=dict, init=False, repr=False)
+    _catch_up: _CatchUp = field(default_factory=_CatchUp, init=False, repr=False)  # the engine's drafter
     # seconds a step spends outside the forward and the drafter picking its tokens: sampling
     # (plain) or rejection sampling (speculative); their difference is what verifying costs extra
     _sampling: dict[bool, _Mean] = field(default_factory=dict, init=False, repr=False)
@@ -167,8 +190,10 @@ class StepCostModel:
 
     def observe_draft(self, rounds: int, seconds: float, drafter: str = "", catch_up: int = 0) -> None:
         """``rounds`` draft rounds took ``seconds``: of the engine's drafter as a whole (""), or of
-        one named drafter (a portfolio member, timed inside the portfolio), which first ran
-        ``catch_up`` committed positions it had not run (its catch-up, priced apart)."""
+        one named drafter (a portfolio member, timed inside the portfolio), after it first ran
+        ``catch_up`` committed positions it had not run (its catch-up, priced apart: averaged
+        into the round cost, an EAGLE head's catch-up over a prompt after a plain stretch priced
+        its rounds several times dearer)."""
         if rounds <= 0 or seconds < 0:
             return
         if drafter:
@@ -176,6 +201,7 @@ class StepCostModel:
             self._by_drafter.setdefault(drafter, _DraftCost()).observe(rounds, seconds, max(0, catch_up),
                                                                        self.draft_ewma, prior)
             return
+        seconds = self._catch_up.rounds_share(rounds, seconds, catch_up, self.draft_cost, self.draft_ewma)
         if self._draft_n == 0 and self.draft_cost_ratio_prior is not None:
             self._draft_cost = seconds / rounds  # the ratio prior served until now; trust data
         self._draft_n += 1
@@ -220,9 +246,12 @@ class StepCostModel:
         return self.draft_cost
 
     def catch_up_cost_of(self, drafter: str) -> float:
-        """Seconds per position a named drafter catches up before drafting (0 until measured)."""
+        """Seconds per position a drafter (named, or "" the engine's) catches up before drafting
+        (0 until measured)."""
+        if not drafter:
+            return self._catch_up.per_position.seconds
         measured = self._by_drafter.get(drafter)
-        return 0.0 if measured is None else measured.per_position.seconds
+        return 0.0 if measured is None else measured.catch_up.per_position.seconds
 
     @property
     def coefficients(self) -> tuple[float, float]:
@@ -287,6 +316,8 @@ class StepCostModel:
         if named:
             out["draft_cost_s_by_drafter"] = {d: self.draft_cost_of(d) for d in named}
             out["catch_up_s_per_position_by_drafter"] = {d: self.catch_up_cost_of(d) for d in named}
+        if self._catch_up.per_position.n:
+            out["catch_up_s_per_position"] = self.catch_up_cost_of("")
         return out
 
 
@@ -396,7 +427,11 @@ class AdaptiveK:
     layer-skip draft) several percent slower than plain. A segment not yet probed starts from
     the interval its pool (same draft context, any segment) last reached, at most
     ``explore_inherit_max``: a head hopeless on other languages reached 256 there, longer than a
-    chat answer, and was never tried on chat again."""
+    chat answer, and was never tried on chat again. A drafter that catches up before drafting
+    (an EAGLE head: all the positions since its last draft for the sequence) is probed no sooner
+    than that catch-up costs ``probe_budget`` of the plain steps in between (``catch_up_wait``;
+    the portfolio's rule): probes of new requests on multilingual, where the head is hopeless,
+    each ran the whole prompt first and left eagle auto 4% slower than plain there."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
@@ -406,6 +441,7 @@ class AdaptiveK:
     passes: int = 2
     explore_max_every: int = 256
     explore_inherit_max: int = 64
+    probe_budget: float = 0.02  # a probe's catch-up takes at most this share of the plain steps before it
     _plain_streak: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per segment
     _pool_probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per pool
@@ -414,16 +450,20 @@ class AdaptiveK:
     def __post_init__(self) -> None:
         if self.explore_every < 1 or self.explore_k < 1 or self.passes < 1:
             raise ValueError("explore_every, explore_k and passes must be >= 1")
+        if not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError("probe_budget must be in (0, 1]")
 
     def choose(self, seqs: list[tuple[str, str]], max_draft_tokens: int, extra_tokens: int = 0,
                extra_committed: float = 0.0, drafters: list[str] | None = None,
-               alphas: list[Alpha | None] | None = None) -> list[int]:
+               alphas: list[Alpha | None] | None = None, behind: list[int] | None = None) -> list[int]:
         """seqs: (seq_id, segment) of every sequence that may speculate this step -> K each.
         extra_tokens / extra_committed: the rest of the same forward (sequences that cannot
         speculate, prefill chunks) — they make verification tokens dearer, as in a big batch.
         drafters: which drafter drafts for each (a portfolio's member: each has its own round
         cost); None: one drafter for all. alphas: the drafter's own acceptance for a sequence
-        (the portfolio's rates for the member it chose), used instead of this estimator's."""
+        (the portfolio's rates for the member it chose), used instead of this estimator's.
+        behind: the positions the (one) drafter would catch up on for each before drafting —
+        a probe waits until that is cheap (``catch_up_wait``)."""
         n = len(seqs)
         given = alphas if alphas is not None else [None] * n
         alphas = [self.estimator.estimate(s, seg) if a is None else a for (s, seg), a in zip(seqs, given)]
@@ -443,7 +483,10 @@ class AdaptiveK:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
-            if streak >= self.probe_interval(segment):
+            wait = self.probe_interval(segment)
+            if behind is not None:
+                wait = max(wait, catch_up_wait(self.costs, "", behind[i], self.probe_budget))
+            if streak >= wait:
                 num_draft_tokens[i] = min(self.explore_k, max_draft_tokens)
                 self._probing.add(seq_id)
                 streak = 0

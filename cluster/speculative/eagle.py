@@ -61,6 +61,7 @@ class EagleProposer:
         # recorded forwards not fused yet: the (state, start, end) rows each wrote, its features
         self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []
         self._pending_rows = 0
+        self.last_caught_up = 0  # committed positions the last propose ran (its feeds), all rows
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
         target_runner.feature_tap = self
@@ -132,6 +133,7 @@ class EagleProposer:
             held = self._rollback(st, inp.token_ids)
             starts.append(held + 1)  # the pair of anchor t sits at position t + 1
             feeds.append(list(inp.token_ids[held + 1 :]))
+        self.last_caught_up = sum(len(f) for f in feeds)
         proposal = draft_rounds(inputs, starts, feeds, self._forward)
         for inp, feed in zip(inputs, feeds):
             st = self._seqs.get(inp.seq_id)
@@ -142,15 +144,29 @@ class EagleProposer:
         self._round, self._scratch = {}, {}
         return proposal
 
-    def _rollback(self, st: _SeqState, token_ids: list[int]) -> int:
+    def positions_behind(self, seq_id: str, token_ids: list[int]) -> int:
+        """Pairs a draft for the sequence would feed first: those since its last draft (all but
+        the last token on its first)."""
+        st = self._seqs.get(seq_id)
+        return max(0, len(token_ids) - 1 - (0 if st is None else self._kept(st, token_ids)))
+
+    @staticmethod
+    def _kept(st: _SeqState, token_ids: list[int]) -> int:
         """Anchors kept: those whose pair (tokens up to t + 1) is unchanged, and at most n - 2 so
         that at least one pair is fed (its output gives draft token 1)."""
         old = st.tokens or []
-        common = 0
         limit = min(len(old), len(token_ids))
-        while common < limit and old[common] == token_ids[common]:
-            common += 1
-        held = max(0, min(st.held, common - 1, len(token_ids) - 2))
+        if old[:limit] == token_ids[:limit]:  # the usual case, compared in C (asked every step)
+            common = limit
+        else:
+            common = 0
+            while old[common] == token_ids[common]:
+                common += 1
+        return max(0, min(st.held, common - 1, len(token_ids) - 2))
+
+    def _rollback(self, st: _SeqState, token_ids: list[int]) -> int:
+        """Drops the K/V of the anchors not kept (``_kept``) -> anchors held."""
+        held = self._kept(st, token_ids)
         if st.k is not None:
             st.k, st.v = st.k[:, :held], st.v[:, :held]
         return held

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.acceptance import expected_committed
-from cluster.speculative.adaptive_k import CostModel, catch_up_cost_of, draft_cost_of, verify_overhead
+from cluster.speculative.adaptive_k import CostModel, catch_up_cost_of, catch_up_wait, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -448,10 +448,9 @@ class PortfolioProposer:
         catch-up is dear — its seconds at most ``probe_budget`` of the decode steps in between (a
         head probed on long summarize or edit prompts ran 100-750 positions first, 5-30 ms, every
         16 steps: 2-3% of those segments' time for a member that lost there)."""
-        if self.costs is None or catch_up <= 0:
+        if self.costs is None:
             return self.explore_every
-        seconds = catch_up * catch_up_cost_of(self.costs, member)
-        return max(self.explore_every, math.ceil(seconds / (self.probe_budget * self.costs.target_time(1))))
+        return max(self.explore_every, catch_up_wait(self.costs, member, catch_up, self.probe_budget))
 
     def optimistic_alpha(self, member: str, context: str, seq_id: str | None, segment: str,
                          later: bool = False) -> float:

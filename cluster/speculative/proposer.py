@@ -44,8 +44,8 @@ class Proposer(Protocol):
     - ``release`` frees per-sequence state when a sequence finishes or is preempted; releasing an
       unknown seq_id is a no-op.
     - A drafter may also offer the optional capabilities below (``ContextualProposer``,
-      ``LocalModelProposer``, ``RemoteDraft``, ``MemberStatsProposer``); the engine asks with
-      ``isinstance``.
+      ``LocalModelProposer``, ``CatchUpProposer``, ``MemberStatsProposer``, ``RemoteDraft``); the
+      engine asks with ``isinstance``.
     """
 
     kind: DrafterKind
@@ -70,6 +70,19 @@ class LocalModelProposer(Protocol):
     what a draft round costs before any round is timed."""
 
     runner: Any  # ModelRunner (None where a wrapper has no model behind it)
+
+
+@runtime_checkable
+class CatchUpProposer(Protocol):
+    """A drafter with its own per-sequence state (an EAGLE head's K/V) that first runs the
+    committed positions it has not run — all of the prompt on its first draft for a sequence —
+    so a draft after a long plain stretch costs far more than its rounds (adaptive K prices it
+    apart: the round cost is not inflated and probes wait until their catch-up is cheap)."""
+
+    last_caught_up: int  # committed positions the last propose() ran before drafting, all rows
+
+    def positions_behind(self, seq_id: str, token_ids: list[int]) -> int:
+        """Committed positions a draft for the sequence would run first."""
 
 
 @runtime_checkable

@@ -332,6 +332,49 @@ def test_a_drafters_catch_up_is_priced_apart_from_its_rounds():
     assert apart.catch_up_cost_of("never-timed") == 0.0
 
 
+def test_the_engines_own_drafters_catch_up_is_priced_apart_too():
+    """One EAGLE head as the engine's drafter (not a portfolio member): its catch-up is told
+    apart from its rounds the same way, so the round cost adaptive K plans every K with stays a
+    round's — averaged in, probes after plain stretches priced it several times dearer."""
+    def model():
+        m = StepCostModel(draft_cost_ratio_prior=0.08, target_a_prior=0.0125)
+        for _ in range(10):
+            m.observe_target(1, 0.0125)
+        for _ in range(5):
+            m.observe_draft(2, 0.002, catch_up=3)  # 1 ms rounds, a few positions each
+        return m
+
+    apart, averaged = model(), model()
+    assert apart.catch_up_cost_of("") == 0.0 and "catch_up_s_per_position" not in apart.to_dict()
+    for _ in range(20):  # a 2-round probe after 300 positions: 2 ms + 300 x 25 µs
+        apart.observe_draft(2, 0.0095, catch_up=300)
+        averaged.observe_draft(2, 0.0095)
+    assert apart.catch_up_cost_of("") == pytest.approx(25e-6, rel=0.1)
+    assert apart.draft_cost == pytest.approx(0.001, rel=0.15)
+    assert averaged.draft_cost > 2.5 * apart.draft_cost
+    assert apart.to_dict()["catch_up_s_per_position"] == pytest.approx(25e-6, rel=0.1)
+
+
+def test_a_probe_waits_until_its_catch_up_is_cheap():
+    """A sequence whose drafter would first catch up on many positions is probed no sooner than
+    that catch-up costs ``probe_budget`` of the plain steps before it: 600 positions at 25 µs =
+    15 ms = 2% of 37.5 steps of 20 ms -> the 38th plain step; with nothing to catch up (or the
+    catch-up unmeasured) the schedule stays ``explore_every``."""
+    costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.0)
+    ak = _fixed_adaptive(costs, 0.05, explore_every=5, explore_k=2, probe_budget=0.02)
+    for _ in range(10):
+        ak.costs.observe_target(1, 0.020)
+    history = [ak.choose([("s", "chat")], 6, behind=[600])[0] for _ in range(10)]
+    assert history == [0, 0, 0, 0, 2] * 2  # g unmeasured: nothing to price yet
+    ak.costs.observe_draft(2, 2 * 0.006 + 600 * 25e-6, catch_up=600)
+    assert ak.costs.catch_up_cost_of("") == pytest.approx(25e-6)
+    waits = [ak.choose([("t", "chat")], 6, behind=[600])[0] for _ in range(38)]
+    assert waits == [0] * 37 + [2]
+    assert [ak.choose([("u", "chat")], 6, behind=[1])[0] for _ in range(5)] == [0, 0, 0, 0, 2]
+    with pytest.raises(ValueError, match="probe_budget"):
+        AdaptiveK(probe_budget=0.0)
+
+
 def test_a_new_segment_inherits_at_most_explore_inherit_max():
     """A drafter hopeless on one segment backs off to ``explore_max_every`` there; a new segment
     of the same pool starts from that, capped (a chat answer is shorter than 256 steps: the head

@@ -238,3 +238,35 @@ def test_recorded_features_are_fused_later_exactly_as_when_each_forward_ran(tiny
         assert st.filled == max(rows) + 1
         for pos, want in rows.items():
             torch.testing.assert_close(st.feats[pos], want, rtol=1e-5, atol=1e-5, msg=f"{seq_id} position {pos}")
+
+
+def test_the_head_tells_how_far_behind_it_is_and_what_it_caught_up(tiny, head_dir):
+    """``positions_behind`` is what the next propose feeds before drafting (all but the last
+    token at first, then the positions committed since the last draft, a rolled-back suffix
+    again), ``last_caught_up`` what the last propose fed; the engine hands both to adaptive K
+    (a CatchUpProposer; a portfolio prices its members itself)."""
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.proposer import CatchUpProposer
+    from cluster.speculative.types import ProposeInput
+
+    _, model = tiny
+    m = model.with_fresh_kv(EngineConfig(model="tiny"))
+    prop = EagleProposer.from_dir(head_dir, m.runner)
+    assert isinstance(prop, CatchUpProposer)
+    ids = prompts()[3]  # 30 tokens
+    m.runner.forward([SeqChunk("s", ids, 0, 1)])
+    params = SamplingParams(max_tokens=8)
+    assert prop.positions_behind("s", ids) == 29 and prop.positions_behind("unknown", ids[:5]) == 4
+    drafts = prop.propose([ProposeInput("s", ids + [7], 2, params)]).draft_token_ids[0]
+    assert prop.last_caught_up == 30 and len(drafts) == 2
+    grown = ids + [7, 8, 9]
+    m.runner.forward([SeqChunk("s", [7, 8], 30, 1)])
+    assert prop.positions_behind("s", grown) == 2  # drafted at 31 tokens, 33 now
+    assert prop.positions_behind("s", ids[:10] + [1, 2]) == 2  # diverged after 10 tokens: back to 9 anchors
+    prop.propose([ProposeInput("s", grown, 1, params)])
+    assert prop.last_caught_up == 2
+    prop.propose([ProposeInput("s", grown, 0, params)])  # nothing asked: nothing fed
+    assert prop.last_caught_up == 0
+    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens="auto"))
+    fresh = model.with_fresh_kv(config)
+    assert build_spec_controller(config, fresh)._catch_up is not None
