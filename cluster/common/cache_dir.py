@@ -2,7 +2,7 @@
 compiled kernels (``$SPECSERVE_CACHE``, default ``~/.cache/specserve``).
 
 Owns: the cache root. Ignores: what goes under it (``cluster.models.loader``,
-``cluster.kernels.skinny_gemm``, ``cluster.bench``).
+``cluster.kernels.native``, ``cluster.bench``).
 """
 from __future__ import annotations
 

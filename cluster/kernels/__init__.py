@@ -1,1 +1,1 @@
-"""Native CPU kernels built on the machine that runs them (see ``skinny_gemm``)."""
+"""Native CPU kernels built on the machine that runs them (see ``native``)."""

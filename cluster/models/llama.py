@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.common.errors import ModelLoadError
+from cluster.kernels import paged_attention, rms_norm, rope_cache
 from cluster.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -86,6 +87,10 @@ class AttentionGroup:
     # (first row, G, Q) when the group's queries are the contiguous rows [first, first + G*Q) with
     # Q queries each: no padding, so queries and outputs are views instead of gathers/scatters.
     dense: tuple[int, int, int] | None = None
+    # Decode / verification groups, for the paged-attention kernel: per query (in out_rows' order)
+    # its sequence's row of kv_slots and how many of those keys it sees. None for a prefill group.
+    q_seq: torch.Tensor | None = None  # [Tg] int64
+    q_keys: torch.Tensor | None = None  # [Tg] int64
 
 
 @dataclass(slots=True)
@@ -98,6 +103,8 @@ class ForwardBatch:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if rms_norm.applies(x, weight):  # float32 rows on CPU: one native call (torch's costs ~60 us a row)
+        return rms_norm.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:  # one fused kernel; same formula as below
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()  # reduced precision: normalise in fp32 like the reference implementation
@@ -233,8 +240,9 @@ class LlamaModel:
         assert batch.positions.shape == (T,) and batch.slot_mapping.shape == (T,), "ragged batch shapes disagree"
         H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
-        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_signed[batch.positions].unsqueeze(1)
+        cos2, sin2 = self.cos[batch.positions], self.sin_signed[batch.positions]  # [T, D]
+        cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)  # [T, 1, D]
+        native_rope = not a.qk_norm and rope_cache.applies(x, k_cache[0])
         n_layers = a.num_layers if num_layers is None else num_layers
         captured: dict[int, torch.Tensor] = {}
         for li in range(n_layers):
@@ -243,16 +251,11 @@ class LlamaModel:
             L = self.layers[li]
             h = _rms_norm(x, L["ln1"], a.rms_norm_eps)
             qkv = L["wqkv"](h, L["bqkv"])  # [T, (H + 2Hkv) * D]
-            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            if a.qk_norm:
-                q = _rope(_rms_norm(qkv[:, : H * D].view(T, H, D), L["qn"], a.rms_norm_eps), cos, sin)
-                k = _rope(_rms_norm(qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D), L["kn"], a.rms_norm_eps), cos, sin)
-            else:  # q and k heads rotated together: one set of kernels
-                qk = _rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
-                q, k = qk[:, :H], qk[:, H:]
             kc, vc = k_cache[li], v_cache[li]
-            kc.index_copy_(0, batch.slot_mapping, k)
-            vc.index_copy_(0, batch.slot_mapping, v)
+            if native_rope:  # rotate q and k, write k and v at their slots: one native call
+                q = rope_cache.rope_qk_cache(qkv, cos2, sin2, kc, vc, batch.slot_mapping, H)  # [T, H, D]
+            else:
+                q = self._rope_and_cache(qkv, cos, sin, kc, vc, batch.slot_mapping, L)
             attn = self._attention(q, kc, vc, batch.groups, T)  # [T, H*D]
             x = L["wo"](attn, x)  # x + attn @ Wo in one kernel
             h = _rms_norm(x, L["ln2"], a.rms_norm_eps)
@@ -264,9 +267,35 @@ class LlamaModel:
         feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None  # [T, |capture| * hidden]
         return self.lm_head(x).float(), feats  # [N, V]
 
+    def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                        vc: torch.Tensor, slot_mapping: torch.Tensor, L: dict) -> torch.Tensor:
+        """The torch path of ``rope_cache.rope_qk_cache`` (and the one with per-head q/k norms):
+        qkv [T, (H + 2Hkv) * D] -> rotated q [T, H, D]; rotated k and v written at their slots."""
+        a = self.arch
+        T = qkv.shape[0]
+        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+        if a.qk_norm:
+            q = _rope(_rms_norm(qkv[:, : H * D].view(T, H, D), L["qn"], a.rms_norm_eps), cos, sin)
+            k = _rope(_rms_norm(qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D), L["kn"], a.rms_norm_eps), cos, sin)
+        else:  # q and k heads rotated together: one set of kernels
+            qk = _rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
+            q, k = qk[:, :H], qk[:, H:]
+        kc.index_copy_(0, slot_mapping, k)
+        vc.index_copy_(0, slot_mapping, v)
+        return q
+
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    groups: list[AttentionGroup], T: int) -> torch.Tensor:
         H, D = self.arch.num_heads, self.arch.head_dim
+        if len(groups) == 1 and groups[0].q_seq is not None and paged_attention.applies(q, kc):
+            g = groups[0]  # decode / verification rows only: straight from the paged cache
+            og = paged_attention.paged_attention(q, kc, vc, g.kv_slots, g.out_rows, g.q_seq, g.q_keys, D ** -0.5)
+            if g.dense == (0, g.kv_slots.shape[0], T // g.kv_slots.shape[0]):
+                return og  # out_rows are 0..T-1 in order
+            out = q.new_empty(T, H * D)
+            out[g.out_rows] = og
+            return out
         if len(groups) == 1 and groups[0].dense == (0, groups[0].kv_slots.shape[0], T // groups[0].kv_slots.shape[0]):
             g = groups[0]
             _, G, Q = g.dense
@@ -274,6 +303,10 @@ class LlamaModel:
         q_ext = torch.cat([q, q.new_zeros(1, H, D)])  # [T+1, H, D]; row T is padding
         out = q.new_empty(T, H * D)
         for g in groups:
+            if g.q_seq is not None and paged_attention.applies(q, kc):
+                out[g.out_rows] = paged_attention.paged_attention(q, kc, vc, g.kv_slots, g.out_rows, g.q_seq,
+                                                                  g.q_keys, D ** -0.5)
+                continue
             og = self._group_attention(q_ext[g.q_index], kc, vc, g).reshape(-1, H * D)  # [G*Qmax, H*D]
             out[g.out_rows] = og[g.out_src]
         return out

@@ -102,7 +102,7 @@ class ModelRunner:
         if any(t < 0 or t >= self.vocab_size for t in ids):
             bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
             raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        groups = [self._group(small, T)] if small else []
+        groups = [self._group(small, T, paged=True)] if small else []
         groups += [self._group([item], T) for item in large]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -112,20 +112,24 @@ class ModelRunner:
             logits_index=torch.tensor(logits_rows, dtype=torch.int64),
         )
 
-    def _group(self, items: list[tuple[int, SeqChunk]], T: int) -> AttentionGroup:
+    def _group(self, items: list[tuple[int, SeqChunk]], T: int, paged: bool = False) -> AttentionGroup:
+        """One attention group; ``paged`` (decode / verification rows) also says, per query, its
+        sequence's row of the slot table and how many keys it sees (the paged-attention kernel's)."""
         G = len(items)
         q_lens = [len(c.token_ids) for _, c in items]
         ctx_lens = [c.start_pos + len(c.token_ids) for _, c in items]
         qmax, lmax = max(q_lens), max(ctx_lens)
         q_index = torch.full((G, qmax), T, dtype=torch.int64)
         kv_slots = torch.zeros((G, lmax), dtype=torch.int64)
-        out_rows, out_src = [], []
+        out_rows, out_src, q_seq, q_keys = [], [], [], []
         for g, (row0, c) in enumerate(items):
             q = q_lens[g]
             q_index[g, :q] = torch.arange(row0, row0 + q)
             kv_slots[g, : ctx_lens[g]] = self.kv.slot_tensor(c.seq_id, ctx_lens[g])
             out_rows.extend(range(row0, row0 + q))
             out_src.extend(range(g * qmax, g * qmax + q))
+            q_seq.extend([g] * q)
+            q_keys.extend(range(c.start_pos + 1, c.start_pos + q + 1))  # query i sees keys [0, start + i]
         mask = None
         if qmax > 1 or any(l != lmax for l in ctx_lens):
             # query i of sequence g sits at position start+i and sees keys [0, start+i]
@@ -140,7 +144,8 @@ class ModelRunner:
         dense = None
         if all(q == qmax for q in q_lens) and row0s == list(range(row0s[0], row0s[0] + G * qmax, qmax)):
             dense = (row0s[0], G, qmax)
-        return AttentionGroup(q_index, kv_slots, mask, torch.tensor(out_rows), torch.tensor(out_src), dense)
+        return AttentionGroup(q_index, kv_slots, mask, torch.tensor(out_rows), torch.tensor(out_src), dense,
+                              torch.tensor(q_seq) if paged else None, torch.tensor(q_keys) if paged else None)
 
     def forward(self, chunks: list[SeqChunk], num_layers: int | None = None,
                 commit: bool = True) -> torch.Tensor:  # [sum num_logits, V] float32

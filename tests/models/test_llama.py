@@ -1,5 +1,6 @@
 """Our Llama-family forward over the block KV cache equals Hugging Face's forward, for every
-family we claim (tiny random weights), across ragged chunked prefill and decode."""
+family we claim (tiny random weights), across ragged chunked prefill and decode — on the native
+CPU kernels (RMSNorm, rotary + cache write, paged attention) and on torch's operators alike."""
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,24 @@ from tests.conftest import make_tiny_model_dir
     ("qwen3", {}),
     ("mistral", {}),
 ])
-def test_forward_matches_hf(tmp_path, family, extra):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_forward_matches_hf(tmp_path, monkeypatch, family, extra, kernels):
     from transformers import AutoModelForCausalLM
+
+    from cluster.kernels import native, paged_attention, rms_norm, rope_cache
+
+    calls = {"paged_attention": 0, "rms_norm": 0, "rope_qk_cache": 0}
+    if kernels == "torch":  # the path of a machine without a compiler (or SPECSERVE_KERNELS=torch)
+        for mod in (paged_attention, rms_norm, rope_cache):
+            monkeypatch.setattr(mod, "applies", lambda *a: False)
+    elif not native.available():
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    else:  # count the calls: the native variant must not pass on torch's path
+        for mod, name in ((paged_attention, "paged_attention"), (rms_norm, "rms_norm"), (rope_cache, "rope_qk_cache")):
+            def counted(*a, _f=getattr(mod, name), _n=name):
+                calls[_n] += 1
+                return _f(*a)
+            monkeypatch.setattr(mod, name, counted)
 
     path = make_tiny_model_dir(tmp_path, family, **extra)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -53,6 +70,11 @@ def test_forward_matches_hf(tmp_path, family, extra):
         ours_logits = torch.cat(got[k])
         assert ours_logits.shape == ref[k].shape
         torch.testing.assert_close(ours_logits, ref[k], atol=2e-4, rtol=1e-4)
+    if kernels == "native":
+        assert calls["paged_attention"] and calls["rms_norm"]
+        assert bool(calls["rope_qk_cache"]) == (family != "qwen3")  # per-head q/k norms: torch's rotary
+    else:
+        assert not any(calls.values())
 
 
 def test_rollback_then_recompute_is_exact(tmp_path):

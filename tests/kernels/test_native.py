@@ -1,0 +1,25 @@
+"""The native kernels' builder: one library from every source, rebuilt when a source changes, and
+an off switch that turns every kernel off (torch's operators then)."""
+import os
+import subprocess
+import sys
+
+from cluster.kernels import native
+
+
+def test_the_library_is_named_by_every_source():
+    names = {s.name for s in native.SOURCES}
+    assert names == {"skinny_gemm.cpp", "rms_norm.cpp", "rope_cache.cpp", "paged_attention.cpp"}
+    assert all(s.exists() for s in native.SOURCES)
+    assert native.library_path().name.startswith("specserve_kernels-")
+
+
+def test_the_off_switch_turns_every_kernel_off():
+    code = ("from cluster.kernels import native, rms_norm, paged_attention; import torch;"
+            "x = torch.randn(2, 8); print(native.available(), native.unavailable_reason(),"
+            " rms_norm.applies(x, torch.ones(8)), paged_attention.applies(torch.randn(1, 2, 8), torch.randn(4, 2, 8)))")
+    for var in native.OFF_SWITCHES:
+        env = {k: v for k, v in os.environ.items() if k not in native.OFF_SWITCHES} | {var: "torch"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", f"{var}=torch", "False", "False"]
