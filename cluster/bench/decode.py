@@ -5,6 +5,8 @@ Measures (medians of interleaved repetitions, same model, dtype and threads):
 - batch-1 ms per token: our engine (full step: schedule, forward, sample, postprocess) and HF;
 - the floor: bytes of weights read per token / memory read bandwidth measured in this run;
 - verify6_cost_ratio: one forward of 6 new tokens for one sequence over one decode forward;
+- the same batch-1 ms per token and verification ratio with the per-row native kernels (RMSNorm,
+  rotary + cache write, paged attention) switched off, interleaved with the rest: what they buy;
 - throughput (generated tokens/s) at 1, 4, 8, 16, 32 concurrent sequences.
 """
 from __future__ import annotations
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from cluster.common.config import EngineConfig
+    from cluster.kernels import native
     from cluster.models.load import load_model
 
     if args.threads:
@@ -125,12 +128,19 @@ def run(args: argparse.Namespace) -> int:
     engine = _engine(model, config)
     weight_bytes = model.runner.model.weight_bytes()
     bandwidth = measure_read_bandwidth()
-    ours, theirs = [], []
+    ours, theirs, torch_ops = [], [], []
     ours_ms_per_token(engine, prompt_ids, 4)  # warm-up
-    for _ in range(args.reps):  # interleaved so that machine noise hits both
+    row_ops = native.row_ops()
+    for _ in range(args.reps):  # interleaved so that machine noise hits all
         ours.append(ours_ms_per_token(engine, prompt_ids, args.tokens))
         theirs.append(hf_ms_per_token(hf, prompt_ids, args.tokens))
+        if row_ops:
+            with native.torch_row_ops():
+                torch_ops.append(ours_ms_per_token(engine, prompt_ids, args.tokens))
     verify = verify_cost_ratio(engine.runner, prompt_ids, args.reps)
+    if row_ops:
+        with native.torch_row_ops():
+            verify_torch_ops = verify_cost_ratio(engine.runner, prompt_ids, args.reps)
     levels = [int(c) for c in args.concurrency.split(",")]
     tput = {c: round(throughput(engine, prompt_ids, c, args.throughput_tokens), 2) for c in levels}
     result = {
@@ -141,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 3),
         "floor_ms_per_token": round(weight_bytes / bandwidth * 1000, 3),
         "verify6_cost_ratio": round(verify, 3),
+        # the per-row native kernels off (None where they are not built here)
+        "torch_row_ops_ms_per_token": round(statistics.median(torch_ops), 3) if torch_ops else None,
+        "torch_row_ops_verify6_cost_ratio": round(verify_torch_ops, 3) if row_ops else None,
+        "samples_torch_row_ops_ms_per_token": [round(x, 3) for x in torch_ops],
         "throughput_tok_s": tput,
         "samples_ms_per_token": [round(x, 3) for x in ours],
         "samples_hf_ms_per_token": [round(x, 3) for x in theirs],
@@ -157,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"batch-1 ms/token: ours {r['ms_per_token']}  HF {r['hf_ms_per_token']}  floor {r['floor_ms_per_token']}"
           f"  (read bandwidth {r['read_bandwidth_gb_s']} GB/s, weights {weight_bytes / 1e6:.1f} MB)")
     print(f"verify 6 tokens / decode 1 token: {r['verify6_cost_ratio']}")
+    if torch_ops:
+        print(f"per-row kernels off (torch's operators): ms/token {r['torch_row_ops_ms_per_token']}"
+              f" ({r['torch_row_ops_ms_per_token'] / r['ms_per_token']:.2f}x), verify 6 / decode 1"
+              f" {r['torch_row_ops_verify6_cost_ratio']}")
     print("throughput tok/s: " + "  ".join(f"c={c}: {v}" for c, v in tput.items()))
     for goal, val in result["goals"].items():
         print(f"  goal {goal}: {val}")

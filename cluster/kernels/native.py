@@ -7,6 +7,7 @@ combination; concurrent builders race harmlessly through an atomic rename), load
 ``torch.ops.specserve``, and saying whether it is usable.
 ``SPECSERVE_KERNELS=torch`` (or the older ``SPECSERVE_GEMM=torch``) turns it off: everything then
 runs on torch's own operators; a machine without a compiler falls back the same way with one warning.
+``torch_row_ops()`` switches the per-row kernels off for a while (a side-by-side measurement).
 Ignores: what each kernel computes (``skinny_gemm``, ``rms_norm``, ``rope_cache``,
 ``paged_attention``) and who calls them (``cluster.models``).
 
@@ -14,6 +15,7 @@ Ignores: what each kernel computes (``skinny_gemm``, ``rms_norm``, ``rope_cache`
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -38,6 +41,7 @@ OFF_SWITCHES = ("SPECSERVE_KERNELS", "SPECSERVE_GEMM")  # =torch: use torch's op
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+_row_ops_off = 0  # > 0 inside ``torch_row_ops()``
 
 
 def _cpu_signature() -> str:
@@ -103,6 +107,25 @@ def available() -> bool:
                 log.warning("native CPU kernels unavailable, using torch's operators: %s", exc)
         _state["ok"] = ok
         return ok
+
+
+def row_ops() -> bool:
+    """Whether the per-row kernels (RMSNorm, rotary + cache write, paged attention) are to be used:
+    built here and not switched off by ``torch_row_ops``. The skinny GEMM is chosen per weight at
+    load (``cluster.models.linear``) and is not affected."""
+    return _row_ops_off == 0 and available()
+
+
+@contextlib.contextmanager
+def torch_row_ops() -> Iterator[None]:
+    """Inside, the forward runs RMSNorm, the rotary embedding and attention on torch's operators
+    (``bench decode`` times both paths side by side in one process)."""
+    global _row_ops_off
+    _row_ops_off += 1
+    try:
+        yield
+    finally:
+        _row_ops_off -= 1
 
 
 def unavailable_reason() -> str | None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.kernels.native import available
+from cluster.kernels.native import row_ops
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ``paged_attention`` takes these tensors: float32 contiguous CPU, head size a multiple of 8."""
     return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
-            and q.shape[-1] % 8 == 0 and k_cache.is_contiguous() and available())
+            and q.shape[-1] % 8 == 0 and k_cache.is_contiguous() and row_ops())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

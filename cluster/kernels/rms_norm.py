@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.kernels.native import available
+from cluster.kernels.native import row_ops
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``rms_norm`` takes (x, weight): float32 contiguous CPU rows, a float32 weight, kernels built."""
+    """Whether ``rms_norm`` takes (x, weight): float32 contiguous CPU rows, a float32 weight, kernels built and on."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and x.is_contiguous() and weight.is_contiguous() and available())
+            and x.is_contiguous() and weight.is_contiguous() and row_ops())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

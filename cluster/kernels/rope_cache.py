@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.kernels.native import available
+from cluster.kernels.native import row_ops
 
 
 def applies(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``rope_qk_cache`` takes these tensors: contiguous float32 on CPU, kernels built."""
+    """Whether ``rope_qk_cache`` takes these tensors: contiguous float32 on CPU, kernels built and on."""
     return (qkv.dtype == torch.float32 and k_cache.dtype == torch.float32 and qkv.device.type == "cpu"
-            and qkv.is_contiguous() and k_cache.is_contiguous() and available())
+            and qkv.is_contiguous() and k_cache.is_contiguous() and row_ops())
 
 
 def rope_qk_cache(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.common.errors import ModelLoadError
+from cluster.kernels import rms_norm
 from cluster.models.linear import Linear
 
 CONFIG_FILE = "eagle_config.json"
@@ -158,6 +159,8 @@ class EagleHead(nn.Module):
         return packed(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], packed.out_features)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self._packed and not torch.is_grad_enabled() and rms_norm.applies(x, w):  # drafting: one native call
+            return rms_norm.rms_norm(x, w.detach(), self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., 3H] -> [..., H]

@@ -23,3 +23,20 @@ def test_the_off_switch_turns_every_kernel_off():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["False", f"{var}=torch", "False", "False"]
+
+
+def test_torch_row_ops_switches_the_row_kernels_off_for_a_while():
+    import torch
+
+    from cluster.kernels import paged_attention, rms_norm, rope_cache
+
+    if not native.available():
+        return  # nothing to switch: the off-switch test above covers this machine
+    x, w = torch.randn(2, 8), torch.ones(8)
+    q, kc = torch.randn(1, 2, 8), torch.randn(4, 2, 8)
+    assert native.row_ops() and rms_norm.applies(x, w) and paged_attention.applies(q, kc) and rope_cache.applies(x, kc)
+    with native.torch_row_ops():
+        with native.torch_row_ops():  # nests
+            assert not native.row_ops()
+        assert not (rms_norm.applies(x, w) or paged_attention.applies(q, kc) or rope_cache.applies(x, kc))
+    assert native.row_ops() and rms_norm.applies(x, w)
