@@ -40,3 +40,18 @@ def test_torch_row_ops_switches_the_row_kernels_off_for_a_while():
             assert not native.row_ops()
         assert not (rms_norm.applies(x, w) or paged_attention.applies(q, kc) or rope_cache.applies(x, kc))
     assert native.row_ops() and rms_norm.applies(x, w)
+
+
+def test_a_wheel_carries_every_file_the_build_reads():
+    """Installed from a wheel (not editable), the kernels build from the package's own files."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cluster"]
+    for f in native.SOURCES + native.HEADERS:
+        rel = f.relative_to(root / "cluster").as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), f"{rel} is not in cluster's package-data"
+    assert {f.name for f in (root / "cluster" / "kernels").glob("*.[ch]*") if f.suffix in (".cpp", ".h")} == \
+        {f.name for f in native.SOURCES + native.HEADERS}, "a kernel file the builder does not compile"
