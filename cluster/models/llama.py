@@ -288,25 +288,25 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    groups: list[AttentionGroup], T: int) -> torch.Tensor:
         H, D = self.arch.num_heads, self.arch.head_dim
-        if len(groups) == 1 and groups[0].q_seq is not None and paged_attention.applies(q, kc):
-            g = groups[0]  # decode / verification rows only: straight from the paged cache
-            og = paged_attention.paged_attention(q, kc, vc, g.kv_slots, g.out_rows, g.q_seq, g.q_keys, D ** -0.5)
-            if g.dense == (0, g.kv_slots.shape[0], T // g.kv_slots.shape[0]):
-                return og  # out_rows are 0..T-1 in order
-            out = q.new_empty(T, H * D)
-            out[g.out_rows] = og
-            return out
+        native = paged_attention.applies(q, kc)  # decode / verification groups straight from the paged cache
+
+        def paged(g: AttentionGroup) -> torch.Tensor:  # [Tg, H*D] in out_rows' order
+            return paged_attention.paged_attention(q, kc, vc, g.kv_slots, g.out_rows, g.q_seq, g.q_keys, D ** -0.5)
+
         if len(groups) == 1 and groups[0].dense == (0, groups[0].kv_slots.shape[0], T // groups[0].kv_slots.shape[0]):
-            g = groups[0]
+            g = groups[0]  # its queries are the rows 0..T-1 in order: no scatter
+            if native and g.q_seq is not None:
+                return paged(g)
             _, G, Q = g.dense
             return self._group_attention(q.reshape(G, Q, H, D), kc, vc, g).reshape(T, H * D)
-        q_ext = torch.cat([q, q.new_zeros(1, H, D)])  # [T+1, H, D]; row T is padding
         out = q.new_empty(T, H * D)
+        q_ext = None
         for g in groups:
-            if g.q_seq is not None and paged_attention.applies(q, kc):
-                out[g.out_rows] = paged_attention.paged_attention(q, kc, vc, g.kv_slots, g.out_rows, g.q_seq,
-                                                                  g.q_keys, D ** -0.5)
+            if native and g.q_seq is not None:
+                out[g.out_rows] = paged(g)
                 continue
+            if q_ext is None:
+                q_ext = torch.cat([q, q.new_zeros(1, H, D)])  # [T+1, H, D]; row T is padding
             og = self._group_attention(q_ext[g.q_index], kc, vc, g).reshape(-1, H * D)  # [G*Qmax, H*D]
             out[g.out_rows] = og[g.out_src]
         return out
