@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cluster.kernels import native
 
 
@@ -31,7 +33,7 @@ def test_torch_row_ops_switches_the_row_kernels_off_for_a_while():
     from cluster.kernels import paged_attention, rms_norm, rope_cache
 
     if not native.available():
-        return  # nothing to switch: the off-switch test above covers this machine
+        pytest.skip(f"native kernels unavailable here ({native.unavailable_reason()}): nothing to switch")
     x, w = torch.randn(2, 8), torch.ones(8)
     q, kc = torch.randn(1, 2, 8), torch.randn(4, 2, 8)
     assert native.row_ops() and rms_norm.applies(x, w) and paged_attention.applies(q, kc) and rope_cache.applies(x, kc)
