@@ -87,6 +87,9 @@ def build(target: Path) -> None:
 
 def available() -> bool:
     """True when the ``torch.ops.specserve`` kernels can be called (built and loaded here)."""
+    decided = _state.get("ok")  # asked per layer by the row kernels' ``applies``: no lock once known
+    if decided is not None:
+        return bool(decided)
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
