@@ -137,6 +137,11 @@ class AcceptanceEstimator:
             return seg
         return (c.accepted + self.seq_prior_weight * seg) / (c.trials + self.seq_prior_weight)
 
+    def segment_trials(self, segment: str) -> float:
+        """Positions the segment's own verification steps tested (decayed)."""
+        c = self._segments.get(segment)
+        return c.trials if c else 0.0
+
     def seq_trials(self, seq_id: str) -> float:
         c = self._seqs.get(seq_id)
         return c.trials if c else 0.0

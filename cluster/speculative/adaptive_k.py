@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -140,11 +141,16 @@ class StepCostModel:
     one observation sat 8 tokens away). So decode-only data (one batch size) fits t there exactly
     and keeps the prior slope ratio; data over many batch sizes overrides both priors.
 
-    A token count seen at least ``min_points`` times in the window costs the mean of those
+    A token count seen at least ``min_points`` times in the window costs the median of those
     forwards, not the line: on a CPU a 1-token forward takes the matrix-vector path and a 2-token
     one is ~2 ms dearer on a 13 ms step, ~0.6 ms a token after that — one line through both
     overstated t(1) by 4-7% and understated t(3) by up to 10% (the default model, 2 cores), so a
-    draft that barely paid on paper (an EAGLE head at α 0.3 on long edit prompts) lost in fact."""
+    draft that barely paid on paper (an EAGLE head at α 0.3 on long edit prompts) lost in fact.
+    The median, not the mean: with the few 2-token forwards a parked drafter's probes leave in the
+    window, one slowed by the machine priced t(2) 25% above t(1) and moved the break-even α from
+    ~0.2 to 0.36 within a minute (the EAGLE head, 2 cores). Only the window's forwards count:
+    keeping each count's last forwards however old priced t(2) from a noisy minute long after
+    (the drafter, parked by that price, made no new 2-token forwards to correct it)."""
 
     draft_cost_prior: float = 0.002
     target_a_prior: float = 0.02
@@ -159,7 +165,7 @@ class StepCostModel:
     intercept_prior_weight: float = 0.01
     slope_prior_weight: float = 64.0
     window: int = 128
-    min_points: int = 3  # forwards of exactly n tokens in the window that price t(n) by their mean
+    min_points: int = 3  # forwards of exactly n tokens in the window that price t(n) by their median
     draft_ewma: float = 0.05
     _draft_cost: float = field(default=0.0, init=False)
     _draft_n: int = field(default=0, init=False)
@@ -170,7 +176,7 @@ class StepCostModel:
     _sampling: dict[bool, _Mean] = field(default_factory=dict, init=False, repr=False)
     _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
-    _means: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> mean t, refit with _fit
+    _medians: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> median t, refit with _fit
     # (token counts ascending, the least t(n) from each count on), refit with _fit
     _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)
     _times: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> t(n), refit with _fit
@@ -261,29 +267,29 @@ class StepCostModel:
             seen: dict[int, list[float]] = {}
             for n, t in self._obs:
                 seen.setdefault(n, []).append(t)
-            self._means = {n: sum(ts) / len(ts) for n, ts in seen.items() if len(ts) >= self.min_points}
-            # the floor under t(n): the dearest of t(1) and the means at m <= n (noisy means must
+            self._medians = {n: statistics.median(ts) for n, ts in seen.items() if len(ts) >= self.min_points}
+            # the floor under t(n): the dearest of t(1) and the medians at m <= n (noise must
             # never make more tokens look cheaper than fewer: that would make α = 0 "pay")
             a, b = self._fit
-            keys = sorted({1, *self._means})
+            keys = sorted({1, *self._medians})
             floors, top = [], 0.0
             for n in keys:
-                top = max(top, self._means.get(n, a + b * n))
+                top = max(top, self._medians.get(n, a + b * n))
                 floors.append(top)
             self._floor = (keys, floors)
             self._times = {}
         return self._fit
 
     def target_time(self, num_tokens: int) -> float:
-        """Seconds of a forward over ``num_tokens`` batch tokens: the mean of the window's
-        forwards of exactly that many (``min_points`` of them at least), else the line — never
-        below the estimate for fewer tokens (t(1) or a mean at a smaller count). Kept per n until
+        """Seconds of a forward over ``num_tokens`` batch tokens: the median of the window's
+        forwards of exactly that many (``min_points`` of them at least), else the line — never below the
+        estimate for fewer tokens (t(1) or a median at a smaller count). Kept per n until
         the next observation (planning asks for the same few counts dozens of times a step)."""
         if self._fit is not None and num_tokens in self._times:
             return self._times[num_tokens]
         a, b = self.coefficients
-        mean = self._means.get(num_tokens)
-        own = a + b * num_tokens if mean is None else mean
+        median = self._medians.get(num_tokens)
+        own = a + b * num_tokens if median is None else median
         keys, floors = self._floor
         i = bisect.bisect_right(keys, num_tokens) - 1
         t = self._times[num_tokens] = own if i < 0 else max(own, floors[i])
@@ -431,7 +437,16 @@ class AdaptiveK:
     (an EAGLE head: all the positions since its last draft for the sequence) is probed no sooner
     than that catch-up costs ``probe_budget`` of the plain steps in between (``catch_up_wait``;
     the portfolio's rule): probes of new requests on multilingual, where the head is hopeless,
-    each ran the whole prompt first, and eagle auto ran 4-16% slower than plain there."""
+    each ran the whole prompt first, and eagle auto ran 4-16% slower than plain there.
+
+    A segment with fewer than ``explore_min_trials`` tested positions of its own is explored
+    first: its parked sequences draft ``explore_k`` tokens at once — no interval, no catch-up
+    wait — as many of them per step as positions are still missing, until the segment has its
+    own evidence. Its estimate starts from the pool's (other segments', shrunk), and where that
+    sat under the break-even α — which moves with the measured costs by ±0.1 on a noisy 2-core
+    machine — a segment of short answers was never probed at all (json: ~30 tokens against an
+    inherited interval of 64; the EAGLE head, at α 0.6 there, never drafted in one run of three).
+    Sequences planned with their drafter's own rates (``alphas``) are its to explore."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
@@ -442,6 +457,7 @@ class AdaptiveK:
     explore_max_every: int = 256
     explore_inherit_max: int = 64
     probe_budget: float = 0.02  # a probe's catch-up takes at most this share of the plain steps before it
+    explore_min_trials: float = 8.0  # tested positions a segment needs before it is parked like the others
     _plain_streak: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per segment
     _pool_probe_every: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # per pool
@@ -452,6 +468,8 @@ class AdaptiveK:
             raise ValueError("explore_every, explore_k and passes must be >= 1")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError("probe_budget must be in (0, 1]")
+        if self.explore_min_trials < 0:
+            raise ValueError("explore_min_trials must be >= 0")
 
     def choose(self, seqs: list[tuple[str, str]], max_draft_tokens: int, extra_tokens: int = 0,
                extra_committed: float = 0.0, drafters: list[str] | None = None,
@@ -477,15 +495,26 @@ class AdaptiveK:
                 num_draft_tokens = [uniform] * n
             self._coordinate_ascent(alphas, num_draft_tokens, max_draft_tokens, extra_tokens, extra_committed,
                                     drafters)
+        missing: dict[str, float] = {}  # segment -> positions its exploration still lacks this step
         for i, (seq_id, segment) in enumerate(seqs):
             self._probing.discard(seq_id)
             if num_draft_tokens[i] > 0 or max_draft_tokens <= 0:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
-            wait = self.probe_interval(segment)
-            if behind is not None:
-                wait = max(wait, catch_up_wait(self.costs, "", behind[i], self.probe_budget))
+            if given[i] is not None:
+                unexplored = False
+            else:
+                if segment not in missing:
+                    missing[segment] = self.explore_min_trials - self.estimator.segment_trials(segment)
+                unexplored = missing[segment] > 0
+                missing[segment] -= unexplored  # each probe tests one position at least
+            if unexplored:
+                wait = 0  # probe now
+            else:
+                wait = self.probe_interval(segment)
+                if behind is not None:
+                    wait = max(wait, catch_up_wait(self.costs, "", behind[i], self.probe_budget))
             if streak >= wait:
                 num_draft_tokens[i] = min(self.explore_k, max_draft_tokens)
                 self._probing.add(seq_id)

@@ -235,6 +235,7 @@ def test_a_portfolio_plans_k_with_its_own_rates_not_adaptive_ks_pool(default_mod
     eng = spec_engine(default_model, SpecConfig(drafter="portfolio", num_draft_tokens="auto"), portfolio)
     for _ in range(300):  # another segment taught adaptive K that this context is never accepted
         eng.spec.adaptive.estimator.update("elsewhere", "other|head:h", 4, 0)
+    eng.spec.adaptive.explore_min_trials = 0  # its exploration of a new segment would draft without rates
     assert eng.spec.adaptive.estimator.segment_estimate("chat|head:h") < 0.05
     res = run_to_completion(eng, [GenerationRequest("r", prompt, params, segment="chat")])["r"]
     assert res["ids"] == plain
