@@ -440,9 +440,12 @@ class AdaptiveK:
     each ran the whole prompt first, and eagle auto ran 4-16% slower than plain there.
 
     A segment with fewer than ``explore_min_trials`` tested positions of its own is explored
-    first: its parked sequences draft ``explore_k`` tokens at once — no interval, no catch-up
-    wait — as many of them per step as positions are still missing, until the segment has its
-    own evidence. Its estimate starts from the pool's (other segments', shrunk), and where that
+    first: its parked sequences draft one token at once — no interval, no catch-up wait — as many
+    of them per step as positions are still missing, until the segment has its own evidence. One
+    token, not ``explore_k``: the first position decides whether anything pays, and a 2-token
+    verification costs ~1.1 plain steps where a 3-token one costs ~1.3 (2 cores), so exploring
+    a segment where the drafter is hopeless (the head on summarize: 7-8 probes, each after
+    catching up on a long prompt) costs a quarter as much. Its estimate starts from the pool's (other segments', shrunk), and where that
     sat under the break-even α — which moves with the measured costs by ±0.1 on a noisy 2-core
     machine — a segment of short answers was never probed at all (json: ~30 tokens against an
     inherited interval of 64; the EAGLE head, at α 0.6 there, never drafted in one run of three).
@@ -508,7 +511,7 @@ class AdaptiveK:
                 if segment not in missing:
                     missing[segment] = self.explore_min_trials - self.estimator.segment_trials(segment)
                 unexplored = missing[segment] > 0
-                missing[segment] -= unexplored  # each probe tests one position at least
+                missing[segment] -= unexplored  # its probe tests one position
             if unexplored:
                 wait = 0  # probe now
             else:
@@ -516,7 +519,7 @@ class AdaptiveK:
                 if behind is not None:
                     wait = max(wait, catch_up_wait(self.costs, "", behind[i], self.probe_budget))
             if streak >= wait:
-                num_draft_tokens[i] = min(self.explore_k, max_draft_tokens)
+                num_draft_tokens[i] = 1 if unexplored else min(self.explore_k, max_draft_tokens)
                 self._probing.add(seq_id)
                 streak = 0
             self._plain_streak[seq_id] = streak

@@ -427,8 +427,8 @@ def test_a_drafter_may_hand_its_own_rates_for_a_sequence():
 
 def test_a_new_segment_is_explored_at_once_then_parked_on_its_own_evidence():
     """A segment without ``explore_min_trials`` tested positions of its own probes its parked
-    sequences at once (no interval, no catch-up wait), as many per step as positions are
-    missing: a pool that looks hopeless elsewhere (and an inherited interval longer than the
+    sequences with one draft token at once (no interval, no catch-up wait), as many per step as
+    positions are missing: a pool that looks hopeless elsewhere (and an inherited interval longer than the
     segment's answers) must not keep a segment where the drafter pays from ever being measured."""
     costs = LinearCosts(draft_cost=0.006, a=0.020, b=0.00005)
     ak = _fixed_adaptive(costs, 0.05, explore_every=4, explore_k=2, explore_max_every=64,
@@ -444,10 +444,10 @@ def test_a_new_segment_is_explored_at_once_then_parked_on_its_own_evidence():
     ak.costs.observe_draft(2, 2 * 0.006 + 600 * 25e-6, catch_up=600)
     # json: five new sequences at once; four positions missing -> four probes this step
     seqs = [(f"j{i}", "json") for i in range(5)]
-    assert ak.choose(seqs, 6, behind=[600] * 5) == [2, 2, 2, 2, 0]
+    assert ak.choose(seqs, 6, behind=[600] * 5) == [1, 1, 1, 1, 0]
     for i in range(4):
-        ak.observe(f"j{i}", "json", 2, 2)  # the head pays on json: each probe tests 2 positions
-    assert ak.estimator.segment_trials("json") == pytest.approx(8, rel=0.05)
+        ak.observe(f"j{i}", "json", 1, 1)  # the head pays on json
+    assert ak.estimator.segment_trials("json") == pytest.approx(4, rel=0.05)
     assert ak.probe_interval("json") == 4  # probes that committed reset the interval
     ks = ak.choose(seqs, 6, behind=[600] * 5)
     assert all(k > 0 for k in ks[:4])  # its own evidence now drafts them without probing
@@ -460,7 +460,7 @@ def test_a_new_segment_is_explored_at_once_then_parked_on_its_own_evidence():
 def test_exploration_leaves_sequences_planned_with_their_drafters_own_rates_alone():
     costs = LinearCosts(draft_cost=0.0005, a=0.020, b=0.0002)
     ak = AdaptiveK(estimator=AcceptanceEstimator(prior_alpha=0.02), costs=costs, explore_min_trials=8)
-    assert ak.choose([("a", "chat"), ("b", "chat")], 6, alphas=[(0.02, 0.02), None]) == [0, 2]
+    assert ak.choose([("a", "chat"), ("b", "chat")], 6, alphas=[(0.02, 0.02), None]) == [0, 1]
 
 
 def test_one_slow_forward_does_not_move_a_token_counts_price_and_old_ones_expire():
