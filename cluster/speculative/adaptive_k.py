@@ -282,8 +282,8 @@ class StepCostModel:
 
     def target_time(self, num_tokens: int) -> float:
         """Seconds of a forward over ``num_tokens`` batch tokens: the median of the window's
-        forwards of exactly that many (``min_points`` of them at least), else the line — never below the
-        estimate for fewer tokens (t(1) or a median at a smaller count). Kept per n until
+        forwards of exactly that many (``min_points`` of them at least), else the line — never
+        below the estimate for fewer tokens (t(1) or a median at a smaller count). Kept per n until
         the next observation (planning asks for the same few counts dozens of times a step)."""
         if self._fit is not None and num_tokens in self._times:
             return self._times[num_tokens]
@@ -441,15 +441,16 @@ class AdaptiveK:
 
     A segment with fewer than ``explore_min_trials`` tested positions of its own is explored
     first: its parked sequences draft one token at once — no interval, no catch-up wait — as many
-    of them per step as positions are still missing, until the segment has its own evidence. One
-    token, not ``explore_k``: the first position decides whether anything pays, and a 2-token
-    verification costs ~1.1 plain steps where a 3-token one costs ~1.3 (2 cores), so exploring
-    a segment where the drafter is hopeless (the head on summarize: 7-8 probes, each after
-    catching up on a long prompt) costs a quarter as much. Its estimate starts from the pool's (other segments', shrunk), and where that
-    sat under the break-even α — which moves with the measured costs by ±0.1 on a noisy 2-core
-    machine — a segment of short answers was never probed at all (json: ~30 tokens against an
-    inherited interval of 64; the EAGLE head, at α 0.6 there, never drafted in one run of three).
-    Sequences planned with their drafter's own rates (``alphas``) are its to explore."""
+    of them per step as positions are still missing, until the segment has its own evidence. Its
+    estimate starts from the pool's (other segments', shrunk), and where that sat under the
+    break-even α — which moves with the measured costs by ±0.1 on a noisy 2-core machine — a
+    segment of short answers was never probed at all (json: ~30 tokens against an inherited
+    interval of 64; the EAGLE head, at α 0.6 there, never drafted in one run of three). One token,
+    not ``explore_k``: the first position decides whether anything pays, and a 2-token
+    verification costs ~1.1 plain steps where a 3-token one costs ~1.3 (2 cores), so exploring a
+    segment where the drafter is hopeless (the head on summarize: 7-8 probes, each after catching
+    up on a long prompt) costs about a quarter as much. Sequences planned with their drafter's own
+    rates (``alphas``) are its to explore."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
@@ -505,13 +506,13 @@ class AdaptiveK:
                 self._plain_streak[seq_id] = 0
                 continue
             streak = self._plain_streak.get(seq_id, 0) + 1
-            if given[i] is not None:
-                unexplored = False
-            else:
+            unexplored = False
+            if given[i] is None:
                 if segment not in missing:
                     missing[segment] = self.explore_min_trials - self.estimator.segment_trials(segment)
-                unexplored = missing[segment] > 0
-                missing[segment] -= unexplored  # its probe tests one position
+                if missing[segment] > 0:
+                    unexplored = True
+                    missing[segment] -= 1  # its probe tests one position
             if unexplored:
                 wait = 0  # probe now
             else:
