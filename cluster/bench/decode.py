@@ -4,7 +4,8 @@ Hugging Face ``generate`` and the memory-bandwidth floor.
 Measures (medians of interleaved repetitions, same model, dtype and threads):
 - batch-1 ms per token: our engine (full step: schedule, forward, sample, postprocess) and HF;
 - the floor: bytes of weights read per token / memory read bandwidth measured in this run;
-- verify6_cost_ratio: one forward of 6 new tokens for one sequence over one decode forward;
+- verify6_cost_ratio: one forward of 6 new tokens for one sequence over one decode forward, and
+  the same for 2..8 tokens (``verify_cost_ratio_by_tokens``: what verifying K = 1..7 drafts costs);
 - the same batch-1 ms per token and verification ratio with the per-row native kernels (RMSNorm,
   rotary + cache write, paged attention) switched off, interleaved with the rest: what they buy;
 - throughput (generated tokens/s) at 1, 4, 8, 16, 32 concurrent sequences.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+VERIFY_COUNTS = (2, 3, 4, 5, 6, 7, 8)  # tokens per verification forward: K = 1..7 draft tokens + 1
 PROMPT = ("Explain, step by step, how a hash map handles collisions and what happens when it "
           "grows. Use a short Python example.")
 
@@ -81,21 +83,24 @@ def hf_ms_per_token(hf, prompt_ids: list[int], n: int) -> float:
     return (gen(n + 1) - gen(1)) / n * 1000
 
 
-def verify_cost_ratio(runner, prompt_ids: list[int], reps: int, q: int = 6) -> float:
+def verify_cost_ratios(runner, prompt_ids: list[int], reps: int, counts: tuple[int, ...] = VERIFY_COUNTS) -> dict[int, float]:
+    """n -> one forward of n new tokens for one sequence over one decode forward (1 token), at
+    the prompt's context; each n's forwards interleaved with 1-token ones, medians."""
     from cluster.models.runner import SeqChunk
 
     sid = "verify-bench"
     runner.forward([SeqChunk(sid, prompt_ids, 0, 1)])
     L = len(prompt_ids)
-    one, many = [], []
+    times: dict[int, list[float]] = {n: [] for n in (1, *counts)}
     for _ in range(reps * 3):
-        for n, bucket in ((1, one), (q, many)):
+        for n in times:
             t0 = time.perf_counter()
             runner.forward([SeqChunk(sid, prompt_ids[:n], L, n)])
-            bucket.append(time.perf_counter() - t0)
+            times[n].append(time.perf_counter() - t0)
             runner.truncate(sid, L)
     runner.free(sid)
-    return statistics.median(many) / statistics.median(one)
+    one = statistics.median(times[1])
+    return {n: statistics.median(times[n]) / one for n in counts}
 
 
 def throughput(engine, prompt_ids: list[int], concurrency: int, n: int) -> float:
@@ -137,10 +142,11 @@ def run(args: argparse.Namespace) -> int:
         if row_ops:
             with native.torch_row_ops():
                 torch_ops.append(ours_ms_per_token(engine, prompt_ids, args.tokens))
-    verify = verify_cost_ratio(engine.runner, prompt_ids, args.reps)
+    verify_by_n = verify_cost_ratios(engine.runner, prompt_ids, args.reps)
+    verify = verify_by_n[6]
     if row_ops:
         with native.torch_row_ops():
-            verify_torch_ops = verify_cost_ratio(engine.runner, prompt_ids, args.reps)
+            verify_torch_ops = verify_cost_ratios(engine.runner, prompt_ids, args.reps, (6,))[6]
     levels = [int(c) for c in args.concurrency.split(",")]
     tput = {c: round(throughput(engine, prompt_ids, c, args.throughput_tokens), 2) for c in levels}
     result = {
@@ -151,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 3),
         "floor_ms_per_token": round(weight_bytes / bandwidth * 1000, 3),
         "verify6_cost_ratio": round(verify, 3),
+        "verify_cost_ratio_by_tokens": {str(n): round(v, 3) for n, v in verify_by_n.items()},
         # the per-row native kernels off (None where they are not built here)
         "torch_row_ops_ms_per_token": round(statistics.median(torch_ops), 3) if torch_ops else None,
         "torch_row_ops_verify6_cost_ratio": round(verify_torch_ops, 3) if row_ops else None,
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"batch-1 ms/token: ours {r['ms_per_token']}  HF {r['hf_ms_per_token']}  floor {r['floor_ms_per_token']}"
           f"  (read bandwidth {r['read_bandwidth_gb_s']} GB/s, weights {weight_bytes / 1e6:.1f} MB)")
     print(f"verify 6 tokens / decode 1 token: {r['verify6_cost_ratio']}")
+    print("verify n tokens / decode 1 token: " + "  ".join(f"n={n}: {v}" for n, v in r["verify_cost_ratio_by_tokens"].items()))
     if torch_ops:
         print(f"per-row kernels off (torch's operators): ms/token {r['torch_row_ops_ms_per_token']}"
               f" ({r['torch_row_ops_ms_per_token'] / r['ms_per_token']:.2f}x), verify 6 / decode 1"
