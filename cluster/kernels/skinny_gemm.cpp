@@ -7,14 +7,16 @@
 // The vector width and the register blocking follow the instruction set the kernel is compiled
 // for (-march=native): with AVX-512 (32 zmm registers) 16-float vectors, 6 rows x the whole
 // 64-column tile; otherwise (AVX2: 16 ymm registers) 8-float vectors, 6 rows x the whole tile for
-// few rows and 3 rows x 32 columns for many. Few rows are bound by streaming the weights: 6 rows'
+// few rows and 6 rows x 16 columns for many. Few rows are bound by streaming the weights: 6 rows'
 // 48 accumulators do not fit 16 registers, but keeping the extra ones in L1 costs less than a
 // second pass over the tile — 2 rows at a time, verifying 3-6 tokens cost 1.35-1.64 decode
 // forwards' worth of GEMM on a 2-core AMD EPYC, 6 at a time 1.12-1.22 (narrower column groups,
 // 16-32 columns, streamed the tile in strides and were 1.5x slower even at 1 row). Many rows are
-// bound by the multiply-adds, where the spills would cost: 3 x 32 stays in registers. Generic
-// 16-float vectors on AVX2 spill every accumulator: measured 2x slower than torch.matmul at 1 row
-// and 16x at 160 rows.
+// bound by the multiply-adds, where spills cost and the tile is in L2 anyway: 6 x 16 (12
+// accumulators, 2 weight vectors) stays in registers with the most multiply-adds per load —
+// 0.71-0.82x the time of the 3 x 32 used before at 24-256 rows, 0.92x at 16, 1.0-1.1x at 9-12.
+// Generic 16-float vectors on AVX2 spill every accumulator: measured 2x slower than torch.matmul
+// at 1 row and 16x at 160 rows.
 //
 // Every output element is summed over k = 0..K-1 in the same order whatever M is, so a row's
 // result does not depend on how many other rows share the call (decode and verification agree
@@ -39,7 +41,7 @@ constexpr int MR_MANY = 6, GV_MANY = 4; // the same for many rows
 #else
 constexpr int VL = 8;
 constexpr int MR_FEW = 6, GV_FEW = 8;
-constexpr int MR_MANY = 3, GV_MANY = 4;
+constexpr int MR_MANY = 6, GV_MANY = 2;
 #endif
 constexpr int NV = NB / VL;       // vectors per tile row
 constexpr int FEW_ROWS = 8;       // calls of at most this many rows use the FEW blocking
