@@ -446,11 +446,13 @@ class AdaptiveK:
     break-even α — which moves with the measured costs by ±0.1 on a noisy 2-core machine — a
     segment of short answers was never probed at all (json: ~30 tokens against an inherited
     interval of 64; the EAGLE head, at α 0.6 there, never drafted in one run of three). One token,
-    not ``explore_k``: the first position decides whether anything pays, and a 2-token
-    verification costs ~1.1 plain steps where a 3-token one costs ~1.3 (2 cores), so exploring a
-    segment where the drafter is hopeless (the head on summarize: 7-8 probes, each after catching
-    up on a long prompt) costs about a quarter as much. Sequences planned with their drafter's own
-    rates (``alphas``) are its to explore."""
+    not ``explore_k``: the first position decides whether anything pays, and a probe of one
+    token costs one draft round and the cheapest verification — when this was chosen a 2-token
+    verification cost ~1.1 plain steps and a 3-token one ~1.3 on 2 cores, so exploring a segment
+    where the drafter is hopeless (the head on summarize: 7-8 probes, each after catching up on a
+    long prompt) cost about a quarter as much; since the GEMM passes over a weight tile once for
+    up to 6 rows both cost ~1.1, and the one-token probe saves the extra draft rounds. Sequences
+    planned with their drafter's own rates (``alphas``) are its to explore."""
 
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     costs: StepCostModel = field(default_factory=StepCostModel)
