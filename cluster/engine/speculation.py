@@ -372,7 +372,7 @@ class SpecController:
                 drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
                 SpecBatchMetadata.from_num_draft_tokens([num_draft_tokens[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])
-            return [(result.committed(i), int(result.num_accepted[i])) for i in range(len(rows))]
+            return result.verdicts()
 
         t0 = time.perf_counter()
         verdicts = per_row(len(sampling), run, FaultStage.VERIFY, seq_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import torch
 
 from cluster.common.request import SamplingParams
@@ -26,6 +27,35 @@ from cluster.common.request import SamplingParams
 
 class NonFiniteScoresError(ValueError):
     """A row's scores or probabilities are NaN / inf: there is nothing sound to sample."""
+
+
+# dtypes numpy reads in place (bfloat16 is not one of them)
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64: each row's first maximal index (NaN counts as maximal), as
+    ``torch.argmax(dim=-1)``. A CPU tensor numpy can read goes through numpy's vectorized argmax:
+    torch's CPU reduction took ~55 µs per 49k-score row (a verification's 4-7 rows: 0.23-0.27 ms
+    of a ~30 ms step), numpy's ~5 µs (2-core VM)."""
+    if scores.device.type == "cpu" and scores.dtype in _NUMPY_FLOATS and not scores.requires_grad:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return scores.argmax(dim=-1)
+
+
+def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax_rows`` of logits [N, V] -> [N] int64, raising NonFiniteScoresError as
+    ``check_finite`` does. Where numpy reads the scores this is one pass over them: a row is sound
+    iff the score at its argmax is finite (NaN and +inf are maximal, and a row of -inf alone has
+    -inf there). Right after a forward the scores are no longer in cache, and each pass over a
+    verification's K + 1 rows of 49k scores cost ~0.1-0.2 ms (2-core VM)."""
+    choice = argmax_rows(logits)
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and not logits.requires_grad:
+        top = logits.numpy()[np.arange(logits.shape[0]), choice.numpy()]
+        if bool(np.isfinite(top).all()):
+            return choice
+    check_finite(logits)  # raises with the rows at fault (or passes: a GPU's scores)
+    return choice
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -57,7 +87,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     assert logits.dim() == 2, f"expected [N, V], got {tuple(logits.shape)}"
     if params.greedy:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs.scatter_(1, argmax_rows(logits).unsqueeze(-1), 1.0)
         return probs
     return torch.softmax(filtered_logits(logits, params), dim=-1)
 
@@ -109,8 +139,7 @@ def sample(
     NonFiniteScoresError when a row has nothing sound to sample (the caller isolates the row)."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(positions), (
         f"logits {tuple(logits.shape)} vs {len(params)} params / {len(positions)} positions")
-    check_finite(logits)
-    out = logits.argmax(dim=-1)
+    out = checked_argmax(logits)
     for i, p in enumerate(params):
         if p.greedy:
             continue

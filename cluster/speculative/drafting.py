@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from cluster.models.runner import SeqChunk
-from cluster.sampling.sampler import coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
+from cluster.sampling.sampler import argmax_rows, coupled_tokens, filtered_logits, logits_to_probs, sample_from_probs
 from cluster.speculative.types import DraftProposal, ProposeInput
 
 # forward(chunks) -> logits [len(chunks), V] for the last position of each chunk
@@ -63,7 +63,7 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
                 if float(under.max()) > float("-inf"):  # else (a trimmed head misses every legal id): unmasked
                     row_logits = under
             if p.greedy:
-                t = int(row_logits[0].argmax())
+                t = int(argmax_rows(row_logits)[0])
             elif p.coupled:  # draft token for absolute position len(token_ids) + drafted so far
                 position = len(inputs[i].token_ids) + len(tokens[i])
                 t = int(coupled_tokens(filtered_logits(row_logits, p), p.seed, position)[0])

@@ -28,10 +28,11 @@ class SpecBatchMetadata:
     def from_num_draft_tokens(cls, num_draft_tokens: list[int]) -> "SpecBatchMetadata":
         if any(k < 0 for k in num_draft_tokens):
             raise ValueError(f"negative draft count in {num_draft_tokens}")
-        cu = torch.zeros(len(num_draft_tokens) + 1, dtype=torch.int64)
-        if num_draft_tokens:
-            cu[1:] = torch.cumsum(torch.tensor(num_draft_tokens, dtype=torch.int64), 0)
-        return cls(list(num_draft_tokens), cu, max(num_draft_tokens, default=0))
+        cu, total = [0], 0
+        for k in num_draft_tokens:
+            total += k
+            cu.append(total)
+        return cls(list(num_draft_tokens), torch.tensor(cu, dtype=torch.int64), max(num_draft_tokens, default=0))
 
     @property
     def batch_size(self) -> int:
@@ -103,7 +104,11 @@ class RejectionResult:
 
     def committed(self, i: int) -> list[int]:
         n = int(self.num_accepted[i]) + 1
-        return [int(t) for t in self.output_token_ids[i, :n]]
+        return self.output_token_ids[i, :n].tolist()
+
+    def verdicts(self) -> list[tuple[list[int], int]]:
+        """Per row (its committed tokens, num_accepted), read back in two transfers."""
+        return [(row[: n + 1], n) for row, n in zip(self.output_token_ids.tolist(), self.num_accepted.tolist())]
 
 
 class DraftUnavailableError(RuntimeError):

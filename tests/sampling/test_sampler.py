@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import GREEDY_TEMPERATURE_EPS, SamplingParams
-from cluster.sampling.sampler import NonFiniteScoresError, gumbel_noise, logits_to_probs, sample
+from cluster.sampling.sampler import NonFiniteScoresError, argmax_rows, gumbel_noise, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_argmax():
@@ -18,6 +18,23 @@ def test_greedy_is_one_hot_argmax():
     probs = logits_to_probs(logits, SamplingParams())
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
     assert sample(logits, [SamplingParams()], [0]).tolist() == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax_ties_masks_and_nan_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(7, 49152, generator=g).to(dtype)
+    scores[1, 100] = scores[1, 200] = scores[1].max() + 1  # a tie: the first index wins
+    scores[2] = float("-inf")  # a fully masked row
+    scores[2, 4097] = 0.0
+    scores[3, 5] = float("nan")  # NaN counts as maximal, as in torch
+    for x in (scores, scores[:, ::2], scores.t().contiguous().t(), scores[2:5]):  # strided and sliced views
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
+        assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows(scores)[1:4].tolist() == [100, 4097, 5]
+    with torch.inference_mode():
+        assert argmax_rows(scores.clone()).tolist() == scores.argmax(dim=-1).tolist()
 
 
 def test_top_k_and_top_p_masks():
@@ -112,6 +129,29 @@ def test_the_finite_check_passes_masks_and_huge_finite_scores_and_catches_each_b
     x[2] = float("-inf")
     with pytest.raises(NonFiniteScoresError, match="1 of 5 rows"):
         check_finite(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's one pass; torch's sum
+def test_checked_argmax_is_the_argmax_and_refuses_exactly_what_the_finite_check_refuses(dtype):
+    from cluster.sampling.sampler import check_finite, checked_argmax
+
+    masked = torch.randn(4, 10)
+    masked[:, :5] = float("-inf")
+    for ok in (torch.randn(7, 49152), masked, torch.full((3, 10), 3e38)):
+        ok = ok.to(dtype)
+        check_finite(ok)
+        assert checked_argmax(ok).tolist() == ok.argmax(dim=-1).tolist()
+    for row, col, bad in ((3, 7, float("nan")), (3, 0, float("inf")), (0, 9, float("nan")), (2, None, float("-inf"))):
+        x = torch.randn(5, 10)
+        if col is None:
+            x[row] = bad  # a fully masked row
+        else:
+            x[row, col] = bad
+        x = x.to(dtype)
+        with pytest.raises(NonFiniteScoresError, match="1 of 5 rows"):
+            check_finite(x)
+        with pytest.raises(NonFiniteScoresError, match="1 of 5 rows"):
+            checked_argmax(x)
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -357,3 +357,4 @@ def test_deterministic_rows_match_the_reference_loop(mixed):
             expected = _reference_greedy(argmax[meta.target_slice(i)].tolist(), drafts[meta.draft_slice(i)].tolist())
             assert res.committed(i) == expected
             assert res.output_token_ids[i, len(expected):].tolist() == [PH] * (meta.max_draft_tokens + 1 - len(expected))
+        assert res.verdicts() == [(res.committed(i), int(res.num_accepted[i])) for i in range(len(num_draft_tokens))]
