@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -131,6 +132,46 @@ class _DraftCost:
 
 
 @dataclass(slots=True)
+class _Window:
+    """The last ``size`` target forwards (tokens, seconds), with what the fit reads kept up to
+    date as forwards come and go: the sums of n, n², t and n·t, and each token count's seconds
+    (their median recomputed only for the counts that changed). Refitting from the whole window
+    each step cost ~0.1 ms, and the engine refits once a step (2-core VM)."""
+
+    size: int
+    obs: deque = field(default_factory=deque)  # (n, t), oldest first
+    by_count: dict[int, deque] = field(default_factory=dict)  # n -> its seconds, oldest first
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # Σn, Σn², Σt, Σn·t
+    changed: set[int] = field(default_factory=set)  # counts whose median is stale
+    _since_exact: int = 0
+
+    def add(self, n: int, t: float) -> None:
+        self.obs.append((n, t))
+        self.by_count.setdefault(n, deque()).append(t)
+        self._shift(n, t, 1.0)
+        if len(self.obs) > self.size:
+            old_n, old_t = self.obs.popleft()
+            kept = self.by_count[old_n]
+            kept.popleft()
+            if not kept:
+                del self.by_count[old_n]
+            self._shift(old_n, old_t, -1.0)
+        self._since_exact += 1
+        if self._since_exact >= 4 * self.size:  # running sums drift: recompute them now and then
+            self.sums = [sum(float(n) for n, _ in self.obs), sum(float(n) * n for n, _ in self.obs),
+                         sum(t for _, t in self.obs), sum(n * t for n, t in self.obs)]
+            self._since_exact = 0
+
+    def _shift(self, n: int, t: float, sign: float) -> None:
+        s = self.sums
+        s[0] += sign * n
+        s[1] += sign * n * n
+        s[2] += sign * t
+        s[3] += sign * n * t
+        self.changed.add(n)
+
+
+@dataclass(slots=True)
 class StepCostModel:
     """Measured step costs. Draft: seconds per draft round (one drafted token for every
     speculating sequence), a running mean that turns into an EWMA (``draft_ewma``). Target:
@@ -174,7 +215,7 @@ class StepCostModel:
     # seconds a step spends outside the forward and the drafter picking its tokens: sampling
     # (plain) or rejection sampling (speculative); their difference is what verifying costs extra
     _sampling: dict[bool, _Mean] = field(default_factory=dict, init=False, repr=False)
-    _obs: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
+    _obs: _Window = field(init=False, repr=False)
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _medians: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> median t, refit with _fit
     # (token counts ascending, the least t(n) from each count on), refit with _fit
@@ -193,6 +234,7 @@ class StepCostModel:
         if not 0.0 < self.draft_ewma <= 1.0:
             raise ValueError("draft_ewma must be in (0, 1]")
         self._draft_cost = self.draft_cost_prior
+        self._obs = _Window(self.window)
 
     def observe_draft(self, rounds: int, seconds: float, drafter: str = "", catch_up: int = 0) -> None:
         """``rounds`` draft rounds took ``seconds``: of the engine's drafter as a whole (""), or of
@@ -217,9 +259,7 @@ class StepCostModel:
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds < 0:
             return
-        self._obs.append((int(num_tokens), float(seconds)))
-        if len(self._obs) > self.window:
-            del self._obs[: len(self._obs) - self.window]
+        self._obs.add(int(num_tokens), float(seconds))
         self._fit = None
 
     @property
@@ -264,10 +304,14 @@ class StepCostModel:
         """(a, b) of t(n) = a + b·n, both >= 0."""
         if self._fit is None:
             self._fit = self._solve()
-            seen: dict[int, list[float]] = {}
-            for n, t in self._obs:
-                seen.setdefault(n, []).append(t)
-            self._medians = {n: statistics.median(ts) for n, ts in seen.items() if len(ts) >= self.min_points}
+            window = self._obs
+            for n in window.changed:
+                ts = window.by_count.get(n, ())
+                if len(ts) >= self.min_points:
+                    self._medians[n] = statistics.median(ts)
+                else:
+                    self._medians.pop(n, None)
+            window.changed.clear()
             # the floor under t(n): the dearest of t(1) and the medians at m <= n (noise must
             # never make more tokens look cheaper than fewer: that would make α = 0 "pay")
             a, b = self._fit
@@ -298,11 +342,12 @@ class StepCostModel:
     def _solve(self) -> tuple[float, float]:
         # Minimize sum (a + b·n_i - t_i)^2 + wa·(a - a0)^2 + wb·(b - rho·a)^2: linear in (a, b).
         wa, wb, rho = self.intercept_prior_weight, self.slope_prior_weight, self.slope_prior_ratio
-        s1 = len(self._obs) + wa + wb * rho * rho
-        sn = sum(float(n) for n, _ in self._obs) - wb * rho
-        snn = sum(float(n) * n for n, _ in self._obs) + wb
-        st = sum(t for _, t in self._obs) + wa * self.target_a_prior
-        snt = sum(n * t for n, t in self._obs)
+        sum_n, sum_nn, sum_t, sum_nt = self._obs.sums
+        s1 = len(self._obs.obs) + wa + wb * rho * rho
+        sn = sum_n - wb * rho
+        snn = sum_nn + wb
+        st = sum_t + wa * self.target_a_prior
+        snt = sum_nt
         det = s1 * snn - sn * sn  # > 0: the priors make the quadratic form positive definite
         a = (st * snn - sn * snt) / det
         b = (s1 * snt - sn * st) / det
@@ -317,7 +362,7 @@ class StepCostModel:
     def to_dict(self) -> dict:
         a, b = self.coefficients
         out = {"draft_cost_s": self.draft_cost, "target_a_s": a, "target_b_s_per_token": b,
-               "target_observations": len(self._obs), "verify_overhead_s": self.verify_overhead}
+               "target_observations": len(self._obs.obs), "verify_overhead_s": self.verify_overhead}
         named = sorted({*self.draft_cost_ratio_priors, *self._by_drafter})
         if named:
             out["draft_cost_s_by_drafter"] = {d: self.draft_cost_of(d) for d in named}
@@ -496,9 +541,10 @@ class AdaptiveK:
             def rate(ks_: list[int]) -> float:
                 return batch_rate(alphas, ks_, self.costs, extra_tokens, extra_committed, drafters)
 
-            uniform = max(range(1, max_draft_tokens + 1), key=lambda r: rate([r] * n))
-            if rate([uniform] * n) > rate(num_draft_tokens) * (1.0 + self.min_gain):
-                num_draft_tokens = [uniform] * n
+            if n > 1:  # a lone sequence's best K is its coordinate ascent's, whatever it starts from
+                uniform = max(range(1, max_draft_tokens + 1), key=lambda r: rate([r] * n))
+                if rate([uniform] * n) > rate(num_draft_tokens) * (1.0 + self.min_gain):
+                    num_draft_tokens = [uniform] * n
             self._coordinate_ascent(alphas, num_draft_tokens, max_draft_tokens, extra_tokens, extra_committed,
                                     drafters)
         missing: dict[str, float] = {}  # segment -> positions its exploration still lacks this step

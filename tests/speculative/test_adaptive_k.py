@@ -121,6 +121,42 @@ def test_cost_model_priors_then_fit():
     assert m.draft_cost == pytest.approx(0.001, rel=0.05)
 
 
+def test_cost_model_kept_up_to_date_forward_by_forward_equals_a_fit_of_its_window():
+    """The window's sums and per-count medians are updated as forwards come and go; after each
+    forward they equal a least-squares fit and medians computed from the last ``window``
+    forwards from scratch (counts leave the window and come back)."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    m = StepCostModel(window=24, min_points=3)
+    wa, wb, rho = m.intercept_prior_weight, m.slope_prior_weight, m.slope_prior_ratio
+    seen: list[tuple[int, float]] = []
+    for step in range(1200):
+        n = rng.choice([1, 1, 1, 2, 4, 7] if step < 600 else [1, 3, 3, 16])  # the mix changes halfway
+        t = 0.01 + 0.001 * n + rng.random() * 0.002
+        m.observe_target(n, t)
+        seen.append((n, t))
+        window = seen[-24:]
+        s1 = len(window) + wa + wb * rho * rho
+        sn = sum(k for k, _ in window) - wb * rho
+        snn = sum(k * k for k, _ in window) + wb
+        st = sum(x for _, x in window) + wa * m.target_a_prior
+        snt = sum(k * x for k, x in window)
+        det = s1 * snn - sn * sn
+        a, b = (st * snn - sn * snt) / det, (s1 * snt - sn * st) / det
+        if step % 7 == 0 or step > 1190:
+            got_a, got_b = m.coefficients
+            assert got_a == pytest.approx(max(a, 0.0), rel=1e-9, abs=1e-12)
+            assert got_b == pytest.approx(max(b, 0.0), rel=1e-9, abs=1e-12)
+            for k in {1, 2, 3, 4, 7, 16}:
+                own = [x for c, x in window if c == k]
+                if len(own) >= 3:  # the median prices t(k), never below a smaller count's price
+                    assert m.target_time(k) >= statistics.median(own) - 1e-15
+                    if k == 1:
+                        assert m.target_time(1) == pytest.approx(statistics.median(own), rel=1e-12)
+
+
 def test_cost_model_single_batch_size_keeps_prior_slope_ratio():
     m = StepCostModel(target_a_prior=0.02, slope_prior_ratio=1 / 100)
     for _ in range(50):
