@@ -50,7 +50,8 @@ class FeatureTap(Protocol):
     feature_layers: tuple[int, ...]  # empty: no features wanted (yet)
 
     def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
-        """features: [sum len(token_ids), len(feature_layers) * hidden] float32, chunk rows in order."""
+        """features: [sum len(token_ids), len(feature_layers) * hidden] float32, chunk rows in order;
+        handed over (a fresh tensor no one writes again: the tap may keep it)."""
 
     def forget(self, seq_id: str) -> None:
         """The runner freed this sequence: its features are stale."""

@@ -194,18 +194,20 @@ def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
 
 
-@pytest.mark.parametrize("fuse_rows", [1, 4, 10**6])
-def test_recorded_features_are_fused_later_exactly_as_when_each_forward_ran(tiny, head_dir, fuse_rows):
-    """Features are fused in batches (or before a propose): every position ends up with the fused
-    row of the last forward that wrote it (a verification's rejected positions are rewritten), a
-    growing sequence keeps its earlier rows, and a released sequence's pending rows never land in
-    a new sequence of the same id."""
+@pytest.mark.parametrize("max_raw_rows", [1, 4, 10**6])
+def test_recorded_features_are_fused_later_exactly_as_when_each_forward_ran(tiny, head_dir, max_raw_rows):
+    """Features are fused in batches (before a propose, or once max_raw_rows are held raw): every
+    position ends up with the fused row of the last forward that wrote it (a verification's
+    rejected positions are rewritten), a growing sequence keeps its earlier rows, and a released
+    sequence's pending rows never land in a new sequence of the same id — nor are they fused."""
     from cluster.models.runner import SeqChunk
 
     _, model = tiny
     runner = model.with_fresh_kv(EngineConfig(model="tiny")).runner
     prop = EagleProposer.from_dir(head_dir, runner)
-    prop.fuse_rows = fuse_rows
+    prop.max_raw_rows = max_raw_rows
+    fuse, fused_rows = prop.head.fuse, []
+    prop.head.fuse = lambda x: fused_rows.append(x.shape[0]) or fuse(x)
     g = torch.Generator().manual_seed(3)
     expected: dict[str, dict[int, torch.Tensor]] = {}
     forwards = [
@@ -223,16 +225,18 @@ def test_recorded_features_are_fused_later_exactly_as_when_each_forward_ran(tiny
             continue
         feats = torch.randn(sum(len(c.token_ids) for c in fwd), prop.feature_width, generator=g)
         with torch.inference_mode():
-            fused = prop.head.fuse(feats)
+            fused = fuse(feats)
         row = 0
         for c in fwd:
             for i in range(len(c.token_ids)):
                 expected.setdefault(c.seq_id, {})[c.start_pos + i] = fused[row + i]
             row += len(c.token_ids)
         prop.record(fwd, feats)
-        assert prop._pending_rows < fuse_rows  # held raw only up to fuse_rows
+        assert prop._pending_rows < max_raw_rows  # held raw only up to max_raw_rows
     prop.propose([])  # a propose fuses what is pending
     assert prop._pending_rows == 0
+    if max_raw_rows == 10**6:  # all fused at the propose: the released b's 73 rows were dropped raw
+        assert fused_rows == [5 + 4 + 2 + 6 + 1]
     for seq_id, rows in expected.items():
         st = prop._seqs[seq_id]
         assert st.filled == max(rows) + 1
