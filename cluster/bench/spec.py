@@ -107,6 +107,7 @@ class Run:
     accepted_per_position: list[int] = field(default_factory=list)  # SpecStats' counters
     drafted_per_position: list[int] = field(default_factory=list)
     steps_by_num_draft_tokens: list[int] = field(default_factory=list)  # steps_by_num_draft_tokens[K]: verification steps with K drafts
+    host_steps: list[float] = field(default_factory=list)  # step wall - its drafter and target-forward time (no prefill)
 
     def take_counters(self, spec) -> None:
         """The request's speculation counters (its final ``SpecStats``)."""
@@ -119,7 +120,7 @@ class Run:
 
 def _timing(engine):
     t = getattr(engine.spec, "timing", None)
-    return None if t is None else (t.propose_s, t.draft_rounds, t.verify_steps)
+    return None if t is None else (t.propose_s, t.draft_rounds, t.verify_steps, t.verify_forward_s + t.plain_forward_s)
 
 
 def run_ours(engine, request) -> Run:
@@ -143,6 +144,8 @@ def run_ours(engine, request) -> Run:
     for i, (w, k) in enumerate(zip(walls, kinds)):
         if i == 0:
             continue  # the prefill step
+        if k is not None:  # what the step spent outside the drafter and the target's forward
+            run.host_steps.append(w - k[0] - k[3])
         if k is not None and k[2] > 0:  # a verification step
             run.verify_steps.append(w - k[0])
             if k[1] > 0:
@@ -340,6 +343,9 @@ def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None,
         "predicted_speedup": _r(predicted),
         "c": _r(c),
         "v": _r(v),
+        # the host's share of a step (scheduling, planning K, choosing a drafter, verifying): wall
+        # minus the drafter's and the target forward's time, median over the rows' decode steps
+        "host_ms_per_step": _r(1e3 * h, 3) if (h := _med([x for r in spec for x in r.host_steps])) is not None else None,
         "ms_per_token": _r(_med([1e3 * s.wall_s / max(s.tokens, 1) for s in spec]), 3),
         "plain_ms_per_token": _r(_med([1e3 * p.wall_s / max(p.tokens, 1) for p in plain]), 3),
         "outputs_equal_plain": sum(p.ids == s.ids for p, s in zip(plain, spec)),
@@ -598,7 +604,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(report: dict) -> str:
-    cols = ("α", "acc.len", "K", "c", "v", "speedup", "pred", "ms/tok", "HF spd", "HF ms/tok", "vs HF")
+    cols = ("α", "acc.len", "K", "c", "v", "speedup", "pred", "ms/tok", "host ms", "HF spd", "HF ms/tok", "vs HF")
     lines = [f"{'segment':<13}{'drafter':<16}" + "".join(f"{c:>10}" for c in cols)]
 
     def f(x, nd=2):
@@ -606,11 +612,11 @@ def format_table(report: dict) -> str:
 
     for seg, rows in report["segments"].items():
         p = report["plain"][seg]
-        lines.append(f"{seg:<13}{'plain':<16}" + f"{'':>10}" * 7 + f"{f(p['ms_per_token'], 1):>10}" + f"{'':>10}"
+        lines.append(f"{seg:<13}{'plain':<16}" + f"{'':>10}" * 7 + f"{f(p['ms_per_token'], 1):>10}" + f"{'':>10}" * 2
                      + f"{f(p['hf_ms_per_token'], 1):>10}")
         for name, r in rows.items():
             vals = (r["alpha"], r["mean_acceptance_length"], r["k"] if r["k"] != "auto" else f"a{f(r['k_mean'], 1)}",
-                    r["c"], r["v"], r["speedup"], r["predicted_speedup"], r["ms_per_token"], r["hf_speedup"],
+                    r["c"], r["v"], r["speedup"], r["predicted_speedup"], r["ms_per_token"], r.get("host_ms_per_step"), r["hf_speedup"],
                     r["hf_ms_per_token"], r["vs_hf"])
             lines.append(f"{'':<13}{name:<16}" + "".join(f"{f(v) if not isinstance(v, str) else v:>10}" for v in vals))
     lines.append("")

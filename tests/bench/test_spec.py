@@ -14,7 +14,7 @@ from cluster.bench import spec as bench_spec
 from tests.reference import WORKLOADS
 
 ROW_FIELDS = ("acceptance_rate", "mean_acceptance_length", "speedup", "predicted_speedup", "hf_speedup",
-              "k", "c", "v", "ms_per_token", "hf_ms_per_token")
+              "k", "c", "v", "host_ms_per_step", "ms_per_token", "hf_ms_per_token")
 
 
 def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, capsys):
@@ -36,6 +36,8 @@ def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, cap
             assert isinstance(row[f], (int, float)) and math.isfinite(row[f]), (name, f, row[f])
         assert 0.0 <= row["acceptance_rate"] <= 1.0
         assert 1.0 <= row["mean_acceptance_length"] <= 5.0
+        # the host's share of a step: more than nothing, less than the whole step
+        assert 0.0 < row["host_ms_per_step"] < row["ms_per_token"] * row["mean_acceptance_length"], (name, row)
         assert row["k"] == "auto" or isinstance(row["k"], int)
         assert row["outputs_equal_plain"] == 1, name  # greedy speculation is lossless
         # fixed-K rows have an HF peer of the same method
