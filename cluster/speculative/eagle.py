@@ -47,7 +47,7 @@ class _SeqState:
 class EagleProposer:
     kind = DrafterKind.EAGLE
     # recorded target positions held raw (not fused yet) at most: ~28 MB of the default model's
-    # 3 x 576 features; a propose fuses what its sequences need first
+    # 3 x 576 features; a propose fuses what is held first
     max_raw_rows = 4096
 
     def __init__(self, head: EagleHead, target_runner: ModelRunner) -> None:
