@@ -33,14 +33,19 @@ class NonFiniteScoresError(ValueError):
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
+def _numpy_of(t: torch.Tensor) -> np.ndarray | None:
+    """The tensor's data as a numpy array, not copied, where numpy can read it (a CPU float tensor
+    without autograd, not bfloat16); else None."""
+    return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad else None
+
+
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64: each row's first maximal index (NaN counts as maximal), as
     ``torch.argmax(dim=-1)``. A CPU tensor numpy can read goes through numpy's vectorized argmax:
     torch's CPU reduction took ~55 µs per 49k-score row (a verification's 4-7 rows: 0.23-0.27 ms
     of a ~30 ms step), numpy's ~5 µs (2-core VM)."""
-    if scores.device.type == "cpu" and scores.dtype in _NUMPY_FLOATS and not scores.requires_grad:
-        return torch.from_numpy(scores.numpy().argmax(axis=-1).astype(np.int64, copy=False))
-    return scores.argmax(dim=-1)
+    a = _numpy_of(scores)
+    return scores.argmax(dim=-1) if a is None else torch.from_numpy(a.argmax(axis=-1).astype(np.int64, copy=False))
 
 
 def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -50,10 +55,9 @@ def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
     -inf there). Right after a forward the scores are no longer in cache, and each pass over a
     verification's K + 1 rows of 49k scores cost ~0.1-0.2 ms (2-core VM)."""
     choice = argmax_rows(logits)
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and not logits.requires_grad:
-        top = logits.numpy()[np.arange(logits.shape[0]), choice.numpy()]
-        if bool(np.isfinite(top).all()):
-            return choice
+    a = _numpy_of(logits)
+    if a is not None and bool(np.isfinite(a[np.arange(a.shape[0]), choice.numpy()]).all()):
+        return choice
     check_finite(logits)  # raises with the rows at fault (or passes: a GPU's scores)
     return choice
 
