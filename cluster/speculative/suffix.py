@@ -103,7 +103,8 @@ class _Segment:
         lo, hi = keys.searchsorted(key, "left"), keys.searchsorted(key, "right")
         found = order[lo:hi] - self.front
         found = found[found >= 0]  # occurrences evicted since the index was built
-        start = end - self.front  # the unindexed end of the buffer: documents learnt since
+        # the unindexed end (documents learnt since): all of the buffer once the indexed ones are evicted
+        start = max(0, end - self.front)
         if start < flat.shape[0]:
             found = np.concatenate([found, np.flatnonzero(flat[start:] == token) + start])
         return found

@@ -111,25 +111,28 @@ def test_token_positions_follow_documents_learnt_replaced_and_evicted():
 
     rng = np.random.default_rng(1)
     indexed = SuffixProposer(index=SuffixIndex(max_tokens=3000))
+    stale = SuffixProposer(index=SuffixIndex(max_tokens=3000))  # its index outlives every document it covered
     scanned = SuffixProposer(index=SuffixIndex(max_tokens=3000))
-    sizes = {"small": (64, 200), "never": (10**9, 10**9)}
+    sizes = {"small": (64, 200), "stale": (64, 10**9), "never": (10**9, 10**9)}
     for step in range(300):
         key = f"d{rng.integers(0, 40)}" if step % 7 == 0 else f"d{step}"  # some keys learnt again
         doc = rng.integers(0, 30, int(rng.integers(1, 120))).tolist()
-        for p, (min_tokens, reindex) in ((indexed, sizes["small"]), (scanned, sizes["never"])):
+        for p, (min_tokens, reindex) in ((indexed, sizes["small"]), (stale, sizes["stale"]), (scanned, sizes["never"])):
             p.index.add("s", key, doc)
             seg = p.index._segments["s"]
             seg.index_min_tokens, seg.reindex_tokens = min_tokens, reindex
         buf = indexed.index.buffer("s")
         assert buf.tolist() == scanned.index.buffer("s").tolist()
         for t in range(30):
-            assert indexed.index.positions("s", t).tolist() == np.flatnonzero(buf == t).tolist(), (step, t)
+            for p in (indexed, stale):
+                assert p.index.positions("s", t).tolist() == np.flatnonzero(buf == t).tolist(), (step, t)
         history = rng.integers(0, 30, 40).tolist()
-        a = indexed.proposal(f"q{step}", history, "s")
         b = scanned.proposal(f"q{step}", history, "s")
-        assert (a.tokens, a.probs, a.match_len) == (b.tokens, b.probs, b.match_len)
-        indexed.release(f"q{step}")
-        scanned.release(f"q{step}")
+        for p in (indexed, stale):
+            a = p.proposal(f"q{step}", history, "s")
+            assert (a.tokens, a.probs, a.match_len) == (b.tokens, b.probs, b.match_len)
+        for p in (indexed, stale, scanned):
+            p.release(f"q{step}")
     assert indexed.index._segments["s"].occurrences is not None and indexed.index._segments["s"].front > 0
 
 
