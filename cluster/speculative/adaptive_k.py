@@ -221,6 +221,9 @@ class StepCostModel:
     # (token counts ascending, the least t(n) from each count on), refit with _fit
     _floor: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), init=False, repr=False)
     _times: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # n -> t(n), refit with _fit
+    # observations taken so far: whatever was computed from the model at one version holds until
+    # the next (the portfolio prices its members once a step with it)
+    version: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if min(self.draft_cost_prior, self.target_a_prior, self.slope_prior_ratio) < 0:
@@ -244,6 +247,7 @@ class StepCostModel:
         its rounds several times dearer)."""
         if rounds <= 0 or seconds < 0:
             return
+        self.version += 1
         if drafter:
             prior = self.draft_cost_of(drafter) if drafter in self.draft_cost_ratio_priors else None
             self._by_drafter.setdefault(drafter, _DraftCost()).observe(rounds, seconds, max(0, catch_up),
@@ -261,6 +265,7 @@ class StepCostModel:
             return
         self._obs.add(int(num_tokens), float(seconds))
         self._fit = None
+        self.version += 1
 
     @property
     def draft_cost(self) -> float:
@@ -273,6 +278,7 @@ class StepCostModel:
         (speculative) or sampling one token per sequence (plain)."""
         if seconds >= 0:
             self._sampling.setdefault(speculative, _Mean()).observe(seconds, self.draft_ewma)
+            self.version += 1
 
     @property
     def verify_overhead(self) -> float:

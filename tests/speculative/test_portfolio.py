@@ -347,3 +347,34 @@ def test_adaptive_k_is_handed_the_rates_the_chosen_member_was_valued_at():
                                routes=SegmentRoutes(default="head"))
     routed.propose([inp("r", [0])])
     assert routed.last_choice == {"r": "head"} and routed.planning_alpha("r") is None
+
+
+def test_member_prices_are_kept_while_the_cost_model_stands_and_redone_after_it_learns():
+    """Valuing the members reads t(1), t(k+1), each member's round cost and verification's extra
+    once per cost-model version: the values equal the formula from the model's current numbers,
+    before and after new observations (a stale price would keep valuing yesterday's step)."""
+    from cluster.speculative.acceptance import expected_committed
+    from cluster.speculative.adaptive_k import StepCostModel
+
+    costs = StepCostModel(draft_cost_prior=0.0, target_a_prior=0.02, min_points=1)
+    for n, t in ((1, 0.020), (2, 0.022), (3, 0.023), (4, 0.024)):
+        costs.observe_target(n, t)
+    costs.observe_draft(3, 0.003, drafter="head")
+    pf = PortfolioProposer([Member("ngram", Fixed([1, 2, 3])), Member("head", Costly([1, 2, 3], "h"), cost=0.1)])
+    pf.use_costs(costs)
+
+    def formula(name, k, alpha, later):
+        step = k * costs.draft_cost_of(name) + costs.target_time(k + 1) + costs.verify_overhead
+        return expected_committed((alpha, later), k) * costs.target_time(1) / step
+
+    for _ in range(2):
+        for m in pf.members:
+            for k in range(1, 7):
+                assert pf.expected_per_cost(m, k, 0.6, 0.8) == pytest.approx(formula(m.name, k, 0.6, 0.8), rel=1e-12)
+            assert pf.value(m, 6, 0.6, 0.8) == pytest.approx(max(formula(m.name, k, 0.6, 0.8) for k in range(1, 7)))
+        version = costs.version
+        costs.observe_target(3, 0.040)  # the machine slowed: t(3) doubled
+        costs.observe_draft(2, 0.010, drafter="head")  # and the head's rounds dearer
+        costs.observe_sampling(True, 0.002)
+        costs.observe_sampling(False, 0.001)
+        assert costs.version == version + 4
