@@ -12,7 +12,8 @@ import pytest
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
-from cluster.speculative.suffix import SEPARATOR, SuffixIndex, SuffixProposer, match_starts, walk
+from cluster.speculative.suffix import (SEPARATOR, SMALL_WALK, SuffixIndex, SuffixProposer, match_starts, walk,
+                                       walk_arrays, walk_lists)
 from cluster.speculative.types import ProposeInput
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -174,6 +175,28 @@ def test_a_single_occurrence_walks_its_continuation_as_the_general_walk_does():
         fast = walk([(buf, start)], max_len, 0.1)
         general = walk([(buf, start), (buf.copy(), start.copy())], max_len, 0.1)
         assert fast == general
+
+
+def test_the_walk_in_python_lists_equals_the_walk_in_numpy():
+    """A few occurrences are walked in Python lists, many with numpy: same tokens, same
+    probabilities (bit for bit), ties to the same most recent occurrence — sources of every
+    size, separators, starts at the buffer's end, low and high probability floors."""
+    rng = np.random.default_rng(11)
+    for trial in range(600):
+        sources = []
+        for _ in range(int(rng.integers(1, 4))):
+            buf = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(2, 60))).astype(np.int32)
+            buf[rng.random(buf.shape[0]) < 0.05] = SEPARATOR
+            n = int(rng.integers(0, min(buf.shape[0] + 1, 24)))
+            starts = np.sort(rng.choice(buf.shape[0] + 1, size=n, replace=False)).astype(np.int64)
+            sources.append((buf, starts))
+        max_len, floor = int(rng.integers(1, 17)), float(rng.choice([0.0, 0.05, 0.1, 0.3]))
+        lists, arrays = walk_lists(sources, max_len, floor), walk_arrays(sources, max_len, floor)
+        assert lists == arrays, trial
+    few = [(np.array([1, 2, 3, 1, 2, 4], dtype=np.int32), np.array([1, 4]))]
+    assert walk(few, 4, 0.1) == walk_lists(few, 4, 0.1) == ([2, 4], [1.0, 0.5])
+    many = [(np.tile(np.array([1, 2], dtype=np.int32), 40), np.arange(1, 79, 2))]
+    assert many[0][1].size > SMALL_WALK and walk(many, 3, 0.1) == walk_arrays(many, 3, 0.1)
 
 
 def test_a_growing_sequence_drafts_as_a_fresh_proposer_would_and_a_rollback_starts_afresh():
