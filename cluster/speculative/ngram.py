@@ -10,8 +10,8 @@ sampling request by the rejection sampler.
 ``draft_context`` tells adaptive K the length of the match a draft would rest on, so that
 acceptance is estimated per match length (and a sequence with no match is not planned at all).
 
-Cost: a search is ngram_max vectorized comparisons over the history (numpy), tens of microseconds
-for a few thousand tokens. The history of each seq_id is cached as a numpy buffer that grows by
+Cost: a search is one vectorized comparison over the history (numpy) and up to ngram_max - 1
+over the last token's earlier occurrences, tens of microseconds for a few thousand tokens. The history of each seq_id is cached as a numpy buffer that grows by
 appending; a bad cache can only produce poor drafts, never wrong output (the target verifies).
 """
 from __future__ import annotations
@@ -40,19 +40,27 @@ def continuation(tokens: np.ndarray, match: tuple[int, int], k: int) -> list[int
 def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tuple[int, int]:
     """tokens [L] int64 -> (n, start): the longest suffix n-gram (n in [ngram_min, ngram_max])
     that occurs earlier, and where the continuation of its most recent earlier occurrence
-    starts; (0, -1) when none matches."""
+    starts; (0, -1) when none matches.
+
+    One pass over the history finds where the last token occurred before (never at the end
+    itself, so a continuation exists); each further token back narrows those occurrences to the
+    ones that also match it. Comparing n tokens over the whole history for each n from the
+    longest down cost ~10-20 numpy calls over L elements a step (~0.15 ms at L ~800 on 2 cores
+    right after a forward), this costs two such calls and a few over the occurrences."""
     length = tokens.shape[0]
-    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        # Candidate starts i in [0, L - n): a[i:i+n] == suffix, never the suffix itself, so at
-        # least one continuation token exists.
-        span = length - n
-        match = tokens[:span] == tokens[span]
-        for t in range(1, n):
-            match &= tokens[t : span + t] == tokens[span + t]
-        hits = np.flatnonzero(match)
-        if hits.size:
-            return n, int(hits[-1]) + n
-    return 0, -1
+    if length < 2 or ngram_max < 1:
+        return 0, -1
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # where a 1-gram match ends
+    n = 1
+    while n < min(ngram_max, length - 1) and ends.size:
+        longer = ends[ends >= n]
+        longer = longer[tokens[longer - n] == tokens[length - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if not ends.size or n < ngram_min:
+        return 0, -1
+    return n, int(ends[-1]) + 1
 
 
 @dataclass(slots=True)

@@ -138,6 +138,23 @@ def test_matches_brute_force_on_random_sequences():
         assert find_ngram_continuation(np.array(tokens, dtype=np.int64), k, 1, 4) == expected
 
 
+def test_match_is_the_longest_suffix_ngram_and_its_most_recent_occurrence_by_brute_force():
+    """(n, start) for every ngram_min / ngram_max, small vocabularies (many occurrences, long
+    matches) and large ones (few), against the definition itself."""
+    rng = np.random.default_rng(3)
+    for _ in range(1500):
+        tokens = rng.integers(0, int(rng.choice([2, 3, 5, 50])), size=int(rng.integers(1, 60))).tolist()
+        lo = int(rng.integers(1, 5))
+        hi = int(rng.integers(lo, 7))
+        expected = (0, -1)
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+            if starts:
+                expected = (n, starts[-1] + n)
+                break
+        assert find_ngram_match(np.array(tokens, dtype=np.int64), lo, hi) == expected, (tokens, lo, hi)
+
+
 def test_4k_token_search_is_fast():
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 32000, size=4096).tolist()
