@@ -62,6 +62,15 @@ def runs_per_prompt(method: str, repeats: int) -> int:
     return 1 if method.split("/")[0] in LEARNING_DRAFTERS else max(1, repeats)
 
 
+def method_order(names: list[str], prompt_index: int) -> list[str]:
+    """The order the methods run in on a segment's ``prompt_index``-th prompt: rotated by one per
+    prompt, so that no method always runs first or last of the prompt's runs (a fixed order put
+    plain first and the EAGLE rows last on every prompt: whatever drifts over a prompt's half
+    minute of runs would bias the ratios between them the same way every time)."""
+    shift = prompt_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="target model source (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
@@ -544,10 +553,12 @@ def run(args: argparse.Namespace) -> int:
     for seg in segments:
         per = results.setdefault(seg, {m: [] for m in list(methods) + list(hf_methods)})
         before = {name: member_counts(eng) for name, (eng, _) in methods.items()}
-        for pid, ids, max_tokens in prompts[seg]:
+        for j, (pid, ids, max_tokens) in enumerate(prompts[seg]):
             reps: dict[str, list[Run]] = {m: [] for m in per}
+            order = method_order(list(methods), j)
             for rep in range(max(1, args.repeats)):  # interleaved: every method on this prompt, in turn
-                for name, (eng, _) in methods.items():
+                for name in order:
+                    eng = methods[name][0]
                     if rep < runs_per_prompt(name, args.repeats):
                         reps[name].append(run_ours(eng, _request(f"{pid}-{name}-{rep}", ids, max_tokens, seg)))
                 for name in hf_methods:
@@ -590,7 +601,8 @@ def run(args: argparse.Namespace) -> int:
                    "max_tokens_cap": args.max_tokens, "ngram_k": args.ngram_k, "model_k": args.model_k,
                    "self_layers": self_layers, "draft_layers": draft_layers if "draft" in kinds else None,
                    "draft_dir": str(draft_dir) if draft_dir else None, "threads": torch.get_num_threads(),
-                   "hf_peers": {k: v for k, v in hf_peer.items() if v in hf_methods}, "concurrency": 1, "greedy": True},
+                   "hf_peers": {k: v for k, v in hf_peer.items() if v in hf_methods}, "concurrency": 1, "greedy": True,
+                   "method_order": "rotated by one per prompt (method_order)"},
         "calibration": calibration,
         "plain": plain_rows,
         "segments": table,

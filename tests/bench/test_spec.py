@@ -247,3 +247,26 @@ def test_learning_drafters_run_each_prompt_once_under_repeats(tmp_path, default_
     measured = [r for r in seen if not r.startswith("warm-")]
     assert sorted(r.split("-", 2)[-1] for r in measured) == sorted(
         [f"{m}-{rep}" for m in ("plain", "ngram/k4", "ngram/auto") for rep in (0, 1)] + ["suffix/auto-0"])
+
+
+def test_methods_run_in_a_rotated_order_prompt_by_prompt(tmp_path, default_model, monkeypatch):
+    """No method always runs first or last of a prompt's runs: the order shifts by one per
+    prompt (a fixed order put plain first and the EAGLE rows last on every prompt)."""
+    assert bench_spec.method_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench_spec.method_order(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert bench_spec.method_order(["a", "b", "c"], 5) == ["c", "a", "b"] and bench_spec.method_order([], 3) == []
+    seen: list[str] = []
+    real = bench_spec.run_ours
+    monkeypatch.setattr(bench_spec, "run_ours", lambda engine, request: seen.append(request.request_id) or real(engine, request))
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    out = tmp_path / "spec.json"
+    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                         "--segments", "chat", "--prompts-per-segment", "2", "--max-tokens", "4",
+                         "--drafters", "ngram", "--no-hf", "--threads", "2"])
+    assert bench_spec.run(args) == 0
+    measured = [r.rsplit("-", 1)[0] for r in seen if not r.startswith("warm-")]
+    first, second = measured[:3], measured[3:]
+    assert [m.split("-")[-1] for m in first] == ["plain", "ngram/k4", "ngram/auto"]
+    assert [m.split("-")[-1] for m in second] == ["ngram/k4", "ngram/auto", "plain"]
+    assert json.loads(out.read_text())["config"]["method_order"].startswith("rotated")
