@@ -11,8 +11,9 @@ sampling request by the rejection sampler.
 acceptance is estimated per match length (and a sequence with no match is not planned at all).
 
 Cost: a search is one vectorized comparison over the history (numpy) and up to ngram_max - 1
-over the last token's earlier occurrences, tens of microseconds for a few thousand tokens. The history of each seq_id is cached as a numpy buffer that grows by
-appending; a bad cache can only produce poor drafts, never wrong output (the target verifies).
+over the last token's earlier occurrences, tens of microseconds for a few thousand tokens. The
+history of each seq_id is cached as a numpy buffer that grows by appending; a bad cache can only
+produce poor drafts, never wrong output (the target verifies).
 """
 from __future__ import annotations
 
