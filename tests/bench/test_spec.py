@@ -17,15 +17,19 @@ ROW_FIELDS = ("acceptance_rate", "mean_acceptance_length", "speedup", "predicted
               "k", "c", "v", "host_ms_per_step", "ms_per_token", "hf_ms_per_token")
 
 
-def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, capsys):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+def _bench(argv: list[str]) -> int:
+    """``specserve bench spec`` with these arguments, in process -> its exit code."""
     p = argparse.ArgumentParser()
     bench_spec.add_arguments(p)
+    return bench_spec.run(p.parse_args(argv))
+
+
+def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, capsys):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "spec.json"
-    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
-                         "--segments", "summarize", "--prompts-per-segment", "1", "--max-tokens", "8",
-                         "--self-layers", "8", "--threads", "2"])
-    assert bench_spec.run(args) == 0
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                  "--segments", "summarize", "--prompts-per-segment", "1", "--max-tokens", "8",
+                  "--self-layers", "8", "--threads", "2"]) == 0
     report = json.loads(out.read_text())
     rows = report["segments"]["summarize"]
     assert set(rows) == {"ngram/k4", "ngram/auto", "self:8/k3", "self:8/auto", "draft-l8/k3", "draft-l8/auto"}
@@ -162,10 +166,7 @@ def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
 
 def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
     """Two heads in one run would share the rows eagle/k3 and eagle/auto: refused before any model loads."""
-    p = argparse.ArgumentParser()
-    bench_spec.add_arguments(p)
-    args = p.parse_args(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"])
-    assert bench_spec.run(args) == 2
+    assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"]) == 2
     assert "one EAGLE head per run" in capsys.readouterr().err
     assert not (tmp_path / "spec.json").exists()
 
@@ -183,13 +184,10 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight()[:, :8192].t())
     save_head(head, tmp_path / "head")
-    p = argparse.ArgumentParser()
-    bench_spec.add_arguments(p)
     out = tmp_path / "spec.json"
-    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
-                         "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "12",
-                         "--drafters", f"eagle:{tmp_path / 'head'}", "--no-hf", "--threads", "2"])
-    assert bench_spec.run(args) == 0
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                  "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "12",
+                  "--drafters", f"eagle:{tmp_path / 'head'}", "--no-hf", "--threads", "2"]) == 0
     rows = json.loads(out.read_text())["segments"]["chat"]
     assert set(rows) == {"eagle/k3", "eagle/auto"}
     for name, row in rows.items():
@@ -204,13 +202,10 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
     """The portfolio row of a segment carries each member's counts on that segment (warm-up and
     other segments excluded): the members of the default model's portfolio, steps adding up to
     the row's drafting steps."""
-    p = argparse.ArgumentParser()
-    bench_spec.add_arguments(p)
     out = tmp_path / "spec.json"
-    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
-                         "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
-                         "--drafters", "portfolio", "--no-hf", "--threads", "2"])
-    assert bench_spec.run(args) == 0
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                  "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
+                  "--drafters", "portfolio", "--no-hf", "--threads", "2"]) == 0
     segments = json.loads(out.read_text())["segments"]
     for seg in ("summarize", "chat"):
         row = segments[seg]["portfolio/auto"]
@@ -238,12 +233,9 @@ def test_learning_drafters_run_each_prompt_once_under_repeats(tmp_path, default_
         return real(engine, request)
 
     monkeypatch.setattr(bench_spec, "run_ours", counting)
-    p = argparse.ArgumentParser()
-    bench_spec.add_arguments(p)
-    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(tmp_path / "spec.json"),
-                         "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "8",
-                         "--drafters", "ngram,suffix", "--no-hf", "--threads", "2", "--repeats", "2"])
-    assert bench_spec.run(args) == 0
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(tmp_path / "spec.json"),
+                  "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "8",
+                  "--drafters", "ngram,suffix", "--no-hf", "--threads", "2", "--repeats", "2"]) == 0
     measured = [r for r in seen if not r.startswith("warm-")]
     assert sorted(r.split("-", 2)[-1] for r in measured) == sorted(
         [f"{m}-{rep}" for m in ("plain", "ngram/k4", "ngram/auto") for rep in (0, 1)] + ["suffix/auto-0"])
@@ -258,13 +250,10 @@ def test_methods_run_in_a_rotated_order_prompt_by_prompt(tmp_path, default_model
     seen: list[str] = []
     real = bench_spec.run_ours
     monkeypatch.setattr(bench_spec, "run_ours", lambda engine, request: seen.append(request.request_id) or real(engine, request))
-    p = argparse.ArgumentParser()
-    bench_spec.add_arguments(p)
     out = tmp_path / "spec.json"
-    args = p.parse_args(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
-                         "--segments", "chat", "--prompts-per-segment", "2", "--max-tokens", "4",
-                         "--drafters", "ngram", "--no-hf", "--threads", "2"])
-    assert bench_spec.run(args) == 0
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                  "--segments", "chat", "--prompts-per-segment", "2", "--max-tokens", "4",
+                  "--drafters", "ngram", "--no-hf", "--threads", "2"]) == 0
     measured = [r.rsplit("-", 1)[0] for r in seen if not r.startswith("warm-")]
     first, second = measured[:3], measured[3:]
     assert [m.split("-")[-1] for m in first] == ["plain", "ngram/k4", "ngram/auto"]
