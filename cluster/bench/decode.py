@@ -86,21 +86,10 @@ def hf_ms_per_token(hf, prompt_ids: list[int], n: int) -> float:
 def verify_cost_ratios(runner, prompt_ids: list[int], reps: int, counts: tuple[int, ...] = VERIFY_COUNTS) -> dict[int, float]:
     """n -> one forward of n new tokens for one sequence over one decode forward (1 token), at
     the prompt's context; each n's forwards interleaved with 1-token ones, medians."""
-    from cluster.models.runner import SeqChunk
+    from cluster.speculative.calibration import time_forwards
 
-    sid = "verify-bench"
-    runner.forward([SeqChunk(sid, prompt_ids, 0, 1)])
-    L = len(prompt_ids)
-    times: dict[int, list[float]] = {n: [] for n in (1, *counts)}
-    for _ in range(reps * 3):
-        for n in times:
-            t0 = time.perf_counter()
-            runner.forward([SeqChunk(sid, prompt_ids[:n], L, n)])
-            times[n].append(time.perf_counter() - t0)
-            runner.truncate(sid, L)
-    runner.free(sid)
-    one = statistics.median(times[1])
-    return {n: statistics.median(times[n]) / one for n in counts}
+    times = time_forwards(runner, prompt_ids, prompt_ids, (1, *counts), reps * 3, seq_id="verify-bench")
+    return {n: times[n] / times[1] for n in counts}
 
 
 def throughput(engine, prompt_ids: list[int], concurrency: int, n: int) -> float:
