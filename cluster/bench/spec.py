@@ -92,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every method on each prompt, round-robin; the median-time run counts "
                         "(suffix and portfolio run each prompt once: a second run would copy the first's answer)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the whole benchmark this many times, each round on fresh engines (learning and adaptive K "
+                        "start over; suffix and portfolio rows repeat too): rows pool every round's runs, and "
+                        "pooled_speedup_by_round gives each round's ratio (how far one run's ratio moves)")
     p.add_argument("--constrained", action="store_true",
                    help="structured output instead: each row's json_schema or regex (default segments json and "
                         "regex), constrained plain vs jump-forward and constrained speculation with each drafter "
@@ -117,6 +121,9 @@ class Run:
     drafted_per_position: list[int] = field(default_factory=list)
     steps_by_num_draft_tokens: list[int] = field(default_factory=list)  # steps_by_num_draft_tokens[K]: verification steps with K drafts
     host_steps: list[float] = field(default_factory=list)  # step wall - its drafter and target-forward time (no prefill)
+    # per step (no prefill), its wall minus the target's forward in parts: (planning K and
+    # choosing a drafter, the drafter, sampling / verifying the tokens, the rest of the engine)
+    step_parts: list[tuple[float, float, float, float]] = field(default_factory=list)
 
     def take_counters(self, spec) -> None:
         """The request's speculation counters (its final ``SpecStats``)."""
@@ -129,7 +136,8 @@ class Run:
 
 def _timing(engine):
     t = getattr(engine.spec, "timing", None)
-    return None if t is None else (t.propose_s, t.draft_rounds, t.verify_steps, t.verify_forward_s + t.plain_forward_s)
+    return None if t is None else (t.propose_s, t.draft_rounds, t.verify_steps, t.verify_forward_s + t.plain_forward_s,
+                                   t.plan_s, t.verify_s + t.plain_sample_s)
 
 
 def run_ours(engine, request) -> Run:
@@ -155,6 +163,7 @@ def run_ours(engine, request) -> Run:
             continue  # the prefill step
         if k is not None:  # what the step spent outside the drafter and the target's forward
             run.host_steps.append(w - k[0] - k[3])
+            run.step_parts.append((k[4], k[0], k[5], w - k[0] - k[3] - k[4] - k[5]))
         if k is not None and k[2] > 0:  # a verification step
             run.verify_steps.append(w - k[0])
             if k[1] > 0:
@@ -164,6 +173,29 @@ def run_ours(engine, request) -> Run:
     if spec is not None:
         run.take_counters(spec)
     return run
+
+
+def pooled_by_round(plain: list[Run], spec: list[Run], rounds: list[int]) -> list[float | None]:
+    """Per round (fresh engines), its prompts' plain wall-clock over the row's."""
+    out = []
+    for rnd in sorted(set(rounds)):
+        mine = [(p, s) for p, s, r in zip(plain, spec, rounds) if r == rnd]
+        spent = sum(s.wall_s for _, s in mine)
+        out.append(_r(sum(p.wall_s for p, _ in mine) / spent) if spent else None)
+    return out
+
+
+def step_ms_parts(runs: list[Run]) -> dict[str, float] | None:
+    """Mean milliseconds a decode step spends outside the target's forward, by part (they add up
+    to the mean of wall - forward): ``plan`` (K per sequence; adaptive K's draft contexts, and a
+    portfolio's choice, its model-free members' drafts included), ``drafter`` (``propose``: a
+    single drafter's draft, a portfolio's costly member's rounds), ``sampling`` (verification's
+    rejection sampling, a plain step's sampling), ``other`` (scheduling, KV, commit, detokenizing)."""
+    parts = [p for r in runs for p in r.step_parts]
+    if not parts:
+        return None
+    return {name: _r(1e3 * sum(p[i] for p in parts) / len(parts), 3)
+            for i, name in enumerate(("plan", "drafter", "sampling", "other"))}
 
 
 def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) -> Run:
@@ -355,6 +387,7 @@ def summarize_row(plain: list[Run], spec: list[Run], hf_plain: list[Run] | None,
         # the host's share of a step (scheduling, planning K, choosing a drafter, verifying): wall
         # minus the drafter's and the target forward's time, median over the rows' decode steps
         "host_ms_per_step": _r(1e3 * h, 3) if (h := _med([x for r in spec for x in r.host_steps])) is not None else None,
+        "step_ms_parts": step_ms_parts(spec),
         "ms_per_token": _r(_med([1e3 * s.wall_s / max(s.tokens, 1) for s in spec]), 3),
         "plain_ms_per_token": _r(_med([1e3 * p.wall_s / max(p.tokens, 1) for p in plain]), 3),
         "outputs_equal_plain": sum(p.ids == s.ids for p, s in zip(plain, spec)),
@@ -484,30 +517,35 @@ def run(args: argparse.Namespace) -> int:
         _log(f"self:L quick measurement -> L={self_layers} {found}")
     draft_layers = args.draft_layers or self_layers
 
-    methods: dict[str, tuple] = {"plain": (_engine(target), None)}  # name -> (engine, k label)
     draft_dir = None
-    if "ngram" in kinds:
-        methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens=args.ngram_k)), args.ngram_k)
-        methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens="auto")), "auto")
-    for name in ("suffix", "portfolio"):  # model-free, learning from the prompts run before
-        if name in kinds:
-            methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_draft_tokens="auto")), "auto")
-    for head in (d for d in kinds if is_eagle_choice(d)):  # the shipped head or one made by `specserve train-draft`
-        for k in (args.model_k, "auto"):
-            methods[f"eagle/{'k' + str(k) if k != 'auto' else k}"] = (
-                _engine(target, SpecConfig(drafter=head, num_draft_tokens=k)), k)
-    if "self" in kinds:
-        for k in (args.model_k, "auto"):
-            methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
-                _engine(target, SpecConfig(drafter=f"self:{self_layers}", num_draft_tokens=k)), k)
     if "draft" in kinds:
         draft_dir = derive_truncated_draft(target.path, draft_layers, cache_root() / "derived" / f"{Path(target.path).name}-first{draft_layers}")
         draft = load_model(str(draft_dir), EngineConfig())
         require_vocab_compatible(tok, draft.tokenizer)
-        for k in (args.model_k, "auto"):
-            proposer = DraftModelProposer(ModelRunner(draft.runner.model, None, 16, 128))
-            methods[f"draft-l{draft_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
-                _engine(target, SpecConfig(drafter="draft", num_draft_tokens=k), proposer), k)
+
+    def build_methods() -> dict[str, tuple]:
+        """Fresh engines, name -> (engine, k label): nothing learnt, adaptive K at its priors."""
+        methods: dict[str, tuple] = {"plain": (_engine(target), None)}
+        if "ngram" in kinds:
+            methods[f"ngram/k{args.ngram_k}"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens=args.ngram_k)), args.ngram_k)
+            methods["ngram/auto"] = (_engine(target, SpecConfig(drafter="ngram", num_draft_tokens="auto")), "auto")
+        for name in ("suffix", "portfolio"):  # model-free, learning from the prompts run before
+            if name in kinds:
+                methods[f"{name}/auto"] = (_engine(target, SpecConfig(drafter=name, num_draft_tokens="auto")), "auto")
+        for head in (d for d in kinds if is_eagle_choice(d)):  # the shipped head or one made by `specserve train-draft`
+            for k in (args.model_k, "auto"):
+                methods[f"eagle/{'k' + str(k) if k != 'auto' else k}"] = (
+                    _engine(target, SpecConfig(drafter=head, num_draft_tokens=k)), k)
+        if "self" in kinds:
+            for k in (args.model_k, "auto"):
+                methods[f"self:{self_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
+                    _engine(target, SpecConfig(drafter=f"self:{self_layers}", num_draft_tokens=k)), k)
+        if "draft" in kinds:
+            for k in (args.model_k, "auto"):
+                proposer = DraftModelProposer(ModelRunner(draft.runner.model, None, 16, 128))
+                methods[f"draft-l{draft_layers}/{'k' + str(k) if k != 'auto' else k}"] = (
+                    _engine(target, SpecConfig(drafter="draft", num_draft_tokens=k), proposer), k)
+        return methods
 
     hf_methods: dict[str, dict] = {}
     hf_model = None
@@ -540,35 +578,45 @@ def run(args: argparse.Namespace) -> int:
                 g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = 20, "constant", 0.4
         return run_hf(hf_model, ids, max_tokens, eos, **kw)
 
-    # warm-up: one short request per method (allocations, first-call overheads)
-    seg0, (_, ids0, _) = segments[0], prompts[segments[0]][0]
-    for name, (eng, _) in methods.items():
-        run_ours(eng, _request(f"warm-{name}", ids0[:64], 4, seg0))
-    for name in hf_methods:
-        hf_call(name, ids0[:64], 4)
-
+    if args.rounds < 1:
+        _log(f"--rounds must be >= 1, got {args.rounds}")
+        return 2
     results: dict[str, dict[str, list[Run]]] = {}
     members: dict[str, dict[str, dict]] = {}  # segment -> portfolio method -> member -> its counts there
+    round_of: dict[str, list[int]] = {}  # segment -> the round of each entry of its methods' run lists
     t_start = time.perf_counter()
-    for seg in segments:
-        per = results.setdefault(seg, {m: [] for m in list(methods) + list(hf_methods)})
-        before = {name: member_counts(eng) for name, (eng, _) in methods.items()}
-        for j, (pid, ids, max_tokens) in enumerate(prompts[seg]):
-            reps: dict[str, list[Run]] = {m: [] for m in per}
-            order = method_order(list(methods), j)
-            for rep in range(max(1, args.repeats)):  # interleaved: every method on this prompt, in turn
-                for name in order:
-                    eng = methods[name][0]
-                    if rep < runs_per_prompt(name, args.repeats):
-                        reps[name].append(run_ours(eng, _request(f"{pid}-{name}-{rep}", ids, max_tokens, seg)))
-                for name in hf_methods:
-                    reps[name].append(hf_call(name, ids, max_tokens))
-            for name, runs in reps.items():  # machine noise: keep each method's median-time run
-                per[name].append(sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2])
-            _log(f"[{time.perf_counter() - t_start:7.1f}s] {seg} {pid}: " + " ".join(
-                f"{n}={1e3 * per[n][-1].wall_s / max(per[n][-1].tokens, 1):.1f}" for n in per) + " ms/token")
-        members[seg] = {name: member_delta(before[name], member_counts(eng))
-                        for name, (eng, _) in methods.items() if before[name] is not None}
+    for rnd in range(args.rounds):
+        methods = build_methods()
+        # warm-up: one short request per method (allocations, first-call overheads)
+        seg0, (_, ids0, _) = segments[0], prompts[segments[0]][0]
+        for name, (eng, _) in methods.items():
+            run_ours(eng, _request(f"warm-{name}", ids0[:64], 4, seg0))
+        for name in hf_methods:
+            hf_call(name, ids0[:64], 4)
+        for seg in segments:
+            per = results.setdefault(seg, {m: [] for m in list(methods) + list(hf_methods)})
+            before = {name: member_counts(eng) for name, (eng, _) in methods.items()}
+            for j, (pid, ids, max_tokens) in enumerate(prompts[seg]):
+                reps: dict[str, list[Run]] = {m: [] for m in per}
+                order = method_order(list(methods), j + rnd)
+                for rep in range(max(1, args.repeats)):  # interleaved: every method on this prompt, in turn
+                    for name in order:
+                        eng = methods[name][0]
+                        if rep < runs_per_prompt(name, args.repeats):
+                            reps[name].append(run_ours(eng, _request(f"{pid}-{name}-{rep}", ids, max_tokens, seg)))
+                    for name in hf_methods:
+                        reps[name].append(hf_call(name, ids, max_tokens))
+                for name, runs in reps.items():  # machine noise: keep each method's median-time run
+                    per[name].append(sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2])
+                round_of.setdefault(seg, []).append(rnd)
+                _log(f"[{time.perf_counter() - t_start:7.1f}s] {seg} {pid}" + (f" round {rnd + 1}" if args.rounds > 1 else "")
+                     + ": " + " ".join(f"{n}={1e3 * per[n][-1].wall_s / max(per[n][-1].tokens, 1):.1f}" for n in per) + " ms/token")
+            for name, (eng, _) in methods.items():
+                if before[name] is not None:
+                    gained = member_delta(before[name], member_counts(eng))
+                    total = members.setdefault(seg, {}).setdefault(name, {})
+                    for m, counts in gained.items():
+                        total[m] = {k: total.get(m, {}).get(k, 0) + v for k, v in counts.items()}
 
     hf_peer = {}
     for name in methods:
@@ -587,6 +635,7 @@ def run(args: argparse.Namespace) -> int:
             peer = hf_peer.get(name)
             table[seg][name] = summarize_row(per["plain"], per[name], per.get("hf_plain"),
                                              per.get(peer) if peer in hf_methods else None, k)
+            table[seg][name]["pooled_speedup_by_round"] = pooled_by_round(per["plain"], per[name], round_of[seg])
             if name in members.get(seg, {}):  # a portfolio: what each member drafted (all repeats)
                 table[seg][name]["members"] = members[seg][name]
     plain_rows = {seg: {"ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in per["plain"]]), 3),
@@ -597,6 +646,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": target.name,
         "config": {"segments": segments, "drafters": list(methods)[1:], "prompts_per_segment": args.prompts_per_segment, "repeats": args.repeats,
+                   "rounds": args.rounds,
                    "runs_per_prompt": {name: runs_per_prompt(name, args.repeats) for name in methods},
                    "max_tokens_cap": args.max_tokens, "ngram_k": args.ngram_k, "model_k": args.model_k,
                    "self_layers": self_layers, "draft_layers": draft_layers if "draft" in kinds else None,

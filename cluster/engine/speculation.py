@@ -57,9 +57,12 @@ DRAFT_RETRY_S = 1.0  # back-off after the drafter failed, before speculating aga
 
 @dataclass(slots=True)
 class SpecTiming:
-    """Cheap cumulative counters for cost measurements (``bench spec``): time inside the
-    drafter and in target forwards that verified drafts or decoded plainly. Read deltas."""
+    """Cheap cumulative counters for cost measurements (``bench spec``): time planning K (and, for
+    a portfolio, choosing a member: its model-free members' drafts are made there), inside the
+    drafter, in target forwards that verified drafts or decoded plainly, and sampling their
+    tokens. Read deltas."""
 
+    plan_s: float = 0.0  # ``plan``: K per sequence (adaptive K, a portfolio's choice, draft contexts)
     propose_s: float = 0.0
     proposals: int = 0  # propose calls that returned (one per speculating step)
     draft_rounds: int = 0  # sum over proposals of max K asked (draft rounds run)
@@ -67,6 +70,7 @@ class SpecTiming:
     verify_s: float = 0.0  # rejection sampling of the verification rows, grammar masks included
     verify_steps: int = 0
     plain_forward_s: float = 0.0
+    plain_sample_s: float = 0.0  # sampling the plain steps' tokens
     plain_steps: int = 0
 
 
@@ -115,6 +119,13 @@ class SpecController:
     def plan(self, running: list[Sequence]) -> None:
         """K per sequence this step: a constrained sequence's forced tokens (jump-forward, free
         drafts the drafter is not asked for) plus the drafter's K for the context after them."""
+        t0 = time.perf_counter()
+        try:
+            self._plan_k(running)
+        finally:
+            self.timing.plan_s += time.perf_counter() - t0
+
+    def _plan_k(self, running: list[Sequence]) -> None:
         self._plan, self._forced = {}, {}
         if time.monotonic() < self._retry_at:
             return
@@ -413,6 +424,7 @@ class SpecController:
         """A step without drafts: its forward over ``num_tokens`` took ``forward_s``, sampling its
         tokens ``sample_s`` (what verification's rejection sampling is compared with)."""
         self.timing.plain_forward_s += forward_s
+        self.timing.plain_sample_s += sample_s or 0.0
         self.timing.plain_steps += 1
         self._observe_target_step(forward_s)
         if self.adaptive is not None:

@@ -42,6 +42,12 @@ def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, cap
         assert 1.0 <= row["mean_acceptance_length"] <= 5.0
         # the host's share of a step: more than nothing, less than the whole step
         assert 0.0 < row["host_ms_per_step"] < row["ms_per_token"] * row["mean_acceptance_length"], (name, row)
+        # wall - forward by part: planning K runs every step, sampling / verifying too; the rest
+        # of the engine is never negative (the parts are inside the step's wall)
+        parts = row["step_ms_parts"]
+        assert set(parts) == {"plan", "drafter", "sampling", "other"}, (name, parts)
+        assert parts["plan"] > 0.0 and parts["sampling"] > 0.0 and parts["drafter"] >= 0.0, (name, parts)
+        assert parts["other"] > 0.0, (name, parts)
         assert row["k"] == "auto" or isinstance(row["k"], int)
         assert row["outputs_equal_plain"] == 1, name  # greedy speculation is lossless
         # fixed-K rows have an HF peer of the same method
@@ -55,6 +61,14 @@ def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, cap
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 8 and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
     assert "summarize" in capsys.readouterr().out  # the table was printed
+
+
+def test_step_ms_parts_are_means_that_add_up_to_the_steps_outside_the_forward():
+    a = bench_spec.Run(1.0, 4, [1, 2, 3, 4], step_parts=[(0.001, 0.002, 0.0005, 0.0015), (0.003, 0.0, 0.0005, 0.0005)])
+    b = bench_spec.Run(1.0, 2, [1, 2], step_parts=[(0.002, 0.004, 0.002, 0.001)])
+    parts = bench_spec.step_ms_parts([a, b])
+    assert parts == {"plan": 2.0, "drafter": 2.0, "sampling": 1.0, "other": 1.0}
+    assert bench_spec.step_ms_parts([bench_spec.Run(1.0, 0, [])]) is None  # no decode step: no parts
 
 
 def test_prediction_uses_per_position_alpha():
@@ -259,3 +273,51 @@ def test_methods_run_in_a_rotated_order_prompt_by_prompt(tmp_path, default_model
     assert [m.split("-")[-1] for m in first] == ["plain", "ngram/k4", "ngram/auto"]
     assert [m.split("-")[-1] for m in second] == ["ngram/k4", "ngram/auto", "plain"]
     assert json.loads(out.read_text())["config"]["method_order"].startswith("rotated")
+
+
+def test_rounds_run_the_benchmark_again_on_fresh_engines(tmp_path, default_model, monkeypatch):
+    """``--rounds 2``: every method is built afresh for each round (a portfolio's learning and
+    adaptive K start over), every method runs every prompt once per round (the portfolio too),
+    rows pool both rounds' runs and give each round's pooled ratio; the method order keeps
+    rotating across rounds."""
+    built: list[str] = []
+    real_engine = bench_spec._engine
+
+    def counting(target, spec_cfg=None, proposer=None, kv_mb=128):
+        built.append("plain" if spec_cfg is None else f"{spec_cfg.drafter}/{spec_cfg.num_draft_tokens}")
+        return real_engine(target, spec_cfg, proposer, kv_mb)
+
+    monkeypatch.setattr(bench_spec, "_engine", counting)
+    seen: list[str] = []
+    portfolio_runs = []
+    real_run = bench_spec.run_ours
+
+    def running(engine, request):
+        seen.append(request.request_id)
+        run = real_run(engine, request)
+        if "portfolio" in request.request_id and not request.request_id.startswith("warm-"):
+            portfolio_runs.append(run)
+        return run
+
+    monkeypatch.setattr(bench_spec, "run_ours", running)
+    out = tmp_path / "spec.json"
+    assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
+                  "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "6",
+                  "--drafters", "ngram,portfolio", "--no-hf", "--threads", "2", "--rounds", "2"]) == 0
+    assert built == ["plain", "ngram/4", "ngram/auto", "portfolio/auto"] * 2
+    measured = [r.rsplit("-", 1)[0].split("-")[-1] for r in seen if not r.startswith("warm-")]
+    assert measured == ["plain", "ngram/k4", "ngram/auto", "portfolio/auto",  # round 1, prompt 1
+                        "ngram/k4", "ngram/auto", "portfolio/auto", "plain"]  # round 2: rotated on
+    report = json.loads(out.read_text())
+    assert report["config"]["rounds"] == 2
+    for name, row in report["segments"]["chat"].items():
+        assert len(row["wall_s"]) == 2 and row["outputs_equal_plain"] == 2, name
+        by_round = row["pooled_speedup_by_round"]
+        assert len(by_round) == 2 and all(x > 0 for x in by_round), name
+        # the pooled ratio over both rounds lies between the rounds' own
+        assert min(by_round) - 1e-3 <= row["pooled_speedup"] <= max(by_round) + 1e-3, (name, row)
+    # the members' counts add both rounds up: their steps and draft tokens are both runs'
+    members = report["segments"]["chat"]["portfolio/auto"]["members"].values()
+    assert len(portfolio_runs) == 2 and all(r.drafts > 0 for r in portfolio_runs)
+    assert sum(m["steps"] for m in members) == sum(r.drafts for r in portfolio_runs)
+    assert sum(m["draft_tokens"] for m in members) == sum(r.draft_tokens for r in portfolio_runs)
