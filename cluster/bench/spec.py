@@ -3,21 +3,27 @@ against our own plain decoding and against Hugging Face's assisted generation on
 
 Owns: building engines that share one loaded target (plain; ngram, self:L, draft model and an
 EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix and portfolio with ``auto`` K, on request — one engine
-per method for the whole run, so they learn from the segment's earlier prompts as a service
-would), deriving the draft model (first L target layers, see
+per method for a round, so they learn from the segment's earlier prompts as a service
+would; ``--rounds N`` runs everything again on fresh engines), deriving the draft model (first L target layers, see
 ``cluster.models.derive``), picking L by a quick measurement, driving one request at a time with
 per-step timing, the HF peers (plain ``generate``, ``prompt_lookup_num_tokens``,
 ``assistant_model``, ``assistant_early_exit``), the cost model, the goals, the table and the JSON.
 Ignores: concurrency > 1 and the service path (``bench serve``), raw forward speed (``bench decode``).
 
 Method. For every prompt, every method runs once, back to back (ours plain, ours spec variants, HF
-plain, HF variants), so machine noise hits all of them alike; a row reports medians over prompts.
+plain, HF variants; the order rotated by one per prompt), so machine noise hits all of them
+alike; a row reports medians over prompts (over every round's prompts with ``--rounds``, and
+``pooled_speedup_by_round``: one 12-prompt run's portfolio / n-gram ratio on edit moved between
+0.95 and 1.04 from run to run on the 2-core machine, so a 3% floor needs several).
 speedup = median over prompts of plain wall-clock / spec wall-clock (whole request, prefill
 included); each row keeps its per-prompt wall-clocks (``wall_s``), so two rows compare prompt by
 prompt too (the portfolio against n-gram: ``portfolio_over_ngram_paired`` beside its goal).
 Costs are relative to t, the median wall time of one plain decode step (same segment):
 c = draft time per draft round / t, v = (verification step wall time - its draft time) / t
 (median over verification steps; the engine's bookkeeping and rejection sampling are in v).
+A step's time outside the target's forward is split by part (``step_ms_parts``, means): planning
+K (with a portfolio: its choice and its model-free members' drafts), the drafter, sampling, the
+rest of the engine.
 α is the per-position acceptance probability, accepted / (accepted + rejections)
 (``cluster.speculative.acceptance``) — the unit of the formula; ``acceptance_rate`` (accepted /
 drafted, biased low) is reported beside it but predicts nothing. predicted_speedup =
@@ -494,6 +500,9 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         _log(f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle or eagle:DIR")
         return 2
+    if args.rounds < 1:
+        _log(f"--rounds must be >= 1, got {args.rounds}")
+        return 2
     heads = [d for d in kinds if is_eagle_choice(d)]
     if len(heads) > 1:  # their rows would share the names eagle/k<K> and eagle/auto
         _log(f"one EAGLE head per run (its rows are eagle/k{args.model_k} and eagle/auto), got {heads}; "
@@ -578,9 +587,6 @@ def run(args: argparse.Namespace) -> int:
                 g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = 20, "constant", 0.4
         return run_hf(hf_model, ids, max_tokens, eos, **kw)
 
-    if args.rounds < 1:
-        _log(f"--rounds must be >= 1, got {args.rounds}")
-        return 2
     results: dict[str, dict[str, list[Run]]] = {}
     members: dict[str, dict[str, dict]] = {}  # segment -> portfolio method -> member -> its counts there
     round_of: dict[str, list[int]] = {}  # segment -> the round of each entry of its methods' run lists

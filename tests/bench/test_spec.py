@@ -178,6 +178,11 @@ def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
     assert "INFO  portfolio_over_ngram_paired" in shown and "FAIL  portfolio_over_ngram" in shown
 
 
+def test_spec_bench_refuses_no_rounds(tmp_path, capsys):
+    assert _bench(["--json", str(tmp_path / "spec.json"), "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
+
+
 def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
     """Two heads in one run would share the rows eagle/k3 and eagle/auto: refused before any model loads."""
     assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"]) == 2
