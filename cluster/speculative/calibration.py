@@ -1,14 +1,15 @@
 """Start-up measurement of the target's step costs, the prior of adaptive K's cost model.
 
 Owns: timing one decode forward (1 new token) and one verification-shaped forward (K_max + 1 new
-tokens) of the real target (``time_forwards``, also `bench decode`'s verification ratios) on this machine, on a throw-away sequence whose KV is freed
-afterwards. Why: whether speculation pays depends on how much more a (K+1)-token forward costs
-than a 1-token one — nearly nothing on a GPU; for 6 tokens on a 2-core CPU in fp32 about
-1.5-1.6x with the skinny-GEMM kernel (cluster/kernels) on the development VM as measured on
-2026-12-01, 1.8x on MKL's sgemm (docs/measurements.md, "Decode"), 1.2x on an AVX2 machine since
-the kernel passes over a weight tile once for up to 6 rows (2026-12-02)
-— and a sequence mix that never varies its token count would otherwise never teach the model the
-slope. Ignores: draft costs (measured online as drafts happen).
+tokens) of the real target (``time_forwards``, also `bench decode`'s verification ratios) on this
+machine, on a throw-away sequence whose KV is freed afterwards. Why: whether speculation pays
+depends on how much more a (K+1)-token forward costs than a 1-token one — nearly nothing on a GPU;
+for 6 tokens on a 2-core CPU in fp32 about 1.5-1.6x with the skinny-GEMM kernel (cluster/kernels) on
+the development VM as measured on 2026-12-01, 1.8x on MKL's sgemm (docs/measurements.md, "Decode"),
+1.2x on an AVX2 machine since the kernel passes over a weight tile once for up to 6 rows
+(2026-12-02) — and a sequence mix that never varies its token count would otherwise never teach the
+model the slope.
+Ignores: draft costs (measured online as drafts happen).
 """
 from __future__ import annotations
 
