@@ -126,10 +126,14 @@ class Run:
     accepted_per_position: list[int] = field(default_factory=list)  # SpecStats' counters
     drafted_per_position: list[int] = field(default_factory=list)
     steps_by_num_draft_tokens: list[int] = field(default_factory=list)  # steps_by_num_draft_tokens[K]: verification steps with K drafts
-    host_steps: list[float] = field(default_factory=list)  # step wall - its drafter and target-forward time (no prefill)
     # per step (no prefill), its wall minus the target's forward in parts: (planning K and
     # choosing a drafter, the drafter, sampling / verifying the tokens, the rest of the engine)
     step_parts: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+    @property
+    def host_steps(self) -> list[float]:
+        """Per step (no prefill), its wall minus its drafter's and the target forward's time."""
+        return [plan + sampling + other for plan, _, sampling, other in self.step_parts]
 
     def take_counters(self, spec) -> None:
         """The request's speculation counters (its final ``SpecStats``)."""
@@ -168,7 +172,6 @@ def run_ours(engine, request) -> Run:
         if i == 0:
             continue  # the prefill step
         if k is not None:  # what the step spent outside the drafter and the target's forward
-            run.host_steps.append(w - k[0] - k[3])
             run.step_parts.append((k[4], k[0], k[5], w - k[0] - k[3] - k[4] - k[5]))
         if k is not None and k[2] > 0:  # a verification step
             run.verify_steps.append(w - k[0])
