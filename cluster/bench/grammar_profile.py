@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cluster.bench.grammar_timing import timed_grammar
-    from cluster.bench.spec import _engine
+    from cluster.bench.timed_run import engine_for
     from cluster.common.config import EngineConfig, SpecConfig
     from cluster.common.request import GenerationRequest, SamplingParams
     from cluster.models.load import load_model
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     row = _row(args)
     target = load_model(args.model, EngineConfig())
-    engine = _engine(target, SpecConfig(drafter=args.drafter, num_draft_tokens=args.k))
+    engine = engine_for(target, SpecConfig(drafter=args.drafter, num_draft_tokens=args.k))
     ids = prompt_token_ids(target.tokenizer, row)
     max_tokens = min(int(row.get("max_tokens", args.max_tokens)), args.max_tokens)
 

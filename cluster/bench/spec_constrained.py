@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, _engine, _med, _r, position_counts, run_ours, runs_per_prompt
+from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, runs_per_prompt
+from cluster.bench.spec_rows import median_of, position_counts, rounded
+from cluster.bench.timed_run import engine_for, run_ours
 from cluster.common.prompt_rows import read_prompt_rows
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
@@ -184,12 +186,12 @@ def _phase_ms(got: list[dict], wall: float) -> dict | None:
     out = {p: sum(g["phases"][p] for g in got) for p in PHASES}
     out["grammar"] = sum(g["grammar_s"] - g["grammar"]["seconds"]["apply"] for g in got)
     out["other"] = wall - sum(out.values())
-    return {p: _r(1e3 * v, 1) for p, v in out.items()}
+    return {p: rounded(1e3 * v, 1) for p, v in out.items()}
 
 
 def _per_position(runs) -> list[float | None]:
     acc, drafted = position_counts(runs)
-    return [_r(a / d, 3) if d else None for a, d in zip(acc, drafted)]
+    return [rounded(a / d, 3) if d else None for a, d in zip(acc, drafted)]
 
 
 def summarize_method(name: str, got: list[dict], reference: list[dict], rows: list[dict],
@@ -210,27 +212,27 @@ def summarize_method(name: str, got: list[dict], reference: list[dict], rows: li
             ops[op] = ops.get(op, 0.0) + sec
     return {
         "constrained": name.endswith("+grammar"),
-        "speedup": _r(_med([ref["run"].wall_s / g["run"].wall_s for ref, g in zip(reference, got)])),
-        "tokens_per_s": _r(tokens / wall if wall else None, 2),
-        "ms_per_token": _r(_med([1e3 * r.wall_s / max(r.tokens, 1) for r in runs]), 3),
+        "speedup": rounded(median_of([ref["run"].wall_s / g["run"].wall_s for ref, g in zip(reference, got)])),
+        "tokens_per_s": rounded(tokens / wall if wall else None, 2),
+        "ms_per_token": rounded(median_of([1e3 * r.wall_s / max(r.tokens, 1) for r in runs]), 3),
         "tokens": tokens,
         "target_passes": passes,
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "forced_tokens": forced,
-        "acceptance_rate": _r(accepted / drafted) if drafted else None,
-        "alpha_without_forced": _r((accepted - forced) / (drafted - forced)) if drafted > forced else None,
+        "acceptance_rate": rounded(accepted / drafted) if drafted else None,
+        "alpha_without_forced": rounded((accepted - forced) / (drafted - forced)) if drafted > forced else None,
         "alpha_by_position": _per_position(runs),
-        "mean_acceptance_length": _r((accepted + sum(r.drafts for r in runs)) / sum(r.drafts for r in runs))
+        "mean_acceptance_length": rounded((accepted + sum(r.drafts for r in runs)) / sum(r.drafts for r in runs))
         if any(r.drafts for r in runs) else None,
-        "mask_share": _r(_med([g["grammar_s"] / g["run"].wall_s for g in got])),
-        "grammar_us_per_token": _r(1e6 * sum(g["grammar_s"] for g in got) / max(tokens, 1), 1),
-        "grammar_ms_by_operation": {op: _r(1e3 * sec, 3) for op, sec in ops.items()},
+        "mask_share": rounded(median_of([g["grammar_s"] / g["run"].wall_s for g in got])),
+        "grammar_us_per_token": rounded(1e6 * sum(g["grammar_s"] for g in got) / max(tokens, 1), 1),
+        "grammar_ms_by_operation": {op: rounded(1e3 * sec, 3) for op, sec in ops.items()},
         "ms_by_phase": _phase_ms(got, wall),
         "valid_outputs": sum(p is None for p in problems),
         "invalid_outputs": {rid: p for rid, p in zip(row_ids, problems) if p is not None},
         "outputs_equal_constrained_plain": sum(a == r.ids for a, r in zip(plain_ids, runs)) if plain_ids else None,
-        "per_prompt": {rid: {"wall_s": _r(g["run"].wall_s), "tokens": g["run"].tokens, "grammar_s": _r(g["grammar_s"], 5)}
+        "per_prompt": {rid: {"wall_s": rounded(g["run"].wall_s), "tokens": g["run"].tokens, "grammar_s": rounded(g["grammar_s"], 5)}
                        for rid, g in zip(row_ids, got)},
     }
 
@@ -324,7 +326,7 @@ def run_constrained(args: argparse.Namespace) -> int:
     tok = target.tokenizer
     eos = set(target.eos_token_ids)
     methods = _methods(args, _model_drafters(args, target))
-    engines = {name: _engine(target, cfg, proposer) for name, cfg, _, proposer in methods}
+    engines = {name: engine_for(target, cfg, proposer) for name, cfg, _, proposer in methods}
     report_segments, outputs = {}, {}
     t_start = time.perf_counter()
     with timed_grammar(list(engines.values())) as clock:

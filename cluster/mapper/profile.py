@@ -5,7 +5,7 @@ to back (machine noise hits both alike), and from those runs: α by draft positi
 length, draft cost c and verification cost v (relative to a plain decode step), the output length
 distribution, the measured speedup and the speedup predicted for every K' ≤ K from the
 per-position acceptance. Two ways to run a request: the real engine (``LLMEngine`` stepped here
-with per-step timing, ``cluster.bench.spec.run_ours``; drafters share one loaded target) and any
+with per-step timing, ``cluster.bench.timed_run.run_ours``; drafters share one loaded target) and any
 other ``engine_impl`` of the config (e.g. ``FakeEngine``) through the engine protocol, timing the
 gap between streamed deltas as the step time (no separate draft timing there: c = 0).
 Ignores: concurrency (phase 2) and the choices (phase 3).
@@ -25,7 +25,8 @@ import dataclasses
 import statistics
 import time
 
-from cluster.bench.spec import Run, summarize_row
+from cluster.bench.spec_rows import summarize_row
+from cluster.bench.timed_run import Run
 from cluster.common.errors import InvalidRequestError
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic, sampling_params
@@ -40,18 +41,18 @@ class _RealEngines:
     def __init__(self, app, drafters: list[str], k: int) -> None:
         import torch
 
-        from cluster.bench.spec import _engine
+        from cluster.bench.timed_run import engine_for
         from cluster.common.config import SpecConfig
         from cluster.models.load import load_model
 
         torch.set_num_threads(app.torch_threads)  # what each engine replica of the service gets
         self.target = load_model(app.model, app.engine_config(False))
         self.tokenizer = self.target.tokenizer
-        self.plain = _engine(self.target)
+        self.plain = engine_for(self.target)
         self.spec_engines, self.errors = {}, {}
         for d in drafters:
             try:
-                self.spec_engines[d] = _engine(self.target, SpecConfig(drafter=d, num_draft_tokens=k))
+                self.spec_engines[d] = engine_for(self.target, SpecConfig(drafter=d, num_draft_tokens=k))
             except Exception as exc:  # a drafter this model cannot run: say so, map the others
                 self.errors[d] = f"{type(exc).__name__}: {exc}"
 
@@ -63,7 +64,7 @@ class _RealEngines:
         return prompt_token_ids(self.tokenizer, row)
 
     def run(self, drafter: str | None, rid: str, ids: list[int], params, segment: str) -> Run:
-        from cluster.bench.spec import run_ours
+        from cluster.bench.timed_run import run_ours
         from cluster.common.request import GenerationRequest
 
         engine = self.plain if drafter is None else self.spec_engines[drafter]

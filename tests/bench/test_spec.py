@@ -8,8 +8,6 @@ import argparse
 import json
 import math
 
-import pytest
-
 from cluster.bench import spec as bench_spec
 from tests.reference import WORKLOADS
 
@@ -61,121 +59,6 @@ def test_spec_bench_json_structure(tmp_path, default_model_dir, monkeypatch, cap
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 8 and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
     assert "summarize" in capsys.readouterr().out  # the table was printed
-
-
-def test_step_ms_parts_are_means_that_add_up_to_the_steps_outside_the_forward():
-    a = bench_spec.Run(1.0, 4, [1, 2, 3, 4], step_parts=[(0.001, 0.002, 0.0005, 0.0015), (0.003, 0.0, 0.0005, 0.0005)])
-    b = bench_spec.Run(1.0, 2, [1, 2], step_parts=[(0.002, 0.004, 0.002, 0.001)])
-    parts = bench_spec.step_ms_parts([a, b])
-    assert parts == {"plan": 2.0, "drafter": 2.0, "sampling": 1.0, "other": 1.0}
-    assert bench_spec.step_ms_parts([bench_spec.Run(1.0, 0, [])]) is None  # no decode step: no parts
-
-
-def test_prediction_uses_per_position_alpha():
-    """A known per-position α: 0.5, K = 3, c = 0.1, v = 1.2 -> E = (1 - 0.5^4) / 0.5 = 1.875 tokens
-    per verification step at 0.3 + 1.2 plain-step times: 1.25x. Plain steps of the spec run
-    (nothing drafted) count 1 token per plain-step time; steps of other K by their own E."""
-    assert bench_spec.predicted_speedup(0.5, [0, 0, 0, 10], 0.1, 1.2) == pytest.approx(1.25)
-    assert bench_spec.predicted_speedup(0.5, [0, 0, 0, 10], 0.1, 1.2, plain_steps=15) == pytest.approx(
-        (18.75 + 15) / (15 + 15))
-    assert bench_spec.predicted_speedup(0.5, [0, 4, 0, 2], 0.0, 1.0) == pytest.approx((4 * 1.5 + 2 * 1.875) / 6)
-    assert bench_spec.predicted_speedup(0.9, [], 0.1, 1.2) == 1.0  # nothing ran
-    # the speculative engine's own plain steps at 1.1 plain-step times, 20 plain-step times of prefill
-    assert bench_spec.predicted_speedup(0.5, [0, 0, 0, 10], 0.1, 1.2, plain_steps=15, plain_cost=1.1,
-                                        prefill=20) == pytest.approx((20 + 18.75 + 15) / (20 + 15 * 1.1 + 15))
-
-
-def test_the_prediction_is_of_the_pooled_speedup_with_mean_costs_and_the_prefills():
-    """Half the decode time with speculation makes the prompts' forwards weigh twice as much: a
-    prediction without them overstated the end-to-end speedup by 13-18% on long prompts. Two
-    prompts, each 10 plain-step times of prefill and 40 decode tokens: the row predicts the pooled
-    speedup from mean step costs (a skewed verification step counts at its mean) and matches it
-    when the runs follow the model exactly."""
-    t = 0.010
-    plain = [bench_spec.Run(0.1 + 40 * t, 41, [], decode_steps=[t] * 40, prefill_s=0.1) for _ in range(2)]
-    spec = []
-    for _ in range(2):  # 20 verification steps at K = 1, every draft accepted: 2 tokens each
-        r = bench_spec.Run(0.0, 41, [], verify_steps=[1.0 * t] * 10 + [1.4 * t] * 10, prefill_s=0.1)
-        r.round_costs = [0.0] * 20
-        r.steps_by_num_draft_tokens = [0, 20]
-        r.drafts = r.draft_tokens = r.accepted_tokens = 20
-        r.accepted_per_position, r.drafted_per_position = [20], [20]
-        r.wall_s = r.prefill_s + sum(r.verify_steps)
-        spec.append(r)
-    row = bench_spec.summarize_row(plain, spec, None, None, 1)
-    pooled = (2 * (0.1 + 0.4)) / (2 * (0.1 + 0.24))
-    assert row["pooled_speedup"] == pytest.approx(pooled, rel=1e-3)
-    assert row["predicted_speedup"] == pytest.approx(pooled, rel=1e-3)  # (10 + 40) / (10 + 20 x 1.2)
-    assert row["v"] == pytest.approx(1.2, abs=0.21)  # the reported v stays the median step
-    no_prefill = bench_spec.predicted_speedup(1.0, [0, 40], 0.0, 1.2)
-    assert no_prefill == pytest.approx(80 / 48) and no_prefill > 1.1 * row["pooled_speedup"]
-
-
-def test_summarize_row_predicts_from_alpha_not_acceptance_rate():
-    """Runs whose steps follow a per-position α of 0.7 at K = 4: the row's α recovers it, the
-    prediction is E(0.7, 4) / v, and accepted/drafted (reported as acceptance_rate, biased low)
-    does not enter it — so "measured >= 0.9 x predicted" can fail when the cost model is wrong."""
-    import random
-
-    rng = random.Random(11)
-    spec = bench_spec.Run(1.0, 0, [], verify_steps=[0.011] * 2000)
-    spec.steps_by_num_draft_tokens = [0, 0, 0, 0, 2000]
-    for _ in range(2000):
-        a = 0
-        while a < 4 and rng.random() < 0.7:
-            a += 1
-        spec.drafts, spec.draft_tokens, spec.accepted_tokens = spec.drafts + 1, spec.draft_tokens + 4, spec.accepted_tokens + a
-        spec.rejections += a < 4
-    plain = bench_spec.Run(2.0, 0, [], decode_steps=[0.010] * 50)
-    row = bench_spec.summarize_row([plain], [spec], None, None, 4)
-    assert row["alpha"] == pytest.approx(0.7, abs=0.02) and row["acceptance_rate"] < 0.62
-    e = (1 - row["alpha"] ** 5) / (1 - row["alpha"])
-    assert row["predicted_speedup"] == pytest.approx(e / 1.1, rel=1e-3)
-    assert row["speedup"] == 2.0
-
-
-def test_alpha_by_position_is_conditional_and_exact_only_where_every_draft_reaches_the_position():
-    """Fixed K = 3, 10 drafts: 8 accept token 1, 4 of those token 2, 1 token 3 -> α = 0.8, 0.5,
-    0.25. Auto K (drafts of mixed lengths) gives position 1 alone."""
-    run = bench_spec.Run(1.0, 0, [])
-    run.accepted_per_position, run.drafted_per_position = [8, 4, 1], [10, 10, 10]
-    assert bench_spec.alpha_by_position([run], fixed=True) == [0.8, 0.5, 0.25]
-    assert bench_spec.alpha_by_position([run], fixed=False) == [0.8]
-    assert bench_spec.alpha_by_position([bench_spec.Run(1.0, 0, [])], fixed=True) == []
-
-
-def test_drafter_goals_are_ratios_to_ngram_in_the_same_run():
-    def row(speedup, alpha=None):
-        return {"speedup": speedup, "alpha_by_position": alpha or []}
-
-    segments = {
-        "chat": {"ngram/auto": row(1.0), "portfolio/auto": row(1.3), "eagle/k3": row(1.2, [0.65, 0.5])},
-        "json": {"ngram/auto": row(1.2), "portfolio/auto": row(1.44)},
-        "code": {"ngram/auto": row(1.0), "portfolio/auto": row(1.05)},
-        "edit": {"ngram/auto": row(2.0), "portfolio/auto": row(1.9)},
-    }
-    g = bench_spec.drafter_goals(segments)
-    assert g["portfolio_over_ngram"]["measured"] == {"chat": 1.3, "json": 1.2, "code": 1.05, "edit": 0.95}
-    assert set(g["portfolio_over_ngram"]["failing"]) == {"json", "code", "edit"}
-    assert not g["portfolio_over_ngram"]["pass"]
-    assert g["eagle_alpha_position_1_chat"] == {"goal": g["eagle_alpha_position_1_chat"]["goal"],
-                                                "measured": {"eagle/k3": 0.65}, "pass": True}
-    segments["chat"]["eagle/k3"] = row(1.2, [0.55])
-    assert not bench_spec.drafter_goals(segments)["eagle_alpha_position_1_chat"]["pass"]
-    assert bench_spec.drafter_goals({"chat": {"ngram/auto": row(1.0)}}) == {}  # rows not run: no goal
-    assert "portfolio_over_ngram_paired" not in g  # rows without per-prompt walls: no paired ratio
-
-
-def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
-    """Beside the goal (a ratio of the two rows' median speedups) the summary gives the median of
-    the per-prompt ratios of the same two rows' wall-clocks (each prompt's runs back to back)."""
-    segments = {"edit": {"ngram/auto": {"speedup": 2.0, "wall_s": [1.0, 3.0, 2.0]},
-                         "portfolio/auto": {"speedup": 1.9, "wall_s": [0.5, 3.3, 2.0]}}}
-    g = bench_spec.drafter_goals(segments)
-    assert g["portfolio_over_ngram"]["measured"] == {"edit": 0.95}
-    assert g["portfolio_over_ngram_paired"]["measured"] == {"edit": 1.0}  # ratios 2.0, 0.909, 1.0
-    shown = bench_spec.format_table({"segments": {}, "plain": {}, "summary": g})
-    assert "INFO  portfolio_over_ngram_paired" in shown and "FAIL  portfolio_over_ngram" in shown
 
 
 def test_spec_bench_refuses_no_rounds(tmp_path, capsys):
@@ -286,13 +169,13 @@ def test_rounds_run_the_benchmark_again_on_fresh_engines(tmp_path, default_model
     rows pool both rounds' runs and give each round's pooled ratio; the method order keeps
     rotating across rounds."""
     built: list[str] = []
-    real_engine = bench_spec._engine
+    real_engine = bench_spec.engine_for
 
     def counting(target, spec_cfg=None, proposer=None, kv_mb=128):
         built.append("plain" if spec_cfg is None else f"{spec_cfg.drafter}/{spec_cfg.num_draft_tokens}")
         return real_engine(target, spec_cfg, proposer, kv_mb)
 
-    monkeypatch.setattr(bench_spec, "_engine", counting)
+    monkeypatch.setattr(bench_spec, "engine_for", counting)
     seen: list[str] = []
     portfolio_runs = []
     real_run = bench_spec.run_ours

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.spec import expected_committed
+from cluster.speculative.acceptance import expected_committed
 from cluster.mapper.decide import break_even_alpha, decide
 from cluster.mapper.write import mapped_args, serve_config_text
 from deployments.app_config import AppConfig
@@ -127,7 +127,7 @@ def test_drafter_changes_only_for_a_real_gain():
 
 
 def test_profile_prediction_per_position_and_best_k():
-    from cluster.bench.spec import Run
+    from cluster.bench.timed_run import Run
     from cluster.mapper.profile import alpha_by_position, predicted_speedups, summarize_pair
 
     # exactly one of four drafts accepted every step: per position p = [1, 0, 0, 0]

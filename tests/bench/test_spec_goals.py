@@ -1,0 +1,39 @@
+"""``bench spec``'s drafter goals: ratios to the n-gram auto row of the same run, the paired
+comparison beside them, and the table that shows both."""
+from __future__ import annotations
+
+from cluster.bench import spec_goals
+
+
+def test_drafter_goals_are_ratios_to_ngram_in_the_same_run():
+    def row(speedup, alpha=None):
+        return {"speedup": speedup, "alpha_by_position": alpha or []}
+
+    segments = {
+        "chat": {"ngram/auto": row(1.0), "portfolio/auto": row(1.3), "eagle/k3": row(1.2, [0.65, 0.5])},
+        "json": {"ngram/auto": row(1.2), "portfolio/auto": row(1.44)},
+        "code": {"ngram/auto": row(1.0), "portfolio/auto": row(1.05)},
+        "edit": {"ngram/auto": row(2.0), "portfolio/auto": row(1.9)},
+    }
+    g = spec_goals.drafter_goals(segments)
+    assert g["portfolio_over_ngram"]["measured"] == {"chat": 1.3, "json": 1.2, "code": 1.05, "edit": 0.95}
+    assert set(g["portfolio_over_ngram"]["failing"]) == {"json", "code", "edit"}
+    assert not g["portfolio_over_ngram"]["pass"]
+    assert g["eagle_alpha_position_1_chat"] == {"goal": g["eagle_alpha_position_1_chat"]["goal"],
+                                                "measured": {"eagle/k3": 0.65}, "pass": True}
+    segments["chat"]["eagle/k3"] = row(1.2, [0.55])
+    assert not spec_goals.drafter_goals(segments)["eagle_alpha_position_1_chat"]["pass"]
+    assert spec_goals.drafter_goals({"chat": {"ngram/auto": row(1.0)}}) == {}  # rows not run: no goal
+    assert "portfolio_over_ngram_paired" not in g  # rows without per-prompt walls: no paired ratio
+
+
+def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
+    """Beside the goal (a ratio of the two rows' median speedups) the summary gives the median of
+    the per-prompt ratios of the same two rows' wall-clocks (each prompt's runs back to back)."""
+    segments = {"edit": {"ngram/auto": {"speedup": 2.0, "wall_s": [1.0, 3.0, 2.0]},
+                         "portfolio/auto": {"speedup": 1.9, "wall_s": [0.5, 3.3, 2.0]}}}
+    g = spec_goals.drafter_goals(segments)
+    assert g["portfolio_over_ngram"]["measured"] == {"edit": 0.95}
+    assert g["portfolio_over_ngram_paired"]["measured"] == {"edit": 1.0}  # ratios 2.0, 0.909, 1.0
+    shown = spec_goals.format_table({"segments": {}, "plain": {}, "summary": g})
+    assert "INFO  portfolio_over_ngram_paired" in shown and "FAIL  portfolio_over_ngram" in shown
