@@ -37,3 +37,19 @@ def test_the_portfolio_is_also_compared_with_ngram_prompt_by_prompt():
     assert g["portfolio_over_ngram_paired"]["measured"] == {"edit": 1.0}  # ratios 2.0, 0.909, 1.0
     shown = spec_goals.format_table({"segments": {}, "plain": {}, "summary": g})
     assert "INFO  portfolio_over_ngram_paired" in shown and "FAIL  portfolio_over_ngram" in shown
+
+
+def test_the_portfolio_is_also_compared_with_ngram_over_all_the_prompts_time_and_by_round():
+    """Beside the goal, the ratio of the two rows' pooled speedups (all prompts' wall-clock), then
+    each round's; rounds only where the rows pooled more than one."""
+    segments = {"code": {"ngram/auto": {"speedup": 1.62, "pooled_speedup": 1.5, "pooled_speedup_by_round": [1.5, 1.4, 1.6]},
+                         "portfolio/auto": {"speedup": 1.58, "pooled_speedup": 1.65, "pooled_speedup_by_round": [1.6, 1.68, 1.6]}},
+                "edit": {"ngram/auto": {"speedup": 2.0, "pooled_speedup": 2.0, "pooled_speedup_by_round": [2.0]},
+                         "portfolio/auto": {"speedup": 1.9, "pooled_speedup": 1.9, "pooled_speedup_by_round": [1.9]}}}
+    g = spec_goals.drafter_goals(segments)
+    assert g["portfolio_over_ngram"]["measured"] == {"code": 0.975, "edit": 0.95}  # the goal's ratio is unchanged
+    assert g["portfolio_over_ngram_pooled"]["measured"] == {"code": [1.1, 1.067, 1.2, 1.0], "edit": [0.95]}
+    assert "pass" not in g["portfolio_over_ngram_pooled"]  # shown beside the goal, not one
+    assert "INFO  portfolio_over_ngram_pooled" in spec_goals.format_table({"segments": {}, "plain": {}, "summary": g})
+    assert "portfolio_over_ngram_pooled" not in spec_goals.drafter_goals(
+        {"chat": {"ngram/auto": {"speedup": 1.0}, "portfolio/auto": {"speedup": 1.1}}})  # rows without pooled speedups
