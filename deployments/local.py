@@ -4,8 +4,8 @@
 Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``) with the
 ``--port``/``--http-port``/``--model``/``--drafter``/``--placement`` overrides, the CPUs its
 deployments reserve, starting Ray with the machine's CPUs (dashboard off, node IP 127.0.0.1 so
-every internal hop stays on loopback) with the gRPC proxy's message cap set to the app's limit,
-deploying, waiting until the engines are SERVING, and a clean shutdown (Serve, then Ray) on
+every internal hop stays on loopback) with the gRPC proxy's message cap set to the app's limit
+and the proxy's readiness check given time for a busy small machine (``SLOW_START_ENV``), deploying, waiting until the engines are SERVING, and a clean shutdown (Serve, then Ray) on
 SIGTERM or SIGINT at any point after Ray started. ``ray.init`` installs its own SIGTERM handlers
 (Python's ``sys.exit`` and the core worker's fatal-signal handler, which aborts: exit 134), so
 ours are installed after it. Ignores: the command line (``cluster.commands.serve``) and what the
@@ -23,6 +23,12 @@ from pathlib import Path
 from cluster.common.errors import UserFacingError
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("serve_config.yaml")
+
+# Ray Serve's controller waits 5 s for a new proxy to report ready, three times, then kills it and
+# starts another; on 2 cores busy with other work (a training run, a benchmark) a proxy took 21 s
+# to start and the service failed with ActorDiedError. Ray's processes inherit the driver's
+# environment; a value the operator set is kept.
+SLOW_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 
 
 def load_config(args) -> dict:
@@ -102,6 +108,8 @@ def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float =
     num_cpus = num_cpus or max(os.cpu_count() or 1, int(needed_cpus(app_args) + 0.999))
     stubs.generation_pb2()  # generate stubs now (fresh install) rather than in every process
     os.environ.update(proxy_env([app_args]))  # Ray's processes inherit it: the proxy's message cap
+    for key, value in SLOW_START_ENV.items():
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False)
     with _stop_on_signals():  # after ray.init, which installs handlers of its own
