@@ -10,6 +10,7 @@ from typing import NamedTuple
 import grpc
 
 from cluster.api import stubs
+from deployments.local import SLOW_START_ENV
 
 FAKE = {"cls": "cluster.engine.fake_engine:FakeEngine"}
 PROXY_PORT_TRIES = 3  # serve.start on fresh ports when a picked one was taken before the proxy bound it
@@ -75,6 +76,8 @@ def serve_session_at(env: dict[str, str] | None = None, ray_kwargs: dict | None 
     from ray.serve.config import gRPCOptions
 
     os.environ.update(env or {})
+    for key, value in SLOW_START_ENV.items():  # as ``specserve serve``: a busy machine starts proxies slowly
+        os.environ.setdefault(key, value)
     if ray_address is None:
         ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False, log_to_driver=False, **(ray_kwargs or {}))

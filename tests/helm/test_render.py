@@ -415,3 +415,13 @@ def test_proxy_message_cap_matches_the_app(rendered):
     want = str(AppConfig(**rendered.app_args).proxy_max_message_bytes())
     for template in rendered.templates():
         assert _env(template)[PROXY_MAX_MESSAGE_ENV]["value"] == want
+
+
+def test_proxy_gets_the_local_services_time_to_start(rendered):
+    """Every Ray pod gives Serve's proxy the readiness time ``specserve serve`` gives it locally."""
+    from deployments.local import SLOW_START_ENV
+
+    for template in rendered.templates():
+        env = _env(template)
+        for key, value in SLOW_START_ENV.items():
+            assert env[key]["value"] == value

@@ -152,6 +152,10 @@ endpoint (the app refuses enabled=true without one).
 {{- $response := add (mul (int (get $limits "max_tokens" | default 1024)) 64) 65536 }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ max $request $response | quote }}
+{{- /* Ray Serve kills a proxy that has not reported ready after 3 x 5 s; a busy node (models
+  loading on few cores) takes longer: deployments/local.py SLOW_START_ENV gives the same 30 s. */}}
+- name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
+  value: "30"
 - name: HF_HOME
   value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
 {{- $endpoint := include "specserve.otlpEndpoint" . }}
