@@ -5,7 +5,8 @@ Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``) wi
 ``--port``/``--http-port``/``--model``/``--drafter``/``--placement`` overrides, the CPUs its
 deployments reserve, starting Ray with the machine's CPUs (dashboard off, node IP 127.0.0.1 so
 every internal hop stays on loopback) with the gRPC proxy's message cap set to the app's limit
-and the proxy's readiness check given time for a busy small machine (``SLOW_START_ENV``), deploying, waiting until the engines are SERVING, and a clean shutdown (Serve, then Ray) on
+and the proxy's readiness check given time for a busy small machine (``SLOW_START_ENV``),
+deploying, waiting until the engines are SERVING, and a clean shutdown (Serve, then Ray) on
 SIGTERM or SIGINT at any point after Ray started. ``ray.init`` installs its own SIGTERM handlers
 (Python's ``sys.exit`` and the core worker's fatal-signal handler, which aborts: exit 134), so
 ours are installed after it. Ignores: the command line (``cluster.commands.serve``) and what the
