@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
                    help="cosine decay to lr x this at the end of the last epoch")
     p.add_argument("--row-tokens", type=int, default=d.row_tokens, help="packed tokens per optimizer step")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generated tokens per prompt")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="odd prompts are sampled at this temperature, even ones greedy; 0: every sample greedy")
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
     p.add_argument("--workloads", type=Path, default=None,
                    help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
                           ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
-                          max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          max_prompts=args.max_prompts, seed=args.seed,
                           init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None

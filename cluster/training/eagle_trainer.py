@@ -61,7 +61,7 @@ class TrainConfig:
     row_tokens: int = 512  # packed row length (one optimizer step)
     max_prompt_tokens: int = 192
     max_new_tokens: int = 160
-    temperature: float = 0.8  # odd prompts are sampled at this temperature (even ones greedy)
+    temperature: float = 0.8  # odd prompts are sampled at this temperature (even ones greedy); 0: all greedy
     heldout_every: int = 20  # every n-th prompt is held out for α by position
     max_prompts: int | None = None
     gen_batch_size: int = 16
@@ -74,6 +74,8 @@ class TrainConfig:
             raise ValueError("tokens, epochs and ttt_steps must be >= 1, row_tokens >= 8")
         if self.draft_vocab_size < 1 or self.max_new_tokens < 1 or self.lr <= 0:
             raise ValueError("draft_vocab_size and max_new_tokens must be >= 1, lr > 0")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0 (0: every sample greedy), got {self.temperature}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.heldout_every < 2:

@@ -108,4 +108,6 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "--minutes must be > 0" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--ttt-steps", "0") == 2
     assert "ttt_steps must be >= 1" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--temperature", "-0.5") == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -39,6 +39,17 @@ def test_continuous_batching_gives_each_prompt_its_own_continuation(tiny):
                for s in batched if not s.greedy)  # the seed matters for sampled prompts
 
 
+def test_temperature_zero_makes_every_sample_greedy(tiny):
+    _, model = tiny
+    samples = generate(model, prompts(4), batch_size=4, **{**GEN, "temperature": 0.0})
+    assert [s.greedy for s in samples] == [True] * 4
+    mixed = {s.index: s for s in generate(model, prompts(4), batch_size=4, **GEN)}
+    for s in samples:  # the even prompts were greedy before too: the same continuation
+        assert mixed[s.index].greedy == (s.index % 2 == 0)
+        if s.index % 2 == 0:
+            assert s.output_ids == mixed[s.index].output_ids
+
+
 def test_greedy_continuations_equal_hf_generate(tiny):
     from tests.reference import HFReference, check_greedy_match
 
