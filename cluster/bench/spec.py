@@ -49,7 +49,7 @@ def runs_per_prompt(method: str, repeats: int) -> int:
     """How many times ``method`` runs each prompt: ``repeats``, except a drafter that learns from
     finished requests runs it once — its second run drafts the first run's answer back, and the
     median-time run kept was that copy (a portfolio "3.7x faster than plain" on chat)."""
-    return 1 if method.split("/")[0] in LEARNING_DRAFTERS else max(1, repeats)
+    return 1 if method.split("/")[0].split("@")[0] in LEARNING_DRAFTERS else max(1, repeats)
 
 
 def method_order(names: list[str], prompt_index: int) -> list[str]:
@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-k", type=int, default=3, help="fixed K of the self and draft-model rows")
     p.add_argument("--self-layers", type=int, default=None, help="L of self:L (default: measured)")
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the derived draft (default: L of self)")
+    p.add_argument("--draft-stop-confidence", type=float, default=None,
+                   help="every method's draft_stop_confidence (adaptive K: a model drafter stops once the product "
+                        "of its drafts' probabilities falls below it; default: the engine's)")
+    p.add_argument("--compare-stop-confidence", type=float, default=None,
+                   help="also run eagle/auto and portfolio/auto at this draft_stop_confidence, side by side "
+                        "(rows eagle@stopX/auto, portfolio@stopX/auto)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--hf-auto", action="store_true",
                    help="also run HF's adaptive variants (default assistant schedule) as peers of the auto rows")
@@ -135,6 +141,8 @@ class Drafters:
     draft: object | None = None  # the derived draft model, when "draft" is asked for
     draft_layers: int | None = None
     draft_dir: Path | None = None
+    stop_confidence: float | None = None  # every method's draft_stop_confidence (None: SpecConfig's default)
+    compare_stop: float | None = None  # also eagle@stopX/auto and portfolio@stopX/auto at this floor
 
     def build_methods(self) -> dict[str, tuple]:
         """Fresh engines, name -> (engine, k label): nothing learnt, adaptive K at its priors."""
@@ -144,29 +152,38 @@ class Drafters:
         from cluster.speculative.proposer import is_eagle_choice
 
         target, kinds = self.target, self.kinds
+        floor = {} if self.stop_confidence is None else {"draft_stop_confidence": self.stop_confidence}
+
+        def spec(**kw) -> SpecConfig:  # every method's config, at the run's draft confidence floor
+            return SpecConfig(**{**floor, **kw})
 
         def label(k) -> str:
             return "auto" if k == "auto" else f"k{k}"
 
         methods: dict[str, tuple] = {"plain": (engine_for(target), None)}
         if "ngram" in kinds:
-            methods[f"ngram/k{self.ngram_k}"] = (engine_for(target, SpecConfig(drafter="ngram", num_draft_tokens=self.ngram_k)), self.ngram_k)
-            methods["ngram/auto"] = (engine_for(target, SpecConfig(drafter="ngram", num_draft_tokens="auto")), "auto")
+            methods[f"ngram/k{self.ngram_k}"] = (engine_for(target, spec(drafter="ngram", num_draft_tokens=self.ngram_k)), self.ngram_k)
+            methods["ngram/auto"] = (engine_for(target, spec(drafter="ngram", num_draft_tokens="auto")), "auto")
         for name in LEARNING_DRAFTERS:  # model-free, learning from the prompts run before
             if name in kinds:
-                methods[f"{name}/auto"] = (engine_for(target, SpecConfig(drafter=name, num_draft_tokens="auto")), "auto")
+                methods[f"{name}/auto"] = (engine_for(target, spec(drafter=name, num_draft_tokens="auto")), "auto")
         for head in (d for d in kinds if is_eagle_choice(d)):  # the shipped head or one made by `specserve train-draft`
             for k in (self.model_k, "auto"):
-                methods[f"eagle/{label(k)}"] = (engine_for(target, SpecConfig(drafter=head, num_draft_tokens=k)), k)
+                methods[f"eagle/{label(k)}"] = (engine_for(target, spec(drafter=head, num_draft_tokens=k)), k)
         if "self" in kinds:
             for k in (self.model_k, "auto"):
                 methods[f"self:{self.self_layers}/{label(k)}"] = (
-                    engine_for(target, SpecConfig(drafter=f"self:{self.self_layers}", num_draft_tokens=k)), k)
+                    engine_for(target, spec(drafter=f"self:{self.self_layers}", num_draft_tokens=k)), k)
         if "draft" in kinds:
             for k in (self.model_k, "auto"):
                 proposer = DraftModelProposer(ModelRunner(self.draft.runner.model, None, 16, 128))
                 methods[f"draft-l{self.draft_layers}/{label(k)}"] = (
-                    engine_for(target, SpecConfig(drafter="draft", num_draft_tokens=k), proposer), k)
+                    engine_for(target, spec(drafter="draft", num_draft_tokens=k), proposer), k)
+        if self.compare_stop is not None:  # the same adaptive rows at another draft confidence floor
+            heads = [d for d in kinds if is_eagle_choice(d)]
+            for name, drafter in ([("eagle", heads[0])] if heads else []) + [("portfolio", "portfolio")] * ("portfolio" in kinds):
+                methods[f"{name}@stop{self.compare_stop:g}/auto"] = (engine_for(target, spec(
+                    drafter=drafter, num_draft_tokens="auto", draft_stop_confidence=self.compare_stop)), "auto")
         return methods
 
 
@@ -317,6 +334,9 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
                    "self_layers": setup.self_layers, "draft_layers": setup.draft_layers if "draft" in setup.kinds else None,
                    "draft_dir": str(setup.draft_dir) if setup.draft_dir else None, "threads": torch.get_num_threads(),
                    "hf_peers": hf_peers, "concurrency": 1, "greedy": True,
+                   "draft_stop_confidence": (default_stop_confidence() if setup.stop_confidence is None
+                                             else setup.stop_confidence),
+                   "compare_stop_confidence": setup.compare_stop,
                    "method_order": "rotated by one per prompt (method_order)"},
         "calibration": calibration,
         "plain": plain_rows,
@@ -324,6 +344,12 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
         "summary": goals(table, ngram_key),
         "seconds": round(seconds, 1),
     }
+
+
+def default_stop_confidence() -> float:
+    from cluster.common.config import SpecConfig
+
+    return SpecConfig().draft_stop_confidence
 
 
 def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
@@ -339,6 +365,12 @@ def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
     if len(heads) > 1:  # their rows would share the names eagle/k<K> and eagle/auto
         return (f"one EAGLE head per run (its rows are eagle/k{args.model_k} and eagle/auto), got {heads}; "
                 "run the bench once per head")
+    for flag, value in (("--draft-stop-confidence", args.draft_stop_confidence),
+                        ("--compare-stop-confidence", args.compare_stop_confidence)):
+        if value is not None and not 0.0 <= value < 1.0:
+            return f"{flag} must be in [0, 1), got {value}"
+    if args.compare_stop_confidence is not None and not (heads or "portfolio" in kinds):
+        return "--compare-stop-confidence compares eagle/auto and portfolio/auto: ask for eagle or portfolio in --drafters"
     return None
 
 
@@ -368,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
     tok = target.tokenizer
     prompts = {seg: [(r["id"], prompt_token_ids(tok, r), min(int(r.get("max_tokens", args.max_tokens)), args.max_tokens))
                      for r in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment)] for seg in segments}
-    setup = Drafters(target, kinds, args.ngram_k, args.model_k, self_layers=args.self_layers)
+    setup = Drafters(target, kinds, args.ngram_k, args.model_k, self_layers=args.self_layers,
+                     stop_confidence=args.draft_stop_confidence, compare_stop=args.compare_stop_confidence)
 
     # L for self:L (and the draft's depth): a quick measurement on a few prompts
     calibration = None

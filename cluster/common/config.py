@@ -55,6 +55,11 @@ class SpecConfig:
     drafter: str = "ngram"
     num_draft_tokens: int | str = AUTO_K
     max_draft_tokens: int = 6
+    # adaptive K only: a model drafter (eagle, a draft model, self) stops a sequence's draft once
+    # the product of its draft tokens' probabilities falls below this, so K is a cap (0: it drafts
+    # the K planned); a fixed K always drafts K. 0.2: where the shipped head's next draft token is
+    # expected to commit less than it costs (docs/measurements.md, "Draft confidence")
+    draft_stop_confidence: float = 0.2
     ngram_min: int = 1
     ngram_max: int = 4
     draft_vocab_trim: int | None = None  # keep the N most frequent tokens in the draft LM head
@@ -84,6 +89,8 @@ class SpecConfig:
         self.max_draft_tokens = max([self.max_draft_tokens, *fixed])
         if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.max_draft_tokens}")
+        if isinstance(self.draft_stop_confidence, bool) or not 0.0 <= self.draft_stop_confidence < 1.0:
+            raise ValueError(f"draft_stop_confidence must be in [0, 1), got {self.draft_stop_confidence!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.moe_min_draft_tokens < 1:

@@ -253,9 +253,11 @@ class SpecController:
         if not drafting:
             return []
         cursors = self._draft_cursors(drafting, forced)
+        stop = self.config.draft_stop_confidence  # adaptive K's sequences only: a fixed K drafts K
         inputs = [ProposeInput(s.seq.seq_id, self._context(s.seq), s.num_draft_tokens - len(forced[s.seq.seq_id]),
                                s.seq.request.params, segment=s.seq.request.segment,
-                               grammar=cursors.get(s.seq.seq_id)) for s in drafting]
+                               grammar=cursors.get(s.seq.seq_id),
+                               stop_confidence=stop if s.seq.seq_id in self._keys else 0.0) for s in drafting]
         t0 = time.perf_counter()
         try:
             with kvsync_context(s.seq.trace for s in drafting):  # KVSync spans under these requests

@@ -291,7 +291,7 @@ class RemoteProposer:
             params.seed = p.seed
         seq = pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new,
                              num_draft_tokens=min(inp.num_draft_tokens, self.limits.max_draft_tokens),
-                             params=params, segment=inp.segment)
+                             params=params, segment=inp.segment, stop_confidence=inp.stop_confidence)
         # features the server lacks: it holds [0, base - 1) (sent with the tokens it holds), and
         # the last committed token's has not been computed yet
         start, end = max(base - 1, 0), len(tokens) - 1

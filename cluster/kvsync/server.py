@@ -172,6 +172,8 @@ class DraftServerCore:
             if s.num_draft_tokens > lim.max_draft_tokens:
                 raise ServiceError(_INVALID, f"num_draft_tokens {s.num_draft_tokens} for {s.seq_id!r} "
                                              f"exceeds this server's limit of {lim.max_draft_tokens}")
+            if not 0.0 <= s.stop_confidence < 1.0:  # NaN fails too
+                raise ServiceError(_INVALID, f"stop_confidence {s.stop_confidence} for {s.seq_id!r} must be in [0, 1)")
             if s.base_len + len(s.new_tokens) > lim.max_seq_tokens:
                 raise ServiceError(_INVALID, f"sequence {s.seq_id!r} would hold {s.base_len + len(s.new_tokens)} "
                                              f"tokens; the limit is {lim.max_seq_tokens}")
@@ -313,7 +315,8 @@ class DraftServerCore:
                     key = self._key(caller, s.seq_id)
                     inputs.append(ProposeInput(seq_id=key, token_ids=list(held),
                                                num_draft_tokens=int(s.num_draft_tokens), params=p,
-                                               generator=self._generator(key, p), segment=s.segment))
+                                               generator=self._generator(key, p), segment=s.segment,
+                                               stop_confidence=s.stop_confidence))
                     rows.append(i)
             if inputs:
                 self._busy_since = time.monotonic()

@@ -2,7 +2,11 @@
 rounds batched over all speculating sequences, drawing each draft token from q.
 
 Owns: the round loop (round 0 feeds each sequence's not-yet-drafted tokens, round i feeds draft
-token i), per-sequence drop-out when its K is reached, and how each draft token is chosen:
+token i), per-sequence drop-out when its K is reached or when its draft confidence falls below
+``ProposeInput.stop_confidence`` (the product of its draft tokens' probabilities under the draft's
+own distribution: a trained head's is calibrated — on chat, a first draft token the head gives
+0.1-0.2 is accepted ~29% of the time, one it gives > 0.9 ~100% — so drafting stops where the next
+token would cost more than it is expected to commit), and how each draft token is chosen:
 - greedy requests: the draft argmax (draft_probs None);
 - seeded requests: Gumbel-max over the draft's filtered scores with the request's own
   (seed, position) noise (draft_probs None). Verification of a seeded request accepts a draft
@@ -49,6 +53,7 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
     probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
     pos = list(starts)
     feed = [list(f) for f in feeds]
+    confidence = [1.0] * n  # product of each sequence's draft tokens' probabilities so far
     active = [i for i in range(n) if inputs[i].num_draft_tokens > 0 and feed[i]]
     while active:
         chunks = [SeqChunk(inputs[i].seq_id, feed[i], pos[i], 1) for i in active]
@@ -62,6 +67,7 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
                 under = masked(row_logits, grammar.allowed())
                 if float(under.max()) > float("-inf"):  # else (a trimmed head misses every legal id): unmasked
                     row_logits = under
+            q = None  # [1, V] the draft's distribution, where the choice needed it
             if p.greedy:
                 t = int(argmax_rows(row_logits)[0])
             elif p.coupled:  # draft token for absolute position len(token_ids) + drafted so far
@@ -76,7 +82,11 @@ def draft_rounds(inputs: list[ProposeInput], starts: list[int], feeds: list[list
             tokens[i].append(t)
             pos[i] += len(feed[i])
             feed[i] = [t]
-            if len(tokens[i]) < inputs[i].num_draft_tokens:
+            stop = inputs[i].stop_confidence
+            if stop > 0:
+                q = torch.softmax(row_logits.float(), dim=-1) if q is None else q  # greedy, seeded: at temperature 1
+                confidence[i] *= float(q[0, t])
+            if len(tokens[i]) < inputs[i].num_draft_tokens and not (stop > 0 and confidence[i] < stop):
                 still.append(i)
         active = still
     return DraftProposal(

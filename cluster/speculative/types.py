@@ -74,6 +74,8 @@ class ProposeInput:
     segment: the request's traffic segment (a drafter that learns from traffic keeps what it
     learns per segment; the others ignore it).
     grammar: see ``DraftGrammar`` (model-free drafters ignore it: their drafts are cut by the walk).
+    stop_confidence: see the field (model-free drafters ignore it: they size their drafts by their
+    matches).
     """
 
     seq_id: str
@@ -85,6 +87,11 @@ class ProposeInput:
     # a constrained sequence's grammar along the draft, for drafters that run a model in this
     # process (they draft under its mask); None: unconstrained, or a drafter that cannot use it
     grammar: DraftGrammar | None = None
+    # a model drafter stops drafting for this sequence once the product of its draft tokens'
+    # probabilities (under the draft's own distribution) falls below this: the token that crosses
+    # it is still proposed, the ones after it are not drafted (0: up to num_draft_tokens, always).
+    # Lossless either way: a draft only decides how many target positions get verified.
+    stop_confidence: float = 0.0
 
 
 @dataclass(slots=True)

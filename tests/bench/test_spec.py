@@ -66,6 +66,14 @@ def test_spec_bench_refuses_no_rounds(tmp_path, capsys):
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
 
 
+def test_spec_bench_refuses_a_bad_draft_confidence_floor(tmp_path, capsys):
+    for args, needle in ((["--draft-stop-confidence", "1"], "--draft-stop-confidence must be in [0, 1), got 1.0"),
+                         (["--compare-stop-confidence", "-0.5"], "--compare-stop-confidence must be in [0, 1)"),
+                         (["--drafters", "ngram", "--compare-stop-confidence", "0"], "ask for eagle or portfolio")):
+        assert _bench(["--json", str(tmp_path / "spec.json"), *args]) == 2
+        assert needle in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
+
+
 def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
     """Two heads in one run would share the rows eagle/k3 and eagle/auto: refused before any model loads."""
     assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"]) == 2
@@ -107,9 +115,15 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
     out = tmp_path / "spec.json"
     assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
                   "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
-                  "--drafters", "portfolio", "--no-hf", "--threads", "2"]) == 0
-    segments = json.loads(out.read_text())["segments"]
+                  "--drafters", "portfolio", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0"]) == 0
+    report = json.loads(out.read_text())
+    segments = report["segments"]
+    assert report["config"]["draft_stop_confidence"] == 0.2 and report["config"]["compare_stop_confidence"] == 0
     for seg in ("summarize", "chat"):
+        # the same portfolio beside it with a head that drafts the K planned (no confidence floor)
+        assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto"}
+        assert segments[seg]["portfolio@stop0/auto"]["outputs_equal_plain"] == 1
+        assert set(segments[seg]["portfolio@stop0/auto"]["members"]) == {"ngram", "suffix", "eagle"}
         row = segments[seg]["portfolio/auto"]
         assert row["outputs_equal_plain"] == 1
         members = row["members"]

@@ -49,3 +49,10 @@ def test_segment_settings_survive_the_trip_to_an_engine_core_process():
     cfg = EngineConfig(spec=SpecConfig(segments={"code": {"drafter": " suffix ", "num_draft_tokens": 3}}))
     back = pickle.loads(pickle.dumps(cfg))  # ProcessEngine sends its config pickled
     assert back.spec.segments == {"code": SegmentSpeculation("suffix", 3)} and back.spec.k_policy("code") == 3
+
+
+def test_draft_stop_confidence_is_a_probability_below_one():
+    assert SpecConfig().draft_stop_confidence == 0.2 and SpecConfig(draft_stop_confidence=0.0).draft_stop_confidence == 0
+    for bad in (1.0, -0.1, float("nan"), True):
+        with pytest.raises(ValueError, match="draft_stop_confidence must be in"):
+            SpecConfig(draft_stop_confidence=bad)

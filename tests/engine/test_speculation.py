@@ -108,6 +108,36 @@ def test_frequent_rejections_still_equal_plain(default_model, rows):
     assert rejected > total / 2, f"self:4 should reject often ({rejected}/{total})"
 
 
+def test_adaptive_k_drafts_until_the_head_is_unsure_and_a_fixed_k_drafts_k(default_model, rows):
+    """draft_stop_confidence reaches the drafter for adaptive K's sequences only: the shipped head
+    then stops a draft early where the product of its tokens' probabilities falls below it (the
+    output stays the target's own); a fixed K drafts exactly K whatever the setting."""
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::3]]
+    plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="eagle", num_draft_tokens=3)),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, r.params, mode=SpecMode.PLAIN)
+                               for r in reqs])
+    for k in (3, "auto"):
+        eng = spec_engine(default_model, SpecConfig(drafter="eagle", num_draft_tokens=k, draft_stop_confidence=0.6))
+        asked, inner = [], eng.spec.proposer.propose
+
+        def propose(inputs, inner=inner, asked=asked):
+            out = inner(inputs)
+            asked.extend((i.num_draft_tokens, i.stop_confidence, len(d)) for i, d in zip(inputs, out.draft_token_ids))
+            return out
+
+        eng.spec.proposer.propose = propose
+        res = run_to_completion(eng, [GenerationRequest(r.request_id, r.prompt_token_ids, r.params) for r in reqs])
+        assert all(res[r.request_id]["ids"] == plain[r.request_id]["ids"] for r in reqs)
+        drafted = [(want, stop, got) for want, stop, got in asked if got]
+        assert drafted
+        if k == 3:
+            assert all(stop == 0.0 and got == want for want, stop, got in drafted), drafted
+        else:
+            assert all(stop == 0.6 and got <= want for want, stop, got in drafted)
+            assert any(got < want for want, _, got in drafted), drafted  # a calibrated head is unsure often
+
+
 def test_seeded_sampling_is_reproducible(default_model, rows):
     tok = default_model.tokenizer
 

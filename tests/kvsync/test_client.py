@@ -147,3 +147,26 @@ def test_sampling_probabilities_round_trip():
         assert out.draft_probs[0].shape == (2, 4) and torch.allclose(out.draft_probs[0], torch.full((2, 4), 0.25))
     finally:
         server.stop(0)
+
+
+def test_stop_confidence_travels_to_the_server_drafter():
+    class Asked(NgramProposer):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def propose(self, inputs):
+            self.asked += [(i.seq_id.rsplit("/", 1)[-1], i.stop_confidence) for i in inputs]
+            return super().propose(inputs)
+
+    drafter = Asked()
+    core = DraftServerCore(drafter, vocab_size=100, drafter="ngram", max_sequences=8)
+    server, port = start_server(core)
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100, release_idle_s=60)
+        a = inp("a", [1, 2, 1])
+        a.stop_confidence = 0.25
+        remote.propose([a, inp("b", [3, 4, 3])])
+        assert sorted(drafter.asked) == [("a", 0.25), ("b", 0.0)]
+    finally:
+        server.stop(0)

@@ -101,6 +101,24 @@ def test_k_zero_only_syncs(served):
     assert list(r.seqs[0].draft_tokens) == [] and core.held("a") == [1, 2] and rec.seen == []
 
 
+def test_stop_confidence_reaches_the_drafter_and_a_bad_one_is_refused(served):
+    core, rec, stub = served
+    asked = []
+    inner = rec.propose
+    rec.propose = lambda inputs: asked.extend(i.stop_confidence for i in inputs) or inner(inputs)
+    both = [seq("a", 0, [1, 2]), seq("b", 0, [3, 4])]
+    both[0].stop_confidence = 0.25
+    stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=both), timeout=5)
+    assert asked == [0.25, 0.0]  # 0 (unset, an older client): draft K
+    for bad in (1.0, -0.1, float("nan")):
+        s = seq("c", 0, [1])
+        s.stop_confidence = bad
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[s]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_confidence" in err.value.details()
+    assert core.held("c") is None  # refused before anything was held
+
+
 class FeatureReader(Recorder):
     """Reads 2 target layers of a hidden size of 2 (4 values per position), like an EAGLE head;
     keeps the rows it was handed by position."""

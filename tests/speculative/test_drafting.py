@@ -79,3 +79,38 @@ def test_masked_pads_or_cuts_the_mask_to_the_draft_vocabulary():
     assert torch.isinf(wide[0, 1]) and torch.isinf(wide[0, 3]) and wide[0, 0] == 0 and wide[0, 2] == 0
     narrow = masked(torch.zeros(1, 2), allowed)
     assert narrow.shape == (1, 2) and torch.isinf(narrow[0, 1]) and narrow[0, 0] == 0
+
+
+def forward_with_confidence(probs_by_round: list[float]):
+    """Round r's logits give token 2 probability probs_by_round[r] (the rest share what is left)."""
+    calls = []
+
+    def forward(chunks):
+        p = probs_by_round[len(calls)]
+        calls.append(len(chunks))
+        rest = (1.0 - p) / (V - 1)
+        row = torch.full((V,), rest).log()
+        row[2] = torch.tensor(p).log()
+        return row.repeat(len(chunks), 1)  # [N, V]
+    return forward, calls
+
+
+def test_a_sequence_stops_once_its_draft_confidence_falls_below_stop_confidence():
+    greedy = SamplingParams(max_tokens=8)
+    # confidences 0.9, 0.5, 0.9, 0.9: the product 0.9, 0.45, 0.405, 0.36
+    for stop, drafted in ((0.0, 4), (0.36, 4), (0.4, 4), (0.42, 3), (0.5, 2), (0.95, 1)):
+        forward, calls = forward_with_confidence([0.9, 0.5, 0.9, 0.9])
+        i = ProposeInput("a", [1, 2, 3], 4, greedy, stop_confidence=stop)
+        out = draft_rounds([i], [0], [[1, 2, 3]], forward)
+        assert out.draft_token_ids[0] == [2] * drafted, stop  # the token that crosses it is still proposed
+        assert len(calls) == drafted  # and no round runs after it
+    # sampled: the sampled token's q counts; a sequence without a floor in the same batch drafts K
+    forward, calls = forward_with_confidence([0.9, 0.5, 0.9, 0.9])
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, top_k=1)  # top_k 1: q puts all on token 2
+    a = ProposeInput("a", [1, 2, 3], 4, greedy, stop_confidence=0.5)
+    b = ProposeInput("b", [1, 2, 3], 4, sampled, generator=torch.Generator().manual_seed(0), stop_confidence=0.5)
+    c = ProposeInput("c", [1, 2, 3], 4, greedy)
+    out = draft_rounds([a, b, c], [0, 0, 0], [[1, 2, 3]] * 3, forward)
+    assert [len(t) for t in out.draft_token_ids] == [2, 4, 4]  # b's q(2) = 1 under top_k 1
+    assert calls == [3, 3, 2, 2]
+    assert out.draft_probs[0] is None and out.draft_probs[1].shape == (4, V)
