@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,serve,mapped}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,mapped}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -11,6 +11,8 @@ BENCHES = {
     "decode": "batch-1 latency vs Hugging Face and the bandwidth floor, verify cost, throughput",
     "spec": "acceptance and speedup per workload segment and drafter, vs Hugging Face "
             "(--constrained: structured output, plain vs speculative)",
+    "confidence": "an EAGLE head's confidence vs acceptance on the workloads, and what a draft confidence "
+                  "floor commits per unit of cost",
     "serve": "the gRPC (and --api openai: OpenAI HTTP) front door: fixed-spec, fixed-plain and routed "
              "policies per concurrency",
     "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
