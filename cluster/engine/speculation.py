@@ -271,7 +271,8 @@ class SpecController:
             for c in cursors.values():  # back to the committed state before the walk
                 c.close()
         elapsed = time.perf_counter() - t0
-        rounds = max(i.num_draft_tokens for i in inputs)
+        # the rounds that ran: the longest draft (a confidence floor stops drafts short of K)
+        rounds = max((len(p[0]) for p in proposals if not isinstance(p, SeqFault)), default=0)
         self.timing.propose_s += elapsed
         self.timing.proposals += 1
         self.timing.draft_rounds += rounds

@@ -237,7 +237,7 @@ class PortfolioProposer:
         for name, rows in costly.items():
             t0 = time.perf_counter()
             got = self._member(name).proposer.propose([inputs[r] for r in rows])
-            rounds = max(inputs[r].num_draft_tokens for r in rows)
+            rounds = max((len(ids) for ids in got.draft_token_ids), default=0)  # the longest draft: the rounds run
             caught_up = sum(self._pending[inputs[r].seq_id].catch_up.get(name, 0) for r in rows)
             self.last_member_rounds[name] = (rounds, time.perf_counter() - t0, caught_up)
             for r in rows:

@@ -119,16 +119,18 @@ def test_adaptive_k_drafts_until_the_head_is_unsure_and_a_fixed_k_drafts_k(defau
                                for r in reqs])
     for k in (3, "auto"):
         eng = spec_engine(default_model, SpecConfig(drafter="eagle", num_draft_tokens=k, draft_stop_confidence=0.6))
-        asked, inner = [], eng.spec.proposer.propose
+        asked, longest, inner = [], [], eng.spec.proposer.propose
 
-        def propose(inputs, inner=inner, asked=asked):
+        def propose(inputs, inner=inner, asked=asked, longest=longest):
             out = inner(inputs)
             asked.extend((i.num_draft_tokens, i.stop_confidence, len(d)) for i, d in zip(inputs, out.draft_token_ids))
+            longest.append(max(len(d) for d in out.draft_token_ids))
             return out
 
         eng.spec.proposer.propose = propose
         res = run_to_completion(eng, [GenerationRequest(r.request_id, r.prompt_token_ids, r.params) for r in reqs])
         assert all(res[r.request_id]["ids"] == plain[r.request_id]["ids"] for r in reqs)
+        assert eng.spec.timing.draft_rounds == sum(longest)  # the rounds that ran, priced as such
         drafted = [(want, stop, got) for want, stop, got in asked if got]
         assert drafted
         if k == 3:

@@ -194,6 +194,11 @@ def test_with_the_engines_costs_members_are_valued_and_timed_apart():
     assert rounds == 3 and seconds >= 0.0 and set(pf2.last_member_rounds) == {"head"}  # cost-0 members are not timed
     assert caught_up == 0  # a 1-token sequence: nothing to run before drafting
     assert pf2.member_of("head:h") == "head" and pf2.member_cost_priors() == {"ngram": 0.0, "head": 0.1}
+    # a head that stops short of K (its confidence floor) ran only the rounds of its longest draft
+    pf3 = PortfolioProposer([Member("head", Costly([1, 2], "h"), cost=0.1)], prior_alpha=0.6)
+    pf3.use_costs(costs)
+    pf3.propose([inp("a", [0], k=3)])
+    assert pf3.last_member_rounds["head"][0] == 2
 
 
 def test_a_costly_members_catch_up_is_charged_to_its_choice_and_reported():
