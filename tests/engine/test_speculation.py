@@ -109,9 +109,9 @@ def test_frequent_rejections_still_equal_plain(default_model, rows):
 
 
 def test_adaptive_k_drafts_until_the_head_is_unsure_and_a_fixed_k_drafts_k(default_model, rows):
-    """draft_stop_confidence reaches the drafter for adaptive K's sequences only: the shipped head
-    then stops a draft early where the product of its tokens' probabilities falls below it (the
-    output stays the target's own); a fixed K drafts exactly K whatever the setting."""
+    """draft_stop_confidence reaches the drafter for adaptive K's sequences only (the output stays
+    the target's own, the rounds priced are the rounds that ran); a fixed K drafts exactly K
+    whatever the setting."""
     tok = default_model.tokenizer
     reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::3]]
     plain = run_to_completion(spec_engine(default_model, SpecConfig(drafter="eagle", num_draft_tokens=3)),
@@ -136,8 +136,9 @@ def test_adaptive_k_drafts_until_the_head_is_unsure_and_a_fixed_k_drafts_k(defau
         if k == 3:
             assert all(stop == 0.0 and got == want for want, stop, got in drafted), drafted
         else:
+            # the floor reaches the head (where it stops short: tests/speculative/test_drafting.py;
+            # adaptive K may plan K = 1 throughout on a busy machine, leaving nothing to cut)
             assert all(stop == 0.6 and got <= want for want, stop, got in drafted)
-            assert any(got < want for want, _, got in drafted), drafted  # a calibrated head is unsure often
 
 
 def test_seeded_sampling_is_reproducible(default_model, rows):
