@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+from cluster.bench.spec import DEFAULT_WORKLOADS
+
 BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -51,10 +52,9 @@ def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[lis
     draft k, draft k correct)] for k = 1.. while inside the sample (teacher forced)."""
     import torch
 
-    from cluster.models.runner import ModelRunner
-    from cluster.training.eagle_trainer import target_row, ttt_unroll
+    from cluster.training.eagle_trainer import row_runner, target_row, ttt_unroll
 
-    runner = ModelRunner(model, 2 * (-(-row_tokens // 16)) + 64, 16)
+    runner = row_runner(model, row_tokens)
     out = []
     with torch.inference_mode():
         for s in samples:

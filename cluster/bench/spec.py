@@ -35,6 +35,7 @@ from cluster.bench.spec_goals import format_table, goals
 from cluster.bench.spec_rows import (alpha_of, median_of, member_counts, member_delta, pooled_by_round,
                                      predicted_speedup, rounded, summarize_row)
 from cluster.bench.timed_run import Run, engine_for, request_for, run_hf, run_ours
+from cluster.common.config import DRAFT_STOP_CONFIDENCE
 from cluster.common.prompt_rows import read_prompt_rows
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
@@ -141,7 +142,7 @@ class Drafters:
     draft: object | None = None  # the derived draft model, when "draft" is asked for
     draft_layers: int | None = None
     draft_dir: Path | None = None
-    stop_confidence: float | None = None  # every method's draft_stop_confidence (None: SpecConfig's default)
+    stop_confidence: float = DRAFT_STOP_CONFIDENCE  # every method's draft_stop_confidence
     compare_stop: float | None = None  # also eagle@stopX/auto and portfolio@stopX/auto at this floor
 
     def build_methods(self) -> dict[str, tuple]:
@@ -152,10 +153,8 @@ class Drafters:
         from cluster.speculative.proposer import is_eagle_choice
 
         target, kinds = self.target, self.kinds
-        floor = {} if self.stop_confidence is None else {"draft_stop_confidence": self.stop_confidence}
-
         def spec(**kw) -> SpecConfig:  # every method's config, at the run's draft confidence floor
-            return SpecConfig(**{**floor, **kw})
+            return SpecConfig(**{"draft_stop_confidence": self.stop_confidence, **kw})
 
         def label(k) -> str:
             return "auto" if k == "auto" else f"k{k}"
@@ -180,8 +179,10 @@ class Drafters:
                 methods[f"draft-l{self.draft_layers}/{label(k)}"] = (
                     engine_for(target, spec(drafter="draft", num_draft_tokens=k), proposer), k)
         if self.compare_stop is not None:  # the same adaptive rows at another draft confidence floor
-            heads = [d for d in kinds if is_eagle_choice(d)]
-            for name, drafter in ([("eagle", heads[0])] if heads else []) + [("portfolio", "portfolio")] * ("portfolio" in kinds):
+            compared = {"eagle": d for d in kinds if is_eagle_choice(d)}  # one head per run (_refusal)
+            if "portfolio" in kinds:
+                compared["portfolio"] = "portfolio"
+            for name, drafter in compared.items():
                 methods[f"{name}@stop{self.compare_stop:g}/auto"] = (engine_for(target, spec(
                     drafter=drafter, num_draft_tokens="auto", draft_stop_confidence=self.compare_stop)), "auto")
         return methods
@@ -334,8 +335,7 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
                    "self_layers": setup.self_layers, "draft_layers": setup.draft_layers if "draft" in setup.kinds else None,
                    "draft_dir": str(setup.draft_dir) if setup.draft_dir else None, "threads": torch.get_num_threads(),
                    "hf_peers": hf_peers, "concurrency": 1, "greedy": True,
-                   "draft_stop_confidence": (default_stop_confidence() if setup.stop_confidence is None
-                                             else setup.stop_confidence),
+                   "draft_stop_confidence": setup.stop_confidence,
                    "compare_stop_confidence": setup.compare_stop,
                    "method_order": "rotated by one per prompt (method_order)"},
         "calibration": calibration,
@@ -344,12 +344,6 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
         "summary": goals(table, ngram_key),
         "seconds": round(seconds, 1),
     }
-
-
-def default_stop_confidence() -> float:
-    from cluster.common.config import SpecConfig
-
-    return SpecConfig().draft_stop_confidence
 
 
 def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
@@ -401,7 +395,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = {seg: [(r["id"], prompt_token_ids(tok, r), min(int(r.get("max_tokens", args.max_tokens)), args.max_tokens))
                      for r in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment)] for seg in segments}
     setup = Drafters(target, kinds, args.ngram_k, args.model_k, self_layers=args.self_layers,
-                     stop_confidence=args.draft_stop_confidence, compare_stop=args.compare_stop_confidence)
+                     compare_stop=args.compare_stop_confidence)
+    if args.draft_stop_confidence is not None:
+        setup.stop_confidence = args.draft_stop_confidence
 
     # L for self:L (and the draft's depth): a quick measurement on a few prompts
     calibration = None

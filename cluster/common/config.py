@@ -36,6 +36,9 @@ def _k_policy(value: int | str, where: str) -> int | str:
     return value
 
 
+DRAFT_STOP_CONFIDENCE = 0.2  # SpecConfig.draft_stop_confidence's default
+
+
 @dataclass(slots=True)
 class SegmentSpeculation:
     """One traffic segment's own drafter and K policy (``router.segments.<name>``, e.g. written
@@ -59,7 +62,7 @@ class SpecConfig:
     # the product of its draft tokens' probabilities falls below this, so K is a cap (0: it drafts
     # the K planned); a fixed K always drafts K. 0.2: where the shipped head's next draft token is
     # expected to commit less than it costs (docs/measurements.md, "Draft confidence")
-    draft_stop_confidence: float = 0.2
+    draft_stop_confidence: float = DRAFT_STOP_CONFIDENCE
     ngram_min: int = 1
     ngram_max: int = 4
     draft_vocab_trim: int | None = None  # keep the N most frequent tokens in the draft LM head

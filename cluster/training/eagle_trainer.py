@@ -175,6 +175,13 @@ def target_row(runner: ModelRunner, samples: list[Sample], row_tokens: int, d2t:
                 torch.tensor(outs), tap.features.clone(), logits[:, d2t].clone())
 
 
+def row_runner(model, row_tokens: int) -> ModelRunner:
+    """A private runner over the target's weights with KV room for one packed row of
+    ``row_tokens`` (16-token blocks, twice over, plus slack)."""
+    bs = 16
+    return ModelRunner(model, 2 * (-(-row_tokens // bs)) + 64, bs)
+
+
 def ttt_unroll(head: EagleHead, embed: torch.Tensor, row: _Row, steps: int):
     """Yield (k, draft logits [T, Vd], valid [T] bool, src [T]) for k = 0..steps-1: at step k
     anchor t feeds token src = t+1+k, and counts (valid) when the token it predicts, t+2+k, is
@@ -309,8 +316,7 @@ class Trainer:
         return start
 
     def _runner(self) -> ModelRunner:
-        bs = 16
-        return ModelRunner(self.model, 2 * (-(-self.cfg.row_tokens // bs)) + 64, bs)
+        return row_runner(self.model, self.cfg.row_tokens)
 
     def _train(self, head: EagleHead, opt, train: list[Sample], d2t: torch.Tensor, state: dict,
                deadline: float) -> bool:
