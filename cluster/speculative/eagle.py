@@ -35,13 +35,25 @@ from cluster.speculative.types import DraftProposal, ProposeInput
 class _SeqState:
     feats: torch.Tensor  # [capacity, H] fused target features by position (written by _fuse_pending)
     filled: int = 0  # positions [0, filled) were written by some committed target forward
-    k: torch.Tensor | None = None  # [Hkv, anchors, D] persistent head K/V (anchors 0..held-1)
+    # head K/V by anchor, [Hkv, capacity, D]: anchors [0, held) persist (computed from target
+    # features of committed tokens); a propose writes its catch-up after them and its draft
+    # rounds' K/V after that (scratch, overwritten by the next propose)
+    k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    held: int = 0
     tokens: list[int] | None = None  # the committed tokens the persistent K/V was computed from
+    length: int = 0  # during a propose: the anchors' K/V written so far (held, catch-up, drafts)
 
-    @property
-    def held(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
+    def reserve(self, rows: int, kv_heads: int, head_dim: int) -> None:
+        """Room for ``rows`` anchors' K/V (doubling: a round appends one row)."""
+        have = 0 if self.k is None else self.k.shape[1]
+        if rows <= have:
+            return
+        cap = max(64, 2 * have, rows)
+        k, v = torch.empty(kv_heads, cap, head_dim), torch.empty(kv_heads, cap, head_dim)
+        if self.k is not None:
+            k[:, :have], v[:, :have] = self.k, self.v
+        self.k, self.v = k, v
 
 
 class EagleProposer:
@@ -59,7 +71,6 @@ class EagleProposer:
         self.target_fingerprint = head.cfg.target.fingerprint  # the target it was trained for
         self._seqs: dict[str, _SeqState] = {}
         self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
-        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per propose: K/V incl. drafts
         # recorded forwards not fused yet: the (state, start, end) rows each wrote, its features
         self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []
         self._pending_rows = 0
@@ -135,7 +146,7 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
         starts, feeds = [], []
-        self._round, self._scratch = {}, {}
+        self._round = {}
         self._fuse_pending()
         for inp in inputs:
             n = len(inp.token_ids)
@@ -145,7 +156,7 @@ class EagleProposer:
                 starts.append(0)
                 feeds.append([])
                 continue
-            held = self._rollback(st, inp.token_ids)
+            held = st.held = st.length = self._kept(st, inp.token_ids)  # the anchors not kept are dropped
             starts.append(held + 1)  # the pair of anchor t sits at position t + 1
             feeds.append(list(inp.token_ids[held + 1 :]))
         self.last_caught_up = sum(len(f) for f in feeds)
@@ -153,10 +164,8 @@ class EagleProposer:
         for inp, feed in zip(inputs, feeds):
             st = self._seqs.get(inp.seq_id)
             if feed and st is not None:  # keep the catch-up K/V (anchors 0..n-2), drop the drafts'
-                held = len(inp.token_ids) - 1
-                k, v = self._scratch[inp.seq_id]
-                st.k, st.v, st.tokens = k[:, :held].clone(), v[:, :held].clone(), list(inp.token_ids)
-        self._round, self._scratch = {}, {}
+                st.held, st.tokens = len(inp.token_ids) - 1, list(inp.token_ids)
+        self._round = {}
         return proposal
 
     def positions_behind(self, seq_id: str, token_ids: list[int]) -> int:
@@ -179,54 +188,57 @@ class EagleProposer:
                 common += 1
         return max(0, min(st.held, common - 1, len(token_ids) - 2))
 
-    def _rollback(self, st: _SeqState, token_ids: list[int]) -> int:
-        """Drops the K/V of the anchors not kept (``_kept``) -> anchors held."""
-        held = self._kept(st, token_ids)
-        if st.k is not None:
-            st.k, st.v = st.k[:, :held], st.v[:, :held]
-        return held
-
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:  # [len(chunks), V]
         """One draft round for a ragged batch: catch-up pairs for a sequence's first round (its
-        feed starts at position held + 1), one draft pair after that."""
+        feed starts at position held + 1), one draft pair after that. Each sequence's new K/V go
+        into its own buffer after what it holds; one sequence attends to its buffer as is (no
+        padded copy: a draft round is ~0.5 ms of weights, and the copies and masks a batch needs
+        cost a fifth of that at one row), a batch to a padded copy."""
         head = self.head
         H, Hkv, D = head.cfg.hidden_size, head.cfg.num_kv_heads, head.cfg.head_dim
         B = len(chunks)
         q_lens = [len(c.token_ids) for c in chunks]
         Q = max(q_lens)
-        past = []
-        hidden = torch.zeros(B, Q, H)
-        tokens = torch.zeros(B, Q, dtype=torch.int64)
-        positions = torch.zeros(B, Q, dtype=torch.int64)
-        for b, c in enumerate(chunks):
-            n = q_lens[b]
-            st = self._seqs[c.seq_id]
-            if c.seq_id in self._round:  # a draft step: the head's own output carries on
-                hidden[b, 0] = self._round[c.seq_id]
-                past.append(self._scratch[c.seq_id])
-            else:  # catch-up: anchors start-1 .. start+n-2 from the target's features
-                hidden[b, :n] = st.feats[c.start_pos - 1 : c.start_pos - 1 + n]
-                past.append((st.k, st.v) if st.k is not None else (torch.zeros(Hkv, 0, D), torch.zeros(Hkv, 0, D)))
-            tokens[b, :n] = torch.tensor(c.token_ids)
-            positions[b, :n] = torch.arange(c.start_pos, c.start_pos + n)
-        L = max(k.shape[1] for k, _ in past)
-        past_k = torch.zeros(B, Hkv, L, D)
-        past_v = torch.zeros(B, Hkv, L, D)
-        mask = torch.zeros(B, 1, Q, L + Q, dtype=torch.bool)
-        causal = torch.ones(Q, Q, dtype=torch.bool).tril()
-        for b, (k, v) in enumerate(past):
-            lb = k.shape[1]
-            past_k[b, :, :lb], past_v[b, :, :lb] = k, v
-            mask[b, 0, :, :lb] = True
-            mask[b, 0, :, L : L + q_lens[b]] = causal[:, : q_lens[b]]
+        states = [self._seqs[c.seq_id] for c in chunks]
+        for c, st, n in zip(chunks, states, q_lens):
+            st.reserve(st.length + n, Hkv, D)
+        if B == 1:
+            (c,), (st,) = chunks, states
+            n, L = Q, st.length
+            drafting = c.seq_id in self._round  # a draft step: the head's own output carries on
+            hidden = (self._round[c.seq_id] if drafting else st.feats[c.start_pos - 1 : c.start_pos - 1 + n]).view(1, n, H)
+            tokens = torch.tensor([c.token_ids])  # [1, n]
+            positions = torch.arange(c.start_pos, c.start_pos + n).view(1, n)
+            past_k, past_v = (st.k[None, :, :L], st.v[None, :, :L]) if L else (None, None)
+            mask = None if n == 1 else torch.ones(1, 1, n, L + n, dtype=torch.bool).tril(L)  # causal over the new pairs
+        else:
+            hidden = torch.zeros(B, Q, H)
+            tokens = torch.zeros(B, Q, dtype=torch.int64)
+            positions = torch.zeros(B, Q, dtype=torch.int64)
+            L = max(st.length for st in states)
+            past_k = torch.zeros(B, Hkv, L, D)
+            past_v = torch.zeros(B, Hkv, L, D)
+            mask = torch.zeros(B, 1, Q, L + Q, dtype=torch.bool)
+            causal = torch.ones(Q, Q, dtype=torch.bool).tril()
+            for b, (c, st) in enumerate(zip(chunks, states)):
+                n, lb = q_lens[b], st.length
+                if c.seq_id in self._round:
+                    hidden[b, 0] = self._round[c.seq_id]
+                else:  # catch-up: anchors start-1 .. start+n-2 from the target's features
+                    hidden[b, :n] = st.feats[c.start_pos - 1 : c.start_pos - 1 + n]
+                tokens[b, :n] = torch.tensor(c.token_ids)
+                positions[b, :n] = torch.arange(c.start_pos, c.start_pos + n)
+                past_k[b, :, :lb], past_v[b, :, :lb] = st.k[:, :lb], st.v[:, :lb]
+                mask[b, 0, :, :lb] = True
+                mask[b, 0, :, L : L + n] = causal[:, :n]
         emb = self.embed[tokens].float()  # [B, Q, H]
         out, new_k, new_v = head.layer(hidden, emb, positions, past_k, past_v, mask)
-        last = torch.tensor([n - 1 for n in q_lens])
-        final = out[torch.arange(B), last]  # [B, H]
-        for b, c in enumerate(chunks):
-            k, v = past[b]
+        final = out[torch.arange(B), torch.tensor(q_lens) - 1]  # [B, H]
+        for b, (c, st) in enumerate(zip(chunks, states)):
             n = q_lens[b]
-            self._scratch[c.seq_id] = (torch.cat([k, new_k[b, :, :n]], dim=1), torch.cat([v, new_v[b, :, :n]], dim=1))
+            st.k[:, st.length : st.length + n] = new_k[b, :, :n]
+            st.v[:, st.length : st.length + n] = new_v[b, :, :n]
+            st.length += n
             self._round[c.seq_id] = final[b]
         return head.to_target_logits(head.draft_logits(final))  # [B, V]
 

@@ -274,3 +274,53 @@ def test_the_head_tells_how_far_behind_it_is_and_what_it_caught_up(tiny, head_di
     config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens="auto"))
     fresh = model.with_fresh_kv(config)
     assert build_spec_controller(config, fresh)._catch_up is not None
+
+
+def _drafts_from_scratch(prop: EagleProposer, seq_id: str, token_ids: list[int], k: int) -> list[int]:
+    """Greedy drafts recomputed with nothing kept: every pair (feature t, token t + 1) of the
+    sequence through the head at once (causal), then k - 1 draft steps over all of their K/V."""
+    head, n = prop.head, len(token_ids)
+    feats = prop._seqs[seq_id].feats[: n - 1].unsqueeze(0)  # [1, n-1, H] fused target features
+    tokens = torch.tensor([token_ids[1:]])
+    positions = torch.arange(1, n).unsqueeze(0)
+    mask = torch.ones(n - 1, n - 1, dtype=torch.bool).tril().view(1, 1, n - 1, n - 1)
+    with torch.inference_mode():
+        out, keys, values = head.layer(feats, prop.embed[tokens].float(), positions, None, None, mask)
+        hidden, drafts = out[:, -1:], []
+        for step in range(k):
+            t = int(head.to_target_logits(head.draft_logits(hidden[:, 0])).argmax(-1))
+            drafts.append(t)
+            emb = prop.embed[torch.tensor([[t]])].float()
+            hidden, nk, nv = head.layer(hidden, emb, torch.tensor([[n + step]]), keys, values, None)
+            keys, values = torch.cat([keys, nk], dim=2), torch.cat([values, nv], dim=2)
+    return drafts
+
+
+def test_drafts_equal_a_head_run_from_scratch_as_sequences_grow_roll_back_and_batch(tiny, head_dir):
+    """What the drafter keeps between proposes (its K/V buffers, rolled back to the tokens still
+    committed; each draft round's K/V written after them and dropped) changes nothing: alone
+    or in a ragged batch, after growth and after a rollback, every greedy draft equals the head
+    run from scratch over the whole sequence (lossless tests cannot see this: a wrong draft is
+    only rejected)."""
+    from cluster.models.runner import SeqChunk
+    from cluster.speculative.types import ProposeInput
+
+    _, model = tiny
+    m = model.with_fresh_kv(EngineConfig(model="tiny"))
+    prop = EagleProposer.from_dir(head_dir, m.runner)
+    params = SamplingParams(max_tokens=8)
+    g = torch.Generator().manual_seed(11)
+    seqs = {"a": torch.randint(0, 49152, (90,), generator=g).tolist(),  # past the buffers' first 64 rows
+            "b": torch.randint(0, 49152, (9,), generator=g).tolist()}
+    m.runner.forward([SeqChunk(s, ids, 0, 1) for s, ids in seqs.items()])
+
+    def check(batch: dict[str, tuple[list[int], int]]) -> None:
+        got = prop.propose([ProposeInput(s, ids, k, params) for s, (ids, k) in batch.items()]).draft_token_ids
+        for (s, (ids, k)), drafts in zip(batch.items(), got):
+            assert list(drafts) == _drafts_from_scratch(prop, s, ids, k), s
+
+    check({"a": (seqs["a"][:40], 3)})  # alone: catches up 39 pairs, then drafts
+    check({"a": (seqs["a"][:44], 2), "b": (seqs["b"], 4)})  # ragged batch: a 4 pairs behind, b 8
+    check({"a": (seqs["a"][:30] + [5, 6], 3)})  # rolled back to 30 tokens, two new ones
+    check({"a": (seqs["a"], 1), "b": (seqs["b"][:6], 3)})  # a grows past 64 anchors; b rolls back
+    check({"b": (seqs["b"], 2)})
