@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default=",".join(SEGMENTS), help="comma-separated segment names")
     p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
                    help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows), "
-                        "eagle (the head shipped for the default model), eagle:DIR (a trained head)")
+                        "eagle (the head shipped for the default model), eagle:DIR (a trained head; several heads "
+                        "run side by side: the first's rows are eagle/..., the others' eagle:<dir name>/...)")
     p.add_argument("--prompts-per-segment", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
     p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
@@ -166,9 +167,9 @@ class Drafters:
         for name in LEARNING_DRAFTERS:  # model-free, learning from the prompts run before
             if name in kinds:
                 methods[f"{name}/auto"] = (engine_for(target, spec(drafter=name, num_draft_tokens="auto")), "auto")
-        for head in (d for d in kinds if is_eagle_choice(d)):  # the shipped head or one made by `specserve train-draft`
+        for head, name in head_rows([d for d in kinds if is_eagle_choice(d)]).items():  # shipped or trained heads
             for k in (self.model_k, "auto"):
-                methods[f"eagle/{label(k)}"] = (engine_for(target, spec(drafter=head, num_draft_tokens=k)), k)
+                methods[f"{name}/{label(k)}"] = (engine_for(target, spec(drafter=head, num_draft_tokens=k)), k)
         if "self" in kinds:
             for k in (self.model_k, "auto"):
                 methods[f"self:{self.self_layers}/{label(k)}"] = (
@@ -179,7 +180,8 @@ class Drafters:
                 methods[f"draft-l{self.draft_layers}/{label(k)}"] = (
                     engine_for(target, spec(drafter="draft", num_draft_tokens=k), proposer), k)
         if self.compare_stop is not None:  # the same adaptive rows at another draft confidence floor
-            compared = {"eagle": d for d in kinds if is_eagle_choice(d)}  # one head per run (_refusal)
+            heads = [d for d in kinds if is_eagle_choice(d)]
+            compared = {"eagle": heads[0]} if heads else {}  # the first head's rows
             if "portfolio" in kinds:
                 compared["portfolio"] = "portfolio"
             for name, drafter in compared.items():
@@ -346,6 +348,13 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
     }
 
 
+def head_rows(heads: list[str]) -> dict[str, str]:
+    """EAGLE drafter choice -> its rows' name: ``eagle`` for the first (the goals read it), then
+    ``eagle:<directory name>`` — several heads measured side by side in one run."""
+    return {h: "eagle" if i == 0 else f"eagle:{Path(h.split(':', 1)[1]).name if ':' in h else h}"
+            for i, h in enumerate(heads)}
+
+
 def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
     """Why the arguments cannot run (before the model loads), else None."""
     from cluster.speculative.proposer import is_eagle_choice
@@ -356,9 +365,9 @@ def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
     if args.rounds < 1:
         return f"--rounds must be >= 1, got {args.rounds}"
     heads = [d for d in kinds if is_eagle_choice(d)]
-    if len(heads) > 1:  # their rows would share the names eagle/k<K> and eagle/auto
-        return (f"one EAGLE head per run (its rows are eagle/k{args.model_k} and eagle/auto), got {heads}; "
-                "run the bench once per head")
+    names = list(head_rows(heads).values())
+    if len(set(names)) < len(heads):  # their rows would share names
+        return (f"EAGLE heads side by side need distinct directory names (rows {names}), got {heads}")
     for flag, value in (("--draft-stop-confidence", args.draft_stop_confidence),
                         ("--compare-stop-confidence", args.compare_stop_confidence)):
         if value is not None and not 0.0 <= value < 1.0:

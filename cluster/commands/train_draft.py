@@ -25,8 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="run directory (head, checkpoint, data, log)")
     p.add_argument("--minutes", type=float, default=None, help="stop after this many minutes (resumable)")
     p.add_argument("--tokens", type=int, default=d.tokens, help="self-distillation data size (prompt + output tokens)")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab_size, help="draft vocabulary size")
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help="passes over the data; 0 with --init-from: no training (trim and evaluate that head)")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab_size,
+                   help="draft vocabulary size; below --init-from's, that head keeps its most frequent tokens "
+                        "in this run's outputs")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test unrolled steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (after warm-up)")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
@@ -39,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", type=Path, default=None,
                    help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
     p.add_argument("--init-from", type=Path, default=None,
-                   help="fine-tune this trained head (same target; its draft vocabulary) instead of starting afresh")
+                   help="fine-tune this trained head (same target; its draft vocabulary, or the most frequent part of "
+                        "it: --draft-vocab) instead of starting afresh")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)

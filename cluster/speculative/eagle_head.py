@@ -6,7 +6,8 @@ low/middle/high target features [3H -> H]; one Llama decoder layer whose q/k/v r
 RMS-normed embedding of the next token concatenated with the RMS-normed hidden, and whose residual
 carries the hidden; a final norm and an LM head over the trimmed draft vocabulary with its
 draft -> target id map), ``target_identity`` (architecture + a hash of the target's config and
-weight shapes), and ``save_head`` / ``load_head`` (safetensors weights + ``eagle_config.json``),
+weight shapes), ``trim_vocabulary`` (the same head over a subset of its draft vocabulary), and
+``save_head`` / ``load_head`` (safetensors weights + ``eagle_config.json``),
 which refuse a head trained for another target with an ``EagleTargetMismatch``. Weights are
 stored in bfloat16 and computed in float32.
 Ignores: where the hidden comes from (catch-up vs draft steps: ``cluster.speculative.eagle``;
@@ -174,7 +175,7 @@ class EagleHead(nn.Module):
         hidden [B, Q, H] (fused target feature or the head's previous output), emb [B, Q, H]
         (target embedding of the next token), positions [B, Q] int64, past_k / past_v
         [B, Hkv, L, D] or None, mask [B or 1, 1, Q, L + Q] bool (True = attend; keys are past
-        then new). Returns (output [B, Q, H] pre-norm, new k, new v [B, Hkv, Q, D]).
+        then new) or None (every query attends to every key: one new pair). Returns (output [B, Q, H] pre-norm, new k, new v [B, Hkv, Q, D]).
         """
         c = self.cfg
         B, Q, _ = hidden.shape
@@ -205,6 +206,26 @@ class EagleHead(nn.Module):
         full = logits.new_full((logits.shape[0], self.cfg.target_vocab_size), float("-inf"), dtype=torch.float32)
         full[:, self.draft_to_target] = logits.float()
         return full
+
+
+def trim_vocabulary(head: EagleHead, keep: torch.Tensor) -> EagleHead:
+    """A copy of ``head`` whose draft vocabulary is ``keep`` (target ids, a subset of its own):
+    the LM head keeps those rows, everything else is shared by value. Greedy drafts change only
+    where the dropped tokens were the head's top choice; q is renormalised over the kept tokens
+    (drafts stay lossless: verification uses the q a draft came with). A round reads fewer
+    weights: the default model's 8k LM head is over half of a round's. keep [Vd'] int64."""
+    keep = torch.unique(keep.to(torch.int64))  # sorted, as draft_to_target is
+    own = head.draft_to_target
+    rows = torch.searchsorted(own, keep)
+    if keep.numel() < 1 or bool((rows >= own.numel()).any()) or not torch.equal(own[rows.clamp(max=own.numel() - 1)], keep):
+        raise ValueError("a trimmed vocabulary must be a non-empty subset of the head's draft vocabulary")
+    cfg = dataclasses.replace(head.cfg, draft_vocab_size=int(keep.numel()))
+    out = EagleHead(cfg)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "draft_to_target")}
+    state["lm_head.weight"] = head.lm_head.weight.detach()[rows].clone()
+    state["draft_to_target"] = keep
+    out.load_state_dict(state)
+    return out.train(head.training)
 
 
 def save_head(head: EagleHead, out_dir: Path, extra: dict | None = None) -> None:

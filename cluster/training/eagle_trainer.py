@@ -3,7 +3,8 @@
 Owns: ``TrainConfig`` (the recipe), the run directory layout (``data/samples.jsonl``,
 ``checkpoint.pt``, ``train_log.jsonl``, the head files), the held-out split (every
 ``heldout_every``-th prompt), the draft vocabulary (the most frequent tokens of the training
-outputs, plus EOS), packing samples into rows, the target pass over a row (features of the
+outputs, plus EOS; fine-tuning a head with a larger one trims it to its most frequent tokens, and
+``epochs`` 0 only trims and evaluates), packing samples into rows, the target pass over a row (features of the
 chosen layers and logits at every position, one forward, inference only), the training-time-test
 loss, resumable checkpoints, the ``--minutes`` deadline, and α by draft position on the held-out
 greedy samples.
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from cluster.common.errors import InvalidRequestError
 from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.eagle_head import (EagleConfig, EagleHead, EagleTargetMismatch, load_head, save_head,
-                                            target_identity)
+                                            target_identity, trim_vocabulary)
 from cluster.training.self_distill import Sample, extend_samples
 
 CHECKPOINT = "checkpoint.pt"
@@ -70,8 +71,10 @@ class TrainConfig:
     init_from: str | None = None  # a head directory to start from (its weights and draft vocabulary)
 
     def __post_init__(self) -> None:
-        if self.tokens < 1 or self.epochs < 1 or self.ttt_steps < 1 or self.row_tokens < 8:
-            raise ValueError("tokens, epochs and ttt_steps must be >= 1, row_tokens >= 8")
+        if self.tokens < 1 or self.epochs < 0 or self.ttt_steps < 1 or self.row_tokens < 8:
+            raise ValueError("tokens and ttt_steps must be >= 1, epochs >= 0, row_tokens >= 8")
+        if self.epochs == 0 and not self.init_from:
+            raise ValueError("epochs 0 (no training: trim and evaluate a trained head) needs init_from")
         if self.draft_vocab_size < 1 or self.max_new_tokens < 1 or self.lr <= 0:
             raise ValueError("draft_vocab_size and max_new_tokens must be >= 1, lr > 0")
         if not 0.0 <= self.temperature < math.inf:
@@ -105,18 +108,22 @@ class _Collect:
         pass  # holds one forward's features, of no sequence in particular
 
 
-def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int, eos_ids: frozenset[int]) -> torch.Tensor:
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int, eos_ids: frozenset[int],
+                     within: torch.Tensor | None = None) -> torch.Tensor:
     """The ``size`` most frequent output tokens (EOS always kept; ties and the remainder filled
-    with the lowest ids), sorted. # [Vd] int64"""
-    size = min(size, vocab_size)
-    counts = Counter(t for s in samples for t in s.output_ids)
-    keep = [t for t in sorted(eos_ids) if t < vocab_size][:size]
+    with the lowest ids), sorted; ``within`` (ids, e.g. a trained head's draft vocabulary): chosen
+    among those only. # [Vd] int64"""
+    allowed = range(vocab_size) if within is None else sorted(set(within.tolist()))
+    allowed_set = set(allowed)
+    size = min(size, len(allowed_set))
+    counts = Counter(t for s in samples for t in s.output_ids if t in allowed_set)
+    keep = [t for t in sorted(eos_ids) if t in allowed_set][:size]
     for t, _ in counts.most_common():
         if len(keep) >= size:
             break
         if t not in keep:
             keep.append(t)
-    fill = iter(range(vocab_size))
+    fill = iter(allowed)
     chosen = set(keep)
     while len(keep) < size:
         t = next(fill)
@@ -274,6 +281,12 @@ class Trainer:
         if not train:
             raise InvalidRequestError("no training samples: raise --tokens or give more prompts")
         start = self._initial_head() if ckpt is None and cfg.init_from else None
+        if start is not None and start.cfg.draft_vocab_size > cfg.draft_vocab_size:
+            keep = draft_vocabulary(train, cfg.draft_vocab_size, self.model.arch.vocab_size, self.eos_ids,
+                                    within=start.draft_to_target)
+            start = trim_vocabulary(start, keep)
+            self.progress(f"draft vocabulary trimmed to the {len(keep)} most frequent of the head's own tokens "
+                          "in this run's outputs")
         if start is not None:
             d2t = start.draft_to_target.clone()
         else:
@@ -305,13 +318,14 @@ class Trainer:
         return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors)
 
     def _initial_head(self) -> EagleHead:
-        """The head ``init_from`` names: for this target (else EagleTargetMismatch), with the
-        draft vocabulary size asked for."""
+        """The head ``init_from`` names: for this target (else EagleTargetMismatch), with at least
+        the draft vocabulary size asked for (a larger one is trimmed once the data is known)."""
         start = load_head(Path(self.cfg.init_from), self.model)
-        if start.cfg.draft_vocab_size != self.cfg.draft_vocab_size:
+        if start.cfg.draft_vocab_size < self.cfg.draft_vocab_size:
             raise InvalidRequestError(
                 f"--init-from {self.cfg.init_from} has a draft vocabulary of {start.cfg.draft_vocab_size} tokens, "
-                f"not --draft-vocab {self.cfg.draft_vocab_size}; pass --draft-vocab {start.cfg.draft_vocab_size}")
+                f"fewer than --draft-vocab {self.cfg.draft_vocab_size}; pass --draft-vocab "
+                f"{start.cfg.draft_vocab_size} or less (a smaller one keeps the head's most frequent tokens)")
         self.progress(f"starting from the head in {self.cfg.init_from} (its weights and draft vocabulary)")
         return start
 

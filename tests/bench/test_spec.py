@@ -74,19 +74,23 @@ def test_spec_bench_refuses_a_bad_draft_confidence_floor(tmp_path, capsys):
         assert needle in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
 
 
-def test_spec_bench_refuses_two_eagle_heads(tmp_path, capsys):
-    """Two heads in one run would share the rows eagle/k3 and eagle/auto: refused before any model loads."""
-    assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", f"ngram,eagle,eagle:{tmp_path}"]) == 2
-    assert "one EAGLE head per run" in capsys.readouterr().err
+def test_spec_bench_names_each_eagle_head_apart_and_refuses_two_of_one_name(tmp_path, capsys):
+    """Heads side by side: the first's rows are eagle/..., the others' eagle:<directory name>/...;
+    two heads whose rows would share names are refused before any model loads."""
+    assert bench_spec.head_rows(["eagle", "eagle:/runs/trim4096", "eagle:/x/v5"]) == {
+        "eagle": "eagle", "eagle:/runs/trim4096": "eagle:trim4096", "eagle:/x/v5": "eagle:v5"}
+    assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", "ngram,eagle,eagle:/a/h,eagle:/b/h"]) == 2
+    assert "need distinct directory names" in capsys.readouterr().err
     assert not (tmp_path / "spec.json").exists()
 
 
 def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     """An ``eagle:DIR`` head (untrained: the target's own LM-head rows, random layer) gets fixed
-    and auto K rows on the default model, lossless, with its draft cost c measured."""
+    and auto K rows on the default model, lossless, with its draft cost c measured; a second head
+    (the same one trimmed to a quarter of its draft vocabulary) runs beside it in its own rows."""
     import torch
 
-    from cluster.speculative.eagle_head import EagleConfig, EagleHead, save_head
+    from cluster.speculative.eagle_head import EagleConfig, EagleHead, save_head, trim_vocabulary
 
     target = default_model.runner.model
     torch.manual_seed(0)
@@ -94,17 +98,18 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight()[:, :8192].t())
     save_head(head, tmp_path / "head")
+    save_head(trim_vocabulary(head, head.draft_to_target[:2048]), tmp_path / "small")
     out = tmp_path / "spec.json"
     assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
                   "--segments", "chat", "--prompts-per-segment", "1", "--max-tokens", "12",
-                  "--drafters", f"eagle:{tmp_path / 'head'}", "--no-hf", "--threads", "2"]) == 0
+                  "--drafters", f"eagle:{tmp_path / 'head'},eagle:{tmp_path / 'small'}", "--no-hf", "--threads", "2"]) == 0
     rows = json.loads(out.read_text())["segments"]["chat"]
-    assert set(rows) == {"eagle/k3", "eagle/auto"}
+    assert set(rows) == {"eagle/k3", "eagle/auto", "eagle:small/k3", "eagle:small/auto"}
     for name, row in rows.items():
         assert row["outputs_equal_plain"] == 1, name
         # a fixed K drafts every step, so its draft cost is measured; auto K may give an untrained
         # head K = 0 throughout (nothing drafted, c = 0)
-        assert math.isfinite(row["c"]) and (row["c"] > 0 if name == "eagle/k3" else row["c"] >= 0), (name, row["c"])
+        assert math.isfinite(row["c"]) and (row["c"] > 0 if name.endswith("/k3") else row["c"] >= 0), (name, row["c"])
     print(f"untrained eagle head on the default model: c = {rows['eagle/k3']['c']} of a decode step per draft round")
 
 

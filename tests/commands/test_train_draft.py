@@ -69,8 +69,26 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert torch.equal(load_head(tuned).draft_to_target, load_head(out).draft_to_target)
     assert json.loads((tuned / CONFIG_FILE).read_text())["training"]["init_from"] == str(out)
     assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "t2"),
-                 *[a if a != "512" else "256" for a in ARGS], "--init-from", str(out)]) == 2
-    assert "has a draft vocabulary of 512 tokens, not --draft-vocab 256" in capsys.readouterr().err
+                 *[a if a != "512" else "1024" for a in ARGS], "--init-from", str(out)]) == 2
+    assert "has a draft vocabulary of 512 tokens, fewer than --draft-vocab 1024" in capsys.readouterr().err
+    # a smaller --draft-vocab trims the head to its most frequent tokens in the run's outputs;
+    # --epochs 0 trains nothing: the kept rows of its LM head and every other weight are the head's
+    trimmed = tmp_path / "trimmed"
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(trimmed),
+                 *[a if a != "512" else "128" for a in ARGS], "--epochs", "0", "--init-from", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "trimmed to the 128 most frequent" in cap.err and "held-out α by draft position" in cap.out
+    small, big = load_head(trimmed), load_head(out)
+    assert small.cfg.draft_vocab_size == 128 and set(small.draft_to_target.tolist()) <= set(big.draft_to_target.tolist())
+    rows = torch.searchsorted(big.draft_to_target, small.draft_to_target)
+    assert torch.equal(small.lm_head.weight, big.lm_head.weight[rows]) and torch.equal(small.fc.weight, big.fc.weight)
+    outputs = [t for l in (trimmed / SAMPLES).read_text().splitlines() for t in json.loads(l)["output_ids"]]
+    kept = set(small.draft_to_target.tolist())
+    dropped = set(big.draft_to_target.tolist()) - kept
+    assert max(outputs.count(t) for t in dropped) <= min(outputs.count(t) for t in kept if t not in (0, 1, 2))
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "t4"), *ARGS,
+                 "--epochs", "0"]) == 2  # nothing to trim or evaluate without --init-from
+    assert "needs init_from" in capsys.readouterr().err
 
     # another target: the head and the run directory are refused
     other_dir = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny_llama_dir, hidden_size=32,

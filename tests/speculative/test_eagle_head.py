@@ -1,6 +1,7 @@
 """The EAGLE head's files and identity: a saved head loads to the same function and config, the
 feature layers follow EAGLE-3 (inputs of layers 2, N/2, N-3), the identity changes with the
-target's shapes, and a head for another target is refused."""
+target's shapes, a head for another target is refused, and a head trimmed to part of its draft
+vocabulary scores the kept tokens exactly as before."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from cluster.models.llama import LlamaModel
 from cluster.speculative.eagle_head import (
     WEIGHTS_FILE, EagleConfig, EagleHead, EagleTargetMismatch, default_feature_layers, load_head, save_head,
-    target_identity,
+    target_identity, trim_vocabulary,
 )
 from tests.conftest import make_tiny_model_dir
 
@@ -108,3 +109,28 @@ def test_a_saved_head_drafts_through_bfloat16_copies_with_the_same_results(tmp_p
     for q in (1, 3, 20):  # a draft round, a short and a long catch-up
         for got, want in zip(run(narrow, q), run(wide, q)):
             assert torch.equal(got, want)
+
+
+def test_a_trimmed_head_scores_its_kept_tokens_as_before_and_only_those(tmp_path):
+    model = LlamaModel.load(make_tiny_model_dir(tmp_path / "m", "llama", num_hidden_layers=4), torch.float32)
+    torch.manual_seed(1)
+    head = EagleHead(EagleConfig.for_target(model, 64))
+    head.draft_to_target.copy_(torch.arange(0, 128, 2))
+    keep = torch.tensor([40, 2, 100, 6])  # any order: kept sorted, as draft_to_target is
+    small = trim_vocabulary(head, keep)
+    assert small.cfg.draft_vocab_size == 4 and small.draft_to_target.tolist() == [2, 6, 40, 100]
+    assert small.cfg.target == head.cfg.target and small.training == head.training
+    hidden, emb = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    mask = torch.ones(2, 2, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out = head.layer(hidden, emb, torch.arange(2)[None], None, None, mask)[0][0]
+        torch.testing.assert_close(small.layer(hidden, emb, torch.arange(2)[None], None, None, mask)[0][0], out)
+        full, part = head.to_target_logits(head.draft_logits(out)), small.to_target_logits(small.draft_logits(out))
+    ids = small.draft_to_target
+    torch.testing.assert_close(part[:, ids], full[:, ids])  # the kept tokens' scores are unchanged
+    assert torch.isneginf(part).sum() == part.numel() - 2 * 4  # every other id: q is zero there
+    probs = torch.softmax(part, dim=-1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))  # renormalised over the kept tokens
+    for bad in (torch.tensor([3]), torch.tensor([], dtype=torch.int64), torch.tensor([200])):  # not the head's, none
+        with pytest.raises(ValueError, match="subset of the head's draft vocabulary"):
+            trim_vocabulary(head, bad)

@@ -124,6 +124,11 @@ def test_draft_vocabulary_and_packing():
     d2t = draft_vocabulary(samples, 4, 100, frozenset({2, 99}))
     assert d2t.tolist() == sorted(d2t.tolist()) and {2, 99, 5, 9} == set(d2t.tolist())
     assert draft_vocabulary(samples, 6, 100, frozenset({2})).tolist() == [0, 1, 2, 3, 5, 9]
+    # within a trained head's vocabulary: its most frequent tokens there, EOS kept, filled from it
+    within = torch.tensor([2, 7, 9, 40, 41])
+    assert draft_vocabulary(samples, 2, 100, frozenset({2}), within=within).tolist() == [2, 9]
+    assert draft_vocabulary(samples, 4, 100, frozenset({2, 99}), within=within).tolist() == [2, 7, 9, 40]
+    assert draft_vocabulary(samples, 10, 100, frozenset({2}), within=within).tolist() == [2, 7, 9, 40, 41]
     rows = pack_rows([Sample(i, [1] * 4, [2] * n, True) for i, n in enumerate([2, 3, 20, 1])], 10)
     assert [[s.index for s in r] for r in rows] == [[0], [1], [2], [3]]
     assert [[s.index for s in r] for r in pack_rows([Sample(i, [1], [2], True) for i in range(5)], 4)] == [[0, 1], [2, 3], [4]]
