@@ -192,8 +192,7 @@ class EagleProposer:
         """One draft round for a ragged batch: catch-up pairs for a sequence's first round (its
         feed starts at position held + 1), one draft pair after that. Each sequence's new K/V go
         into its own buffer after what it holds; one sequence attends to its buffer as is (no
-        padded copy: a draft round is ~0.5 ms of weights, and the copies and masks a batch needs
-        cost a fifth of that at one row), a batch to a padded copy."""
+        padded copy, no mask for a single pair), a batch to a padded copy with a padding mask."""
         head = self.head
         H, Hkv, D = head.cfg.hidden_size, head.cfg.num_kv_heads, head.cfg.head_dim
         B = len(chunks)
@@ -206,7 +205,8 @@ class EagleProposer:
             (c,), (st,) = chunks, states
             n, L = Q, st.length
             drafting = c.seq_id in self._round  # a draft step: the head's own output carries on
-            hidden = (self._round[c.seq_id] if drafting else st.feats[c.start_pos - 1 : c.start_pos - 1 + n]).view(1, n, H)
+            rows = self._round[c.seq_id] if drafting else st.feats[c.start_pos - 1 : c.start_pos - 1 + n]
+            hidden = rows.view(1, n, H)
             tokens = torch.tensor([c.token_ids])  # [1, n]
             positions = torch.arange(c.start_pos, c.start_pos + n).view(1, n)
             past_k, past_v = (st.k[None, :, :L], st.v[None, :, :L]) if L else (None, None)

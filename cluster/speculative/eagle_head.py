@@ -175,7 +175,8 @@ class EagleHead(nn.Module):
         hidden [B, Q, H] (fused target feature or the head's previous output), emb [B, Q, H]
         (target embedding of the next token), positions [B, Q] int64, past_k / past_v
         [B, Hkv, L, D] or None, mask [B or 1, 1, Q, L + Q] bool (True = attend; keys are past
-        then new) or None (every query attends to every key: one new pair). Returns (output [B, Q, H] pre-norm, new k, new v [B, Hkv, Q, D]).
+        then new) or None (every query attends to every key: one new pair). Returns (output
+        [B, Q, H] pre-norm, new k, new v [B, Hkv, Q, D]).
         """
         c = self.cfg
         B, Q, _ = hidden.shape
@@ -217,7 +218,8 @@ def trim_vocabulary(head: EagleHead, keep: torch.Tensor) -> EagleHead:
     keep = torch.unique(keep.to(torch.int64))  # sorted, as draft_to_target is
     own = head.draft_to_target
     rows = torch.searchsorted(own, keep)
-    if keep.numel() < 1 or bool((rows >= own.numel()).any()) or not torch.equal(own[rows.clamp(max=own.numel() - 1)], keep):
+    inside = bool((rows < own.numel()).all()) and torch.equal(own[rows.clamp(max=own.numel() - 1)], keep)
+    if keep.numel() < 1 or not inside:
         raise ValueError("a trimmed vocabulary must be a non-empty subset of the head's draft vocabulary")
     cfg = dataclasses.replace(head.cfg, draft_vocab_size=int(keep.numel()))
     out = EagleHead(cfg)

@@ -4,10 +4,10 @@ Owns: ``TrainConfig`` (the recipe), the run directory layout (``data/samples.jso
 ``checkpoint.pt``, ``train_log.jsonl``, the head files), the held-out split (every
 ``heldout_every``-th prompt), the draft vocabulary (the most frequent tokens of the training
 outputs, plus EOS; fine-tuning a head with a larger one trims it to its most frequent tokens, and
-``epochs`` 0 only trims and evaluates), packing samples into rows, the target pass over a row (features of the
-chosen layers and logits at every position, one forward, inference only), the training-time-test
-loss, resumable checkpoints, the ``--minutes`` deadline, and α by draft position on the held-out
-greedy samples.
+``epochs`` 0 only trims and evaluates), packing samples into rows, the target pass over a row
+(features of the chosen layers and logits at every position, one forward, inference only), the
+training-time-test loss, resumable checkpoints, the ``--minutes`` deadline, and α by draft
+position on the held-out greedy samples.
 
 Training-time test (TTT), over a packed row of samples (row position t = anchor t: the pair of
 target feature t and token t+1, predicting token t+2):
