@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,mapped}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -15,6 +15,8 @@ BENCHES = {
                   "floor commits per unit of cost",
     "serve": "the gRPC (and --api openai: OpenAI HTTP) front door: fixed-spec, fixed-plain and routed "
              "policies per concurrency",
+    "cancel": "how many gRPC stream cancellations reach the engine, by the time between a chunk and the "
+              "cancellation (fake engine)",
     "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>

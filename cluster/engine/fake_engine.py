@@ -17,7 +17,8 @@ alone with ``FinishReason.ERROR`` and an ``error`` message after its first token
 engine does when one sequence's step fails); one containing ``CRASH_MARKER`` raises an exception
 whose text looks like internals (pid, node IP, "Traceback") from the request's output stream;
 one containing ``HOLD_MARKER`` emits its first step and then holds its slot (and KV) until it is
-cancelled, or ``HOLD_LIMIT_S`` passes (so a test's in-flight count cannot drift with timing).
+cancelled, or ``hold_limit_s`` (default ``HOLD_LIMIT_S``) passes (so a test's in-flight count cannot
+drift with timing).
 Ignores: real model quality, batching across requests, sampling.
 """
 from __future__ import annotations
@@ -49,8 +50,9 @@ class FakeEngine:
     def __init__(self, config: EngineConfig, proposer=None, *, token_delay_s: float = 0.002,
                  start_delay_s: float = 0.0, acceptance_rate_by_segment: dict[str, float] | None = None,
                  default_acceptance_rate: float = 0.75, moe: bool = False, vocab_size: int = 259,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, hold_limit_s: float = HOLD_LIMIT_S) -> None:
         self.config = config
+        self.hold_limit_s = hold_limit_s
         self.proposer = proposer
         self.token_delay_s = token_delay_s
         self.start_delay_s = start_delay_s
@@ -158,7 +160,7 @@ class FakeEngine:
                     return
                 await asyncio.sleep(self.token_delay_s)
                 if hold and out:
-                    await asyncio.sleep(HOLD_LIMIT_S)
+                    await asyncio.sleep(self.hold_limit_s)
                     hold = False
                 new = await self._step(req, prompt, out, stats)
                 new = new[: req.params.max_tokens - len(out)]

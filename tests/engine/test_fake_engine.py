@@ -45,3 +45,16 @@ def test_held_request_keeps_its_slot_until_cancelled():
     assert first.new_token_ids and not first.finished
     assert (done, running) == (False, 1) and free < after.kv_blocks_total
     assert after.num_running == 0 and after.kv_blocks_free == after.kv_blocks_total
+
+
+def test_held_request_finishes_by_itself_after_the_hold_limit():
+    async def run():
+        engine = FakeEngine(EngineConfig(), token_delay_s=0.001, hold_limit_s=0.2)
+        await engine.start()
+        t0 = asyncio.get_running_loop().time()
+        outs = [o async for o in engine.generate(_request(engine, "h", "x" + HOLD_MARKER, 20))]
+        return asyncio.get_running_loop().time() - t0, outs, engine.stats()
+
+    took, outs, after = asyncio.run(run())
+    assert took >= 0.2 and outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 20
+    assert after.num_running == 0 and after.kv_blocks_free == after.kv_blocks_total

@@ -1,0 +1,52 @@
+"""`specserve bench cancel`: its counting, and a short run as a user runs it (real Serve, real gRPC)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.bench.cancel import format_report, summarize
+
+
+def test_summarize_counts_lost_cancellations_by_where_they_were_lost():
+    outcomes = [{"freed_s": 0.05}, {"freed_s": 0.15}, {"freed_s": 0.10},
+                {"freed_s": None, "router_held": True}, {"freed_s": None, "router_held": False},
+                {"freed_s": None, "router_held": True}]
+    s = summarize(outcomes)
+    assert (s["cancelled"], s["freed"], s["lost"]) == (6, 3, 3)
+    assert (s["lost_before_router"], s["lost_after_router"]) == (2, 1)
+    assert s["median_free_s"] == pytest.approx(0.10)
+    assert summarize([{"freed_s": None, "router_held": True}])["median_free_s"] is None
+    text = format_report({"settles": {"0": {"plain": s}}})
+    assert "plain" in text and text.splitlines()[1].split()[:5] == ["0", "plain", "6", "3", "2"]
+
+
+@pytest.mark.ray
+def test_a_short_run_frees_every_settled_cancellation_and_writes_json(tmp_path):
+    out = tmp_path / "cancel.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
+         "bench", "cancel", "--rounds", "2", "--settle", "0.3", "--hold-s", "6", "--free-timeout-s", "3",
+         "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["settles"]) == {"0.3"} and report["rounds"] == 2
+    for path in ("speculative", "plain"):
+        s = report["settles"]["0.3"][path]
+        # a stream the engine holds is freed only by its cancellation (the hold is 6 s, the wait 3 s)
+        assert (s["cancelled"], s["freed"], s["lost"]) == (2, 2, 0), s
+        assert 0 < s["median_free_s"] < 3
+    assert "speculative" in proc.stdout
+
+
+def test_bad_arguments_are_refused_before_ray_starts():
+    def refused(*extra):
+        return subprocess.run([sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
+                               "bench", "cancel", *extra], capture_output=True, text=True, timeout=60)
+
+    for extra, words in ((["--settle", "x"], "comma-separated"), (["--settle", "-1"], ">= 0"),
+                         (["--hold-s", "2", "--free-timeout-s", "3"], "--hold-s > --free-timeout-s")):
+        proc = refused(*extra)
+        assert proc.returncode == 2 and words in proc.stderr, (extra, proc.stderr[-500:])
