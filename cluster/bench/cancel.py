@@ -3,12 +3,13 @@
 Owns: a local Serve app on the fake engine (no model: what is measured is the cancellation's path,
 Client -> Serve's gRPC proxy -> Router -> engine, not decoding), streams the engine holds after
 their first chunk (``HOLD_MARKER``: nothing but a cancellation frees them before ``--hold-s``),
-each cancelled ``settle`` seconds after that chunk arrived, several settles interleaved round by
-round (side by side on one machine state), alternating the speculative and the plain engine. Per
-cancellation: freed (the engine's KV pool full again within ``--free-timeout-s``) or lost, and a
-lost one is attributed by the Router's in-flight count (still counted: the cancellation never
-reached the Router — Ray Serve's gRPC proxy; not counted: lost between the Router and the engine).
-A lost one is waited out (the hold ends) before the next, so each cancellation starts clean.
+opened back to back, each cancelled ``settle`` seconds after its first chunk arrived, several
+settles interleaved round by round (side by side on one machine state), on the speculative and
+the plain engine in turn. After each burst: were all freed (the engine running nothing, its KV
+pool full, within ``--free-timeout-s``), and the ones lost, attributed by the Router's in-flight
+count (still counted: the cancellation never reached the Router — Ray Serve's gRPC proxy; not
+counted: lost between the Router and the engine). Lost ones are waited out (the hold ends) before
+the next burst, so each starts clean.
 Prints the counts and writes JSON. Ignores: unary calls (their proxy waits on the whole answer)
 and HTTP.
 """
@@ -29,7 +30,9 @@ PATHS = {"speculative": ("SpecEngine", 1), "plain": ("BatchEngine", 2)}  # mode 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=50,
-                   help="rounds; each cancels one stream per settle and path (default 50)")
+                   help="rounds; each cancels --streams streams per settle and path (default 50)")
+    p.add_argument("--streams", type=int, default=4,
+                   help="streams opened and cancelled back to back in a round, per settle and path (default 4)")
     p.add_argument("--settle", default="0,0.3",
                    help="comma-separated seconds between a stream's first chunk and its cancellation "
                         "(default 0,0.3)")
@@ -59,11 +62,14 @@ def service_config(hold_s: float) -> dict:
             "http_options": {"host": "127.0.0.1", "port": _free_port()}}
 
 
-def _engine_idle(deployment: str) -> bool:
+def _engine_running(deployment: str) -> int:
+    """Requests the engine holds; one that holds none has its whole KV pool free."""
     from ray import serve
 
     s = serve.get_deployment_handle(deployment, app_name=APP).stats.remote().result(timeout_s=10)
-    return s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+    if s["num_running"] == 0 and s["kv_blocks_free"] != s["kv_blocks_total"]:
+        raise RuntimeError(f"the {deployment} runs nothing but holds KV blocks: {s}")
+    return s["num_running"]
 
 
 def _wait(pred, timeout_s: float) -> float | None:
@@ -76,33 +82,42 @@ def _wait(pred, timeout_s: float) -> float | None:
     return None
 
 
-def cancel_once(stub, pb2, md, path: str, settle_s: float, free_timeout_s: float, hold_s: float) -> dict:
-    """Hold one stream on ``path``, cancel it ``settle_s`` after its first chunk; what became of it."""
+def cancel_burst(stub, pb2, md, path: str, n: int, settle_s: float, free_timeout_s: float,
+                 hold_s: float) -> dict:
+    """Hold ``n`` streams on ``path`` one after another, each cancelled ``settle_s`` after its first
+    chunk and the next opened at once (the proxy busy with one stream when another's cancellation
+    arrives, as under load); then what became of them."""
     from cluster.engine.fake_engine import HOLD_MARKER
 
     deployment, mode = PATHS[path]
-    it = stub.GenerateStream(pb2.GenerateRequest(prompt="cancel " + HOLD_MARKER, max_tokens=250, mode=mode),
-                             metadata=md, timeout=hold_s + 60)
-    next(it)
-    time.sleep(settle_s)
-    it.cancel()
-    freed_s = _wait(lambda: _engine_idle(deployment), free_timeout_s)
+    t0 = time.monotonic()
+    for _ in range(n):
+        it = stub.GenerateStream(pb2.GenerateRequest(prompt="cancel " + HOLD_MARKER, max_tokens=250, mode=mode),
+                                 metadata=md, timeout=hold_s + 60)
+        next(it)
+        time.sleep(settle_s)
+        it.cancel()
+    cancelled_s = time.monotonic() - t0
+    freed_s = _wait(lambda: _engine_running(deployment) == 0, free_timeout_s)
     if freed_s is not None:
-        return {"freed_s": freed_s}
+        return {"cancelled": n, "lost": 0, "lost_before_router": 0, "freed_s": freed_s}
+    lost = _engine_running(deployment)
     info = stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=10)
-    router_held = (info.spec_in_flight if path == "speculative" else info.plain_in_flight) > 0
-    if _wait(lambda: _engine_idle(deployment), hold_s + 30) is None:  # the hold ends it at the latest
-        raise RuntimeError(f"the {deployment} did not free a held stream after its hold ({hold_s} s)")
-    return {"freed_s": None, "router_held": router_held}
+    router_held = info.spec_in_flight if path == "speculative" else info.plain_in_flight
+    if _wait(lambda: _engine_running(deployment) == 0, hold_s + 30) is None:  # the hold ends them
+        raise RuntimeError(f"the {deployment} did not free held streams after their hold ({hold_s} s)")
+    return {"cancelled": n, "lost": lost, "lost_before_router": min(lost, router_held), "freed_s": None,
+            "cancelling_s": cancelled_s}
 
 
-def summarize(outcomes: list[dict]) -> dict:
-    freed = [o["freed_s"] for o in outcomes if o["freed_s"] is not None]
-    lost = [o for o in outcomes if o["freed_s"] is None]
-    return {"cancelled": len(outcomes), "freed": len(freed), "lost": len(lost),
-            "lost_before_router": sum(o["router_held"] for o in lost),
-            "lost_after_router": sum(not o["router_held"] for o in lost),
-            "median_free_s": statistics.median(freed) if freed else None}
+def summarize(bursts: list[dict]) -> dict:
+    """Sums over bursts; ``median_free_s``: from the last cancellation to an idle engine, bursts
+    that lost none."""
+    freed = [b["freed_s"] for b in bursts if b["freed_s"] is not None]
+    lost = sum(b["lost"] for b in bursts)
+    before = sum(b["lost_before_router"] for b in bursts)
+    return {"cancelled": sum(b["cancelled"] for b in bursts), "lost": lost, "lost_before_router": before,
+            "lost_after_router": lost - before, "median_free_s": statistics.median(freed) if freed else None}
 
 
 def format_report(report: dict) -> str:
@@ -127,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"--settle: comma-separated seconds, got {args.settle!r}", file=sys.stderr)
         return 2
-    if not settles or min(settles) < 0 or args.rounds < 1 or args.hold_s <= args.free_timeout_s:
-        print("--settle needs values >= 0, --rounds >= 1 and --hold-s > --free-timeout-s "
+    if not settles or min(settles) < 0 or args.rounds < 1 or args.streams < 1 or args.hold_s <= args.free_timeout_s:
+        print("--settle needs values >= 0, --rounds and --streams >= 1, and --hold-s > --free-timeout-s "
               "(a hold shorter than the wait would free a missed cancellation by itself)", file=sys.stderr)
         return 2
     outcomes: dict[float, dict[str, list[dict]]] = {s: {p: [] for p in PATHS} for s in settles}
@@ -143,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
             for r in range(args.rounds):
                 for settle in settles:
                     for path in PATHS:
-                        outcomes[settle][path].append(
-                            cancel_once(stub, pb2, md, path, settle, args.free_timeout_s, args.hold_s))
+                        outcomes[settle][path].append(cancel_burst(
+                            stub, pb2, md, path, args.streams, settle, args.free_timeout_s, args.hold_s))
                 print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    report = {"rounds": args.rounds, "hold_s": args.hold_s, "free_timeout_s": args.free_timeout_s,
+    report = {"rounds": args.rounds, "streams": args.streams, "hold_s": args.hold_s, "free_timeout_s": args.free_timeout_s,
               "ray_version": ray_version, "elapsed_s": time.monotonic() - t0,
               "settles": {f"{s:g}": {p: summarize(o) for p, o in by_path.items()}
                           for s, by_path in outcomes.items()}}

@@ -10,17 +10,18 @@ import pytest
 from cluster.bench.cancel import format_report, summarize
 
 
-def test_summarize_counts_lost_cancellations_by_where_they_were_lost():
-    outcomes = [{"freed_s": 0.05}, {"freed_s": 0.15}, {"freed_s": 0.10},
-                {"freed_s": None, "router_held": True}, {"freed_s": None, "router_held": False},
-                {"freed_s": None, "router_held": True}]
-    s = summarize(outcomes)
-    assert (s["cancelled"], s["freed"], s["lost"]) == (6, 3, 3)
-    assert (s["lost_before_router"], s["lost_after_router"]) == (2, 1)
+def test_summarize_sums_bursts_and_takes_the_median_free_time_of_bursts_that_lost_none():
+    bursts = [{"cancelled": 4, "lost": 0, "lost_before_router": 0, "freed_s": 0.05},
+              {"cancelled": 4, "lost": 0, "lost_before_router": 0, "freed_s": 0.15},
+              {"cancelled": 4, "lost": 0, "lost_before_router": 0, "freed_s": 0.10},
+              {"cancelled": 4, "lost": 2, "lost_before_router": 1, "freed_s": None},
+              {"cancelled": 4, "lost": 1, "lost_before_router": 1, "freed_s": None}]
+    s = summarize(bursts)
+    assert (s["cancelled"], s["lost"], s["lost_before_router"], s["lost_after_router"]) == (20, 3, 2, 1)
     assert s["median_free_s"] == pytest.approx(0.10)
-    assert summarize([{"freed_s": None, "router_held": True}])["median_free_s"] is None
+    assert summarize(bursts[3:])["median_free_s"] is None
     text = format_report({"settles": {"0": {"plain": s}}})
-    assert "plain" in text and text.splitlines()[1].split()[:5] == ["0", "plain", "6", "3", "2"]
+    assert "plain" in text and text.splitlines()[1].split()[:5] == ["0", "plain", "20", "3", "2"]
 
 
 @pytest.mark.ray
@@ -28,7 +29,7 @@ def test_a_short_run_frees_every_settled_cancellation_and_writes_json(tmp_path):
     out = tmp_path / "cancel.json"
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())",
-         "bench", "cancel", "--rounds", "2", "--settle", "0.3", "--hold-s", "6", "--free-timeout-s", "3",
+         "bench", "cancel", "--rounds", "2", "--streams", "2", "--settle", "0.3", "--hold-s", "6", "--free-timeout-s", "3",
          "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -36,7 +37,7 @@ def test_a_short_run_frees_every_settled_cancellation_and_writes_json(tmp_path):
     for path in ("speculative", "plain"):
         s = report["settles"]["0.3"][path]
         # a stream the engine holds is freed only by its cancellation (the hold is 6 s, the wait 3 s)
-        assert (s["cancelled"], s["freed"], s["lost"]) == (2, 2, 0), s
+        assert (s["cancelled"], s["lost"]) == (4, 0), s
         assert 0 < s["median_free_s"] < 3
     assert "speculative" in proc.stdout
 
@@ -47,6 +48,7 @@ def test_bad_arguments_are_refused_before_ray_starts():
                                "bench", "cancel", *extra], capture_output=True, text=True, timeout=60)
 
     for extra, words in ((["--settle", "x"], "comma-separated"), (["--settle", "-1"], ">= 0"),
+                         (["--streams", "0"], "--streams >= 1"),
                          (["--hold-s", "2", "--free-timeout-s", "3"], "--hold-s > --free-timeout-s")):
         proc = refused(*extra)
         assert proc.returncode == 2 and words in proc.stderr, (extra, proc.stderr[-500:])
