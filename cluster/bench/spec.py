@@ -50,7 +50,8 @@ def runs_per_prompt(method: str, repeats: int) -> int:
     """How many times ``method`` runs each prompt: ``repeats``, except a drafter that learns from
     finished requests runs it once — its second run drafts the first run's answer back, and the
     median-time run kept was that copy (a portfolio "3.7x faster than plain" on chat)."""
-    return 1 if method.split("/")[0].split("@")[0] in LEARNING_DRAFTERS else max(1, repeats)
+    drafter = method.split("/")[0].split("@")[0].split("[")[0]  # portfolio@stop0/..., portfolio[...]/...
+    return 1 if drafter in LEARNING_DRAFTERS else max(1, repeats)
 
 
 def method_order(names: list[str], prompt_index: int) -> list[str]:
@@ -60,6 +61,35 @@ def method_order(names: list[str], prompt_index: int) -> list[str]:
     minute of runs would bias the ratios between them the same way every time)."""
     shift = prompt_index % len(names) if names else 0
     return names[shift:] + names[:shift]
+
+
+# the portfolio's choosing settings ``--compare-portfolio`` may change (cluster/speculative/portfolio.py)
+PORTFOLIO_KNOBS = {"explore_every": int, "probe_z": float, "probe_memory": float, "probe_budget": float,
+                   "min_gain": float, "catch_up_steps": int, "verify_slope": float, "prior_alpha": float}
+
+
+def portfolio_variant(text: str) -> dict:
+    """``FIELD=VALUE[,FIELD=VALUE]`` -> the portfolio settings it changes; ValueError saying what is
+    wrong (an unknown field, a value of the wrong type or one the portfolio refuses)."""
+    from cluster.speculative.portfolio import Member, PortfolioProposer
+
+    changes: dict = {}
+    for part in [x.strip() for x in text.split(",") if x.strip()]:
+        field_name, sep, value = part.partition("=")
+        if not sep or field_name not in PORTFOLIO_KNOBS:
+            raise ValueError(f"{part!r}: expected FIELD=VALUE with FIELD one of {', '.join(PORTFOLIO_KNOBS)}")
+        try:
+            changes[field_name] = PORTFOLIO_KNOBS[field_name](value)
+        except ValueError:
+            raise ValueError(f"{part!r}: {field_name} takes a {PORTFOLIO_KNOBS[field_name].__name__}") from None
+    if not changes:
+        raise ValueError(f"{text!r}: no FIELD=VALUE")
+    PortfolioProposer([Member("check", None)], **changes)  # the portfolio's own checks of the values
+    return changes
+
+
+def variant_name(changes: dict) -> str:
+    return "portfolio[" + ",".join(f"{k}={v:g}" for k, v in changes.items()) + "]/auto"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-stop-confidence", type=float, default=None,
                    help="also run eagle/auto and portfolio/auto at this draft_stop_confidence, side by side "
                         "(rows eagle@stopX/auto, portfolio@stopX/auto)")
+    p.add_argument("--compare-portfolio", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="also run portfolio/auto with these settings of the portfolio's choice changed, side by "
+                        f"side (row portfolio[FIELD=VALUE]/auto; repeatable; fields: {', '.join(PORTFOLIO_KNOBS)})")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--hf-auto", action="store_true",
                    help="also run HF's adaptive variants (default assistant schedule) as peers of the auto rows")
@@ -145,6 +178,7 @@ class Drafters:
     draft_dir: Path | None = None
     stop_confidence: float = DRAFT_STOP_CONFIDENCE  # every method's draft_stop_confidence
     compare_stop: float | None = None  # also eagle@stopX/auto and portfolio@stopX/auto at this floor
+    portfolio_variants: list[dict] = field(default_factory=list)  # also portfolio[...]/auto with these settings
 
     def build_methods(self) -> dict[str, tuple]:
         """Fresh engines, name -> (engine, k label): nothing learnt, adaptive K at its priors."""
@@ -187,6 +221,11 @@ class Drafters:
             for name, drafter in compared.items():
                 methods[f"{name}@stop{self.compare_stop:g}/auto"] = (engine_for(target, spec(
                     drafter=drafter, num_draft_tokens="auto", draft_stop_confidence=self.compare_stop)), "auto")
+        for changes in self.portfolio_variants:  # the portfolio row with its choosing settings changed
+            engine = engine_for(target, spec(drafter="portfolio", num_draft_tokens="auto"))
+            for name, value in changes.items():
+                setattr(engine.spec.proposer, name, value)
+            methods[variant_name(changes)] = (engine, "auto")
         return methods
 
 
@@ -339,6 +378,7 @@ def build_report(args: argparse.Namespace, segments: list[str], setup: Drafters,
                    "hf_peers": hf_peers, "concurrency": 1, "greedy": True,
                    "draft_stop_confidence": setup.stop_confidence,
                    "compare_stop_confidence": setup.compare_stop,
+                   "compare_portfolio": setup.portfolio_variants,
                    "method_order": "rotated by one per prompt (method_order)"},
         "calibration": calibration,
         "plain": plain_rows,
@@ -374,6 +414,16 @@ def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
             return f"{flag} must be in [0, 1), got {value}"
     if args.compare_stop_confidence is not None and not (heads or "portfolio" in kinds):
         return "--compare-stop-confidence compares eagle/auto and portfolio/auto: ask for eagle or portfolio in --drafters"
+    if args.compare_portfolio and "portfolio" not in kinds:
+        return "--compare-portfolio runs portfolio/auto with other settings: ask for portfolio in --drafters"
+    variants = []
+    for text in args.compare_portfolio:
+        try:
+            variants.append(portfolio_variant(text))
+        except ValueError as exc:
+            return f"--compare-portfolio {exc}"
+    if len({variant_name(v) for v in variants}) < len(variants):
+        return f"--compare-portfolio: the same settings twice ({args.compare_portfolio})"
     return None
 
 
@@ -404,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = {seg: [(r["id"], prompt_token_ids(tok, r), min(int(r.get("max_tokens", args.max_tokens)), args.max_tokens))
                      for r in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment)] for seg in segments}
     setup = Drafters(target, kinds, args.ngram_k, args.model_k, self_layers=args.self_layers,
-                     compare_stop=args.compare_stop_confidence)
+                     compare_stop=args.compare_stop_confidence,
+                     portfolio_variants=[portfolio_variant(t) for t in args.compare_portfolio])
     if args.draft_stop_confidence is not None:
         setup.stop_confidence = args.draft_stop_confidence
 

@@ -74,6 +74,26 @@ def test_spec_bench_refuses_a_bad_draft_confidence_floor(tmp_path, capsys):
         assert needle in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
 
 
+def test_spec_bench_refuses_portfolio_settings_it_cannot_run(tmp_path, capsys):
+    """``--compare-portfolio``: a field outside the portfolio's choosing settings, a value of the
+    wrong type, one the portfolio itself refuses, no portfolio to compare with, or the same
+    settings twice are refused before any model loads, saying which."""
+    assert bench_spec.portfolio_variant("explore_every=64, probe_budget=0.005") == {
+        "explore_every": 64, "probe_budget": 0.005}
+    assert bench_spec.variant_name({"explore_every": 64, "probe_budget": 0.005}) == \
+        "portfolio[explore_every=64,probe_budget=0.005]/auto"
+    for args, needle in ((["--compare-portfolio", "members=1"], "FIELD one of explore_every"),
+                         (["--compare-portfolio", "explore_every"], "expected FIELD=VALUE"),
+                         (["--compare-portfolio", "explore_every=1.5"], "explore_every takes a int"),
+                         (["--compare-portfolio", "probe_budget=0"], "probe_budget in (0, 1]"),
+                         (["--compare-portfolio", ","], "no FIELD=VALUE"),
+                         (["--drafters", "ngram", "--compare-portfolio", "explore_every=64"], "ask for portfolio"),
+                         (["--drafters", "portfolio", "--compare-portfolio", "explore_every=64",
+                           "--compare-portfolio", "explore_every=64"], "the same settings twice")):
+        assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", "portfolio", *args]) == 2, args
+        assert needle in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
+
+
 def test_spec_bench_names_each_eagle_head_apart_and_refuses_two_of_one_name(tmp_path, capsys):
     """Heads side by side: the first's rows are eagle/..., the others' eagle:<directory name>/...;
     two heads whose rows would share names are refused before any model loads."""
@@ -113,22 +133,38 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
     print(f"untrained eagle head on the default model: c = {rows['eagle/k3']['c']} of a decode step per draft round")
 
 
-def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, default_model, capsys):
+def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, default_model, monkeypatch):
     """The portfolio row of a segment carries each member's counts on that segment (warm-up and
     other segments excluded): the members of the default model's portfolio, steps adding up to
-    the row's drafting steps."""
+    the row's drafting steps. Beside it, the same portfolio without the draft confidence floor
+    and one with a choosing setting changed (its engines' portfolios hold the setting)."""
+    from cluster.speculative.portfolio import PortfolioProposer
+
+    built = []
+    real = bench_spec.engine_for
+
+    def recording(*a, **kw):
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(bench_spec, "engine_for", recording)
     out = tmp_path / "spec.json"
     assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
                   "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
-                  "--drafters", "portfolio", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0"]) == 0
+                  "--drafters", "portfolio", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0",
+                  "--compare-portfolio", "explore_every=1000"]) == 0
     report = json.loads(out.read_text())
     segments = report["segments"]
     assert report["config"]["draft_stop_confidence"] == 0.2 and report["config"]["compare_stop_confidence"] == 0
+    assert report["config"]["compare_portfolio"] == [{"explore_every": 1000}]
+    portfolios = [e.spec.proposer for e in built if e.spec is not None and isinstance(e.spec.proposer, PortfolioProposer)]
+    assert sorted(p.explore_every for p in portfolios) == [16, 16, 1000]  # the three rows
     for seg in ("summarize", "chat"):
         # the same portfolio beside it with a head that drafts the K planned (no confidence floor)
-        assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto"}
-        assert segments[seg]["portfolio@stop0/auto"]["outputs_equal_plain"] == 1
-        assert set(segments[seg]["portfolio@stop0/auto"]["members"]) == {"ngram", "suffix", "eagle"}
+        assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto", "portfolio[explore_every=1000]/auto"}
+        for other in ("portfolio@stop0/auto", "portfolio[explore_every=1000]/auto"):
+            assert segments[seg][other]["outputs_equal_plain"] == 1
+            assert set(segments[seg][other]["members"]) == {"ngram", "suffix", "eagle"}
         row = segments[seg]["portfolio/auto"]
         assert row["outputs_equal_plain"] == 1
         members = row["members"]
@@ -145,6 +181,8 @@ def test_learning_drafters_run_each_prompt_once_under_repeats(tmp_path, default_
     learn every finished request — their second run would draft the first run's answer back and
     be kept as the median-time run (a portfolio measured "3.7x" plain on chat that way)."""
     assert bench_spec.runs_per_prompt("suffix/auto", 3) == 1 and bench_spec.runs_per_prompt("portfolio/auto", 3) == 1
+    assert bench_spec.runs_per_prompt("portfolio[explore_every=64]/auto", 3) == 1
+    assert bench_spec.runs_per_prompt("portfolio@stop0/auto", 3) == 1
     assert bench_spec.runs_per_prompt("ngram/auto", 3) == 3 and bench_spec.runs_per_prompt("plain", 0) == 1
     seen: list[str] = []
     real = bench_spec.run_ours
