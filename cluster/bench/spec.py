@@ -89,7 +89,8 @@ def portfolio_variant(text: str) -> dict:
 
 
 def variant_name(changes: dict) -> str:
-    return "portfolio[" + ",".join(f"{k}={v:g}" for k, v in changes.items()) + "]/auto"
+    return "portfolio[" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in changes.items()) + "]/auto"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -82,6 +82,7 @@ def test_spec_bench_refuses_portfolio_settings_it_cannot_run(tmp_path, capsys):
         "explore_every": 64, "probe_budget": 0.005}
     assert bench_spec.variant_name({"explore_every": 64, "probe_budget": 0.005}) == \
         "portfolio[explore_every=64,probe_budget=0.005]/auto"
+    assert bench_spec.variant_name({"explore_every": 1000000}) == "portfolio[explore_every=1000000]/auto"
     for args, needle in ((["--compare-portfolio", "members=1"], "FIELD one of explore_every"),
                          (["--compare-portfolio", "explore_every"], "expected FIELD=VALUE"),
                          (["--compare-portfolio", "explore_every=1.5"], "explore_every takes a int"),

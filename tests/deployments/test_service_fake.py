@@ -92,7 +92,7 @@ def kv_full(app="main", deployment="SpecEngine") -> bool:
 
 
 # Ray Serve's gRPC proxy loses a client's cancellation of a stream when it arrives while the proxy is
-# still writing the chunk before (docs/reliability.md#cancellation): the Router never hears of it and
+# still busy with the chunk before (docs/reliability.md#cancellation): the Router never hears of it and
 # the request runs on to its end (a held one: HOLD_LIMIT_S). A test that cancels held streams to
 # check what cancellation frees waits this long after their last chunk first, so the proxy is
 # waiting for the next chunk, where it passes the cancellation on.
