@@ -1,12 +1,13 @@
 """Run the specserve app on a local Ray cluster from a Serve config: what ``specserve serve``,
-``specserve bench serve`` and ``specserve map`` share.
+``specserve bench serve``, ``specserve bench cancel`` and ``specserve map`` share.
 
 Owns: reading a Serve config YAML (default ``deployments/serve_config.yaml``) with the
 ``--port``/``--http-port``/``--model``/``--drafter``/``--placement`` overrides, the CPUs its
 deployments reserve, starting Ray with the machine's CPUs (dashboard off, node IP 127.0.0.1 so
 every internal hop stays on loopback) with the gRPC proxy's message cap set to the app's limit
 and the proxy's readiness check given time for a busy small machine (``SLOW_START_ENV``),
-deploying, waiting until the engines are SERVING, and a clean shutdown (Serve, then Ray) on
+deploying, waiting until the engines are SERVING, free loopback ports for a benchmark's own
+service (``free_port``), and a clean shutdown (Serve, then Ray) on
 SIGTERM or SIGINT at any point after Ray started. ``ray.init`` installs its own SIGTERM handlers
 (Python's ``sys.exit`` and the core worker's fatal-signal handler, which aborts: exit 134), so
 ours are installed after it. Ignores: the command line (``cluster.commands.serve``) and what the
@@ -131,6 +132,16 @@ def local_service(cfg: dict, num_cpus: int | None = None, ready_timeout: float =
             finally:
                 ray.shutdown()
             print("specserve: stopped", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A loopback port free now, for a local service's proxies (a benchmark's own service beside
+    others)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def route_prefix(app_cfg: dict) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import time
@@ -43,14 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def service_config(hold_s: float) -> dict:
     """A Serve config for ``local_service``: the fake engine on both paths, 0.1 CPU each."""
+    from deployments.local import free_port
+
     small = {"num_replicas": 1, "num_cpus": 0.1, "num_gpus": 0}
     args = {"model": "fake", "drafter": "ngram", "num_draft_tokens": 4, "torch_threads": 1,
             "router_deployment": small, "spec_engine": {**small, "max_num_seqs": 4},
@@ -58,8 +53,8 @@ def service_config(hold_s: float) -> dict:
             "engine_impl": {"cls": "cluster.engine.fake_engine:FakeEngine",
                             "options": {"token_delay_s": 0.02, "hold_limit_s": hold_s}}}
     return {"applications": [{"name": APP, "route_prefix": f"/{APP}", "args": args}],
-            "grpc_options": {"port": _free_port()},
-            "http_options": {"host": "127.0.0.1", "port": _free_port()}}
+            "grpc_options": {"port": free_port()},
+            "http_options": {"host": "127.0.0.1", "port": free_port()}}
 
 
 def _engine_running(deployment: str) -> int:

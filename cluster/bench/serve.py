@@ -527,23 +527,15 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _local_config(args) -> dict:
     """The Serve config; a local service gets free loopback ports (others may run one too)."""
-    from deployments.local import DEFAULT_CONFIG, load_config
+    from deployments.local import DEFAULT_CONFIG, free_port, load_config
 
     ns = argparse.Namespace(config=args.config or DEFAULT_CONFIG, model=None, drafter=None,
-                            placement=None, port=None if args.addr else _free_port())
+                            placement=None, port=None if args.addr else free_port())
     cfg = load_config(ns)
     if not args.addr:
-        cfg["http_options"] = {**(cfg.get("http_options") or {}), "host": "127.0.0.1", "port": _free_port()}
+        cfg["http_options"] = {**(cfg.get("http_options") or {}), "host": "127.0.0.1", "port": free_port()}
     return cfg
 
 

@@ -3,24 +3,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from typing import NamedTuple
 
 import grpc
 
 from cluster.api import stubs
-from deployments.local import SLOW_START_ENV
+from deployments.local import SLOW_START_ENV, free_port  # noqa: F401 (free_port: the tests' too)
 
 FAKE = {"cls": "cluster.engine.fake_engine:FakeEngine"}
 PROXY_PORT_TRIES = 3  # serve.start on fresh ports when a picked one was taken before the proxy bound it
 SMALL = {"num_replicas": 1, "num_cpus": 0.1, "num_gpus": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_args(**over) -> dict:
