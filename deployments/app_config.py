@@ -215,6 +215,10 @@ class AppConfig(_Strict):
         self.spec_config()
         if self.placement is Placement.SEPARATE and not self.speculative:
             raise ValueError("placement 'separate' needs a drafter (got drafter='none')")
+        if self.placement is Placement.SEPARATE and self.drafter.strip().lower().startswith("portfolio:"):
+            raise ValueError(f"drafter {self.drafter!r}: a portfolio holding an EAGLE head drafts beside the "
+                             "target (placement 'shared'); the DraftServer of placement 'separate' serves the "
+                             "model-free 'portfolio' or the head alone ('eagle:DIR')")
         self._check_segment_engine_settings()
         return self
 

@@ -46,6 +46,8 @@ def build_proposer(app: AppConfig):
 
         return SuffixProposer(), 0
     if choice.kind is DrafterKind.PORTFOLIO:
+        if choice.model:  # AppConfig refuses it first; a head needs the target's features
+            raise ValueError(f"drafter {app.drafter!r}: the DraftServer serves the model-free portfolio only")
         from cluster.speculative.portfolio import default_portfolio
 
         return default_portfolio(), 0

@@ -50,7 +50,8 @@ def runs_per_prompt(method: str, repeats: int) -> int:
     """How many times ``method`` runs each prompt: ``repeats``, except a drafter that learns from
     finished requests runs it once — its second run drafts the first run's answer back, and the
     median-time run kept was that copy (a portfolio "3.7x faster than plain" on chat)."""
-    drafter = method.split("/")[0].split("@")[0].split("[")[0]  # portfolio@stop0/..., portfolio[...]/...
+    # portfolio@stop0/..., portfolio[...]/..., portfolio:<head>/...
+    drafter = method.split("/")[0].split("@")[0].split("[")[0].split(":")[0]
     return 1 if drafter in LEARNING_DRAFTERS else max(1, repeats)
 
 
@@ -101,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
                    help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows), "
                         "eagle (the head shipped for the default model), eagle:DIR (a trained head; several heads "
-                        "run side by side: the first's rows are eagle/..., the others' eagle:<dir name>/...)")
+                        "run side by side: the first's rows are eagle/..., the others' eagle:<dir name>/...), "
+                        "portfolio:DIR (the portfolio holding the head in DIR; row portfolio:<dir name>/auto)")
     p.add_argument("--prompts-per-segment", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
     p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
@@ -202,6 +204,8 @@ class Drafters:
         for name in LEARNING_DRAFTERS:  # model-free, learning from the prompts run before
             if name in kinds:
                 methods[f"{name}/auto"] = (engine_for(target, spec(drafter=name, num_draft_tokens="auto")), "auto")
+        for drafter, name in portfolio_head_rows(kinds).items():  # the portfolio holding another head
+            methods[f"{name}/auto"] = (engine_for(target, spec(drafter=drafter, num_draft_tokens="auto")), "auto")
         for head, name in head_rows([d for d in kinds if is_eagle_choice(d)]).items():  # shipped or trained heads
             for k in (self.model_k, "auto"):
                 methods[f"{name}/{label(k)}"] = (engine_for(target, spec(drafter=head, num_draft_tokens=k)), k)
@@ -396,13 +400,24 @@ def head_rows(heads: list[str]) -> dict[str, str]:
             for i, h in enumerate(heads)}
 
 
+def portfolio_head_rows(kinds: list[str]) -> dict[str, str]:
+    """``portfolio:DIR`` drafter choices -> their rows' name, ``portfolio:<directory name>``."""
+    return {d: f"portfolio:{Path(d.split(':', 1)[1].strip()).name}" for d in kinds
+            if d.lower().startswith("portfolio:")}
+
+
 def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
     """Why the arguments cannot run (before the model loads), else None."""
     from cluster.speculative.proposer import is_eagle_choice
 
-    bad = [d for d in kinds if d not in DRAFTER_KINDS and not is_eagle_choice(d)]
+    portfolios = portfolio_head_rows(kinds)
+    bad = [d for d in kinds if d not in DRAFTER_KINDS and not is_eagle_choice(d) and d not in portfolios]
     if bad:
-        return f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle or eagle:DIR"
+        return f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle, eagle:DIR or portfolio:DIR"
+    if any(not name.split(":", 1)[1] for name in portfolios.values()):
+        return f"portfolio:DIR needs the head's directory, got {list(portfolios)}"
+    if len(set(portfolios.values())) < len(portfolios):
+        return f"portfolios side by side need heads in distinct directory names, got {list(portfolios)}"
     if args.rounds < 1:
         return f"--rounds must be >= 1, got {args.rounds}"
     heads = [d for d in kinds if is_eagle_choice(d)]

@@ -6,8 +6,8 @@ each sequence drafts with its segment's drafter, segments without one with the g
 with the segments that name it alone — a target runner feeds one EAGLE head).
 
 Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio — with the shipped EAGLE head as a
-member when it fits the target —, eagle, layer skip, draft model with its vocabulary check), the
-per-segment union (each distinct member drafter built once, a failure naming the segments that
+member when it fits the target, or ``portfolio:DIR``'s head —, eagle, layer skip, draft model with
+its vocabulary check), the per-segment union (each distinct member drafter built once, a failure naming the segments that
 asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
 any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment
 drafters are refused there by the app config), K, verification.
@@ -32,8 +32,9 @@ def build_drafters(spec_cfg: SpecConfig, config: EngineConfig, model) -> tuple[P
 
     # a ``portfolio`` segment chooses among the portfolio's members; each member drafter is built
     # once and shared with segments that name it alone (one EAGLE head per target runner)
-    members_of = {name: (portfolio_member_names(model) if parse_drafter_choice(name).kind is DrafterKind.PORTFOLIO
-                         else (name,)) for name in wanted}
+    choices = {name: parse_drafter_choice(name) for name in wanted}
+    members_of = {name: (portfolio_member_names(model, choice.model) if choice.kind is DrafterKind.PORTFOLIO
+                         else (name,)) for name, choice in choices.items()}
     built: dict[str, Proposer] = {}
     for name, segments in wanted.items():
         for member in members_of[name]:
@@ -60,9 +61,12 @@ def _route(names: tuple[str, ...]) -> str | tuple[str, ...]:
     return names[0] if len(names) == 1 else names
 
 
-def portfolio_member_names(model) -> tuple[str, ...]:
+def portfolio_member_names(model, head_dir: str | None = None) -> tuple[str, ...]:
     """The drafters ``portfolio`` chooses among on this target: n-gram, suffix, and the shipped
-    EAGLE head when it was trained for this target."""
+    EAGLE head when it was trained for this target; ``portfolio:DIR``: the head in DIR (refused
+    when it does not fit the target, as ``eagle:DIR`` is)."""
+    if head_dir:
+        return ("ngram", "suffix", f"eagle:{head_dir}")
     return ("ngram", "suffix", "eagle") if shipped_head_fits(model) else ("ngram", "suffix")
 
 
@@ -76,7 +80,7 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
 
         return SuffixProposer()
     if choice.kind is DrafterKind.PORTFOLIO:
-        return build_portfolio(spec_cfg, model)
+        return build_portfolio(spec_cfg, model, choice.model)
     if choice.kind is DrafterKind.EAGLE:
         from cluster.speculative.eagle import EagleProposer
 
@@ -92,17 +96,18 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
     return build_draft_model_proposer(choice.model, spec_cfg, config, model.tokenizer)
 
 
-def build_portfolio(spec_cfg: SpecConfig, model) -> Proposer:
+def build_portfolio(spec_cfg: SpecConfig, model, head_dir: str | None = None) -> Proposer:
     """``portfolio``: n-gram and suffix drafting, plus the EAGLE head shipped for the default model
     (member ``eagle``) when this target is the one it was trained for — a costly member, drafting
-    only when chosen, at its draft-cost prior until measured."""
+    only when chosen, at its draft-cost prior until measured. ``portfolio:DIR`` (``head_dir``): the
+    head in DIR as that member instead, refused when it was trained for another target."""
     from cluster.speculative.portfolio import Member, default_portfolio
 
     extra = []
-    if shipped_head_fits(model):
+    if head_dir or shipped_head_fits(model):
         from cluster.speculative.eagle import EagleProposer
 
-        eagle = EagleProposer.from_dir(SHIPPED_EAGLE_HEAD, model.runner)
+        eagle = EagleProposer.from_dir(head_dir or SHIPPED_EAGLE_HEAD, model.runner)
         extra.append(Member("eagle", eagle, member_cost(eagle, model.runner)))
     return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra)
 

@@ -21,6 +21,7 @@ Ignores: verification, K, training (``cluster.training``), transport (``cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -69,6 +70,7 @@ class EagleProposer:
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.feature_width = len(self.feature_layers) * head.cfg.hidden_size  # values per position
         self.target_fingerprint = head.cfg.target.fingerprint  # the target it was trained for
+        self.head_dir: Path | None = None  # where the head was loaded from (``from_dir``)
         self._seqs: dict[str, _SeqState] = {}
         self._round: dict[str, torch.Tensor] = {}  # per propose: seq -> last head output [H]
         # recorded forwards not fused yet: the (state, start, end) rows each wrote, its features
@@ -85,7 +87,9 @@ class EagleProposer:
 
         if not isinstance(target_runner, ModelRunner):
             raise ModelLoadError("the eagle drafter needs a Llama-family target (native runner)")
-        return cls(load_head(head_dir, target_runner.model), target_runner)
+        proposer = cls(load_head(head_dir, target_runner.model), target_runner)
+        proposer.head_dir = Path(head_dir)
+        return proposer
 
     def round_parameters(self) -> int:
         """Weights one draft round reads: the decoder layer and the trimmed LM head (fc runs once

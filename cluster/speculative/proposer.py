@@ -150,7 +150,9 @@ class DraftStatus(Protocol):
 class DrafterChoice:
     kind: DrafterKind
     self_layers: int | None = None  # SELF only; None lets the engine pick a default depth
-    model: str | None = None  # DRAFT_MODEL / REMOTE: a model source (path or hub id); EAGLE: the head's directory
+    # DRAFT_MODEL / REMOTE: a model source (path or hub id); EAGLE: the head's directory; PORTFOLIO:
+    # the directory of the head it holds as its ``eagle`` member (None: the shipped head when it fits)
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.self_layers is not None:
@@ -176,8 +178,9 @@ MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # v
 
 
 def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
-    """"ngram" | "suffix" | "portfolio" | "self" | "self:L" | "eagle" (the head shipped for the
-    default model) | "eagle:DIR" (a head made by ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
+    """"ngram" | "suffix" | "portfolio" | "portfolio:DIR" (its EAGLE member the head in DIR) | "self" |
+    "self:L" | "eagle" (the head shipped for the default model) | "eagle:DIR" (a head made by
+    ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
 
     >>> parse_drafter_choice("self:4")
     DrafterChoice(kind=<DrafterKind.SELF: 'self'>, self_layers=4, model=None)
@@ -192,6 +195,12 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
         return DrafterChoice(DrafterKind.SUFFIX)
     if low == "portfolio":
         return DrafterChoice(DrafterKind.PORTFOLIO)
+    if low.startswith("portfolio:"):
+        head_dir = text[len("portfolio:"):].strip()
+        if not head_dir:
+            raise ValueError("drafter 'portfolio:DIR' needs the directory of the EAGLE head it holds "
+                             "(a head made by `specserve train-draft`)")
+        return DrafterChoice(DrafterKind.PORTFOLIO, model=head_dir)
     if low == "self":
         return DrafterChoice(DrafterKind.SELF)
     if low == "eagle":

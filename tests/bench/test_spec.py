@@ -103,6 +103,14 @@ def test_spec_bench_names_each_eagle_head_apart_and_refuses_two_of_one_name(tmp_
     assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", "ngram,eagle,eagle:/a/h,eagle:/b/h"]) == 2
     assert "need distinct directory names" in capsys.readouterr().err
     assert not (tmp_path / "spec.json").exists()
+    # portfolio:DIR rows: portfolio:<directory name>; two of one name, or no directory, refused
+    assert bench_spec.portfolio_head_rows(["ngram", "portfolio", "portfolio:/runs/v4"]) == {
+        "portfolio:/runs/v4": "portfolio:v4"}
+    for drafters, needle in (("portfolio:/a/h,portfolio:/b/h", "heads in distinct directory names"),
+                             ("portfolio:", "portfolio:DIR needs the head's directory"),
+                             ("portfolios", "unknown drafters ['portfolios']")):
+        assert _bench(["--json", str(tmp_path / "spec.json"), "--drafters", drafters]) == 2, drafters
+        assert needle in capsys.readouterr().err and not (tmp_path / "spec.json").exists()
 
 
 def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
@@ -137,9 +145,13 @@ def test_spec_bench_eagle_rows(tmp_path, default_model, capsys):
 def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, default_model, monkeypatch):
     """The portfolio row of a segment carries each member's counts on that segment (warm-up and
     other segments excluded): the members of the default model's portfolio, steps adding up to
-    the row's drafting steps. Beside it, the same portfolio without the draft confidence floor
-    and one with a choosing setting changed (its engines' portfolios hold the setting)."""
+    the row's drafting steps. Beside it, the same portfolio without the draft confidence floor,
+    one with a choosing setting changed (its engines' portfolios hold the setting), and one holding
+    the head of another directory (``portfolio:DIR``, here a copy of the shipped head)."""
+    import shutil
+
     from cluster.speculative.portfolio import PortfolioProposer
+    from cluster.speculative.proposer import SHIPPED_EAGLE_HEAD
 
     built = []
     real = bench_spec.engine_for
@@ -150,20 +162,24 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
 
     monkeypatch.setattr(bench_spec, "engine_for", recording)
     out = tmp_path / "spec.json"
+    head = shutil.copytree(SHIPPED_EAGLE_HEAD, tmp_path / "v4")
     assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
                   "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
-                  "--drafters", "portfolio", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0",
+                  "--drafters", f"portfolio,portfolio:{head}", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0",
                   "--compare-portfolio", "explore_every=1000"]) == 0
     report = json.loads(out.read_text())
     segments = report["segments"]
     assert report["config"]["draft_stop_confidence"] == 0.2 and report["config"]["compare_stop_confidence"] == 0
     assert report["config"]["compare_portfolio"] == [{"explore_every": 1000}]
     portfolios = [e.spec.proposer for e in built if e.spec is not None and isinstance(e.spec.proposer, PortfolioProposer)]
-    assert sorted(p.explore_every for p in portfolios) == [16, 16, 1000]  # the three rows
+    assert sorted(p.explore_every for p in portfolios) == [16, 16, 16, 1000]  # the four rows
+    heads = {str(next(m for m in p.members if m.name == "eagle").proposer.head_dir) for p in portfolios}
+    assert heads == {str(SHIPPED_EAGLE_HEAD), str(head)}  # portfolio:DIR holds DIR's head
     for seg in ("summarize", "chat"):
         # the same portfolio beside it with a head that drafts the K planned (no confidence floor)
-        assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto", "portfolio[explore_every=1000]/auto"}
-        for other in ("portfolio@stop0/auto", "portfolio[explore_every=1000]/auto"):
+        assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto", "portfolio[explore_every=1000]/auto",
+                                      "portfolio:v4/auto"}
+        for other in ("portfolio@stop0/auto", "portfolio[explore_every=1000]/auto", "portfolio:v4/auto"):
             assert segments[seg][other]["outputs_equal_plain"] == 1
             assert set(segments[seg][other]["members"]) == {"ngram", "suffix", "eagle"}
         row = segments[seg]["portfolio/auto"]
@@ -184,6 +200,7 @@ def test_learning_drafters_run_each_prompt_once_under_repeats(tmp_path, default_
     assert bench_spec.runs_per_prompt("suffix/auto", 3) == 1 and bench_spec.runs_per_prompt("portfolio/auto", 3) == 1
     assert bench_spec.runs_per_prompt("portfolio[explore_every=64]/auto", 3) == 1
     assert bench_spec.runs_per_prompt("portfolio@stop0/auto", 3) == 1
+    assert bench_spec.runs_per_prompt("portfolio:v4/auto", 3) == 1
     assert bench_spec.runs_per_prompt("ngram/auto", 3) == 3 and bench_spec.runs_per_prompt("plain", 0) == 1
     seen: list[str] = []
     real = bench_spec.run_ours

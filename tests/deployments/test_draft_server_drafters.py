@@ -14,6 +14,15 @@ def test_model_free_drafters_are_vocabulary_agnostic(drafter, kind):
     assert proposer.kind is kind and vocab == 0
 
 
+def test_a_portfolio_holding_a_head_is_refused_by_the_draft_server():
+    """``portfolio:DIR`` drafts beside the target; AppConfig refuses it for placement separate, and
+    the factory too if handed one (its portfolio is model-free)."""
+    app = AppConfig(drafter="portfolio", placement="separate")
+    object.__setattr__(app, "drafter", "portfolio:/heads/v4")  # past the config's own check
+    with pytest.raises(ValueError, match="serves the model-free portfolio only"):
+        build_proposer(app)
+
+
 def test_self_layers_run_as_a_draft_model_with_their_own_kv():
     app = AppConfig(drafter="self:4", placement="separate", draft_server={"kv_cache_memory_mb": 8})
     proposer, vocab = build_proposer(app)

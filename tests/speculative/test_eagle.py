@@ -159,6 +159,45 @@ def test_portfolio_holds_the_eagle_head_trained_for_its_target(tiny, head_dir, t
     assert [m.name for m in engine(other, "portfolio", "auto").spec.proposer.members] == ["ngram", "suffix"]
 
 
+def test_portfolio_dir_holds_the_head_in_dir_and_refuses_one_for_another_target(tiny, head_dir, tmp_path):
+    """``portfolio:DIR``: the head in DIR is the portfolio's ``eagle`` member (no shipped head for
+    this target), drafts for some steps, output equals plain; a segment naming ``eagle:DIR`` beside
+    it shares that head (one per target runner); a head for another target, an empty DIR and
+    placement ``separate`` (whose DraftServer's portfolio is model-free) are refused."""
+    from deployments.app_config import AppConfig
+
+    _, model = tiny
+    assert parse_drafter_choice(f"portfolio:{head_dir}") == DrafterChoice(DrafterKind.PORTFOLIO, model=str(head_dir))
+    with pytest.raises(ValueError, match="portfolio:DIR"):
+        parse_drafter_choice("portfolio: ")
+    params = lambda i: SamplingParams(max_tokens=MAX_TOKENS)  # noqa: E731
+    plain = run_to_completion(engine(model, None), requests(params))
+    eng = engine(model, f"portfolio:{head_dir}", "auto")
+    members = {m.name: m for m in eng.spec.proposer.members}
+    assert list(members) == ["ngram", "suffix", "eagle"] and isinstance(members["eagle"].proposer, EagleProposer)
+    assert 0 < members["eagle"].cost < 1
+    got = run_to_completion(eng, requests(params))
+    for rid in plain:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert eng.spec.proposer.drafter_stats()["eagle"]["steps"] > 0
+
+    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"portfolio:{head_dir}", num_draft_tokens="auto",
+                                                        segments={"chat": {"drafter": f"eagle:{head_dir}"}}))
+    m = model.with_fresh_kv(config, 64)
+    union = build_spec_controller(config, m).proposer
+    assert [mm.name for mm in union.members] == ["ngram", "suffix", f"eagle:{head_dir}"]
+    assert union.routes.candidates("chat") == (f"eagle:{head_dir}",)
+    assert m.runner.feature_tap is union.members[2].proposer
+
+    other_path = make_tiny_model_dir(tmp_path / "other", "llama", tokenizer_dir=tiny[0], num_hidden_layers=3)
+    other = load_model(str(other_path), EngineConfig(model=str(other_path)))
+    with pytest.raises(EagleTargetMismatch, match="trained for another target"):
+        engine(other, f"portfolio:{head_dir}", "auto")
+    assert AppConfig(drafter=f"portfolio:{head_dir}").drafter.startswith("portfolio:")
+    with pytest.raises(ValueError, match="placement 'separate' serves the model-free 'portfolio'"):
+        AppConfig(drafter=f"portfolio:{head_dir}", placement="separate")
+
+
 def test_sampled_drafts_follow_the_returned_q(tiny, head_dir):
     """Draft tokens of a sampling request are draws from the q the drafter returns (chi-square over
     q's support), q is the same on every call for the same committed tokens, and zero outside the
