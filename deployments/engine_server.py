@@ -54,6 +54,7 @@ class EngineServer:
         self._start_error: BaseException | None = None
         self._start_task = asyncio.create_task(self._start())
         self._in_flight = 0
+        self._abandoned = 0  # streams closed before their final output (client cancel, deadline)
         self._node_id = _ray_node_id()
         self._metrics = SpecserveMetrics()  # Ray Serve metrics inside the replica
         self._stats_task = asyncio.create_task(export_engine_stats_forever(
@@ -86,6 +87,7 @@ class EngineServer:
         d = self.engine.stats().to_dict() if self.ready() else {}
         d["ready"] = self.ready()
         d["in_flight"] = self._in_flight
+        d["requests_abandoned"] = self._abandoned
         d["engine_pid"] = self.engine.pid  # ProcessEngine: the core process (its own GIL)
         d["node_id"] = self._node_id  # the Router's paths_share_hardware "auto" compares these
         return d
@@ -144,5 +146,6 @@ class EngineServer:
             self._in_flight -= 1
             if stream is not None and not finished:
                 # client went away (cancel, deadline): free the request's KV now
+                self._abandoned += 1
                 await stream.aclose()
                 await self.engine.abort(req.request_id)

@@ -262,12 +262,14 @@ def test_overflow_balance_follows_measured_latency(addr):
 def test_cancel_mid_stream_frees_kv(main):
     """Held after its first chunk: only the cancellation can free it before HOLD_LIMIT_S."""
     for deployment, mode in (("SpecEngine", 1), ("BatchEngine", 2)):
+        abandoned = engine_stats("main", deployment)["requests_abandoned"]
         it = main.stream(prompt="cancel me " + HOLD_MARKER, max_tokens=250, mode=mode)
         next(it)
         s = engine_stats("main", deployment)
         assert s["num_running"] == 1 and s["kv_blocks_free"] < s["kv_blocks_total"]
         cancel_streams([it])
         wait_for(lambda: kv_full(deployment=deployment), what=f"{deployment} KV freed after cancel")
+        assert engine_stats("main", deployment)["requests_abandoned"] == abandoned + 1  # the replica saw it
 
 
 def test_deadline_exceeded_and_request_aborted(main):
