@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.models.runner import ModelRunner
     from cluster.models.tokenizer import chat_token_ids
     from cluster.training.eagle_trainer import Trainer, TrainConfig, expected_tokens_per_round
-    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_prompts
+    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_labelled_prompts
 
     t0 = time.monotonic()
     if args.minutes is not None and args.minutes <= 0:
@@ -77,19 +77,21 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(target.runner, ModelRunner):
         raise ModelLoadError(f"train-draft needs a Llama-family target; {args.model!r} runs on the HF fallback")
     workloads = args.workloads or DEFAULT_WORKLOADS
-    texts = build_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed)
+    labelled = build_labelled_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed)
     tok = target.tokenizer
     use_chat = getattr(tok, "chat_template", None) is not None
-    encoded = [(chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat
-                else tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    encoded = [(source, chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat
+                else tok(text, add_special_tokens=False)["input_ids"]) for source, text in labelled]
     # longer prompts are skipped, not cut (the template's end matters); indices count the kept ones
-    prompts = list(enumerate([int(t) for t in ids] for ids in encoded if len(ids) <= cfg.max_prompt_tokens))
+    kept = [(source, [int(t) for t in ids]) for source, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    prompts = [(i, ids) for i, (_, ids) in enumerate(kept)]
+    sources = {i: source for i, (source, _) in enumerate(kept)}
     print(f"train-draft: target {target.name}, {len(prompts)} corpus prompts "
           f"({'chat template' if use_chat else 'raw'}; workload prompts under {workloads} excluded), "
           f"out {args.out}", file=sys.stderr)
     trainer = Trainer(args.out, target.runner.model, target.eos_token_ids, cfg,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
-    result = trainer.run(prompts, deadline)
+    result = trainer.run(prompts, deadline, sources)
     if result is None:
         return 0
     alphas = ", ".join(f"{a:.3f}" for a in result.alpha_by_position)
@@ -98,5 +100,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out α by draft position (greedy, {result.heldout_anchors} anchors): [{alphas}]; "
           f"expected tokens per round at K={len(result.alpha_by_position)}: "
           f"{expected_tokens_per_round(result.alpha_by_position):.2f}")
+    for source, (alphas_of, anchors) in result.alpha_by_source.items():
+        print(f"  {source}: [{', '.join(f'{a:.3f}' for a in alphas_of)}] ({anchors} anchors)")
     print(f"head: {args.out} (use it with --draft eagle:{args.out})")
     return 0

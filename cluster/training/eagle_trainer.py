@@ -7,7 +7,7 @@ outputs, plus EOS; fine-tuning a head with a larger one trims it to its most fre
 ``epochs`` 0 only trims and evaluates), packing samples into rows, the target pass over a row
 (features of the chosen layers and logits at every position, one forward, inference only), the
 training-time-test loss, resumable checkpoints, the ``--minutes`` deadline, and α by draft
-position on the held-out greedy samples.
+position on the held-out greedy samples, overall and by corpus source.
 
 Training-time test (TTT), over a packed row of samples (row position t = anchor t: the pair of
 target feature t and token t+1, predicting token t+2):
@@ -30,7 +30,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -92,6 +92,9 @@ class TrainResult:
     train_tokens: int
     alpha_by_position: list[float]
     heldout_anchors: int
+    # corpus source (chat, docs, ...) -> (α by position, anchors) on its held-out samples; empty
+    # when the prompts came without sources
+    alpha_by_source: dict[str, tuple[list[float], int]] = field(default_factory=dict)
 
 
 class _Collect:
@@ -234,6 +237,16 @@ def alpha_by_position(head: EagleHead, embed: torch.Tensor, rows: list[_Row], st
     """Conditional acceptance per draft position on greedy samples -> (α_1..α_steps, anchors).
     Teacher forcing equals drafting on the anchors that count: while drafts 1..k-1 are correct,
     the tokens fed are the drafts themselves."""
+    num, den = acceptance_counts(head, embed, rows, steps)
+    return _alphas(num, den), den[0]
+
+
+def _alphas(num: list[int], den: list[int]) -> list[float]:
+    return [n / d if d else float("nan") for n, d in zip(num, den)]
+
+
+def acceptance_counts(head: EagleHead, embed: torch.Tensor, rows: list[_Row], steps: int) -> tuple[list[int], list[int]]:
+    """(correct drafts, drafts asked) per position: what ``alpha_by_position`` divides, to pool."""
     num, den = [0] * steps, [0] * steps  # den[k]: anchors with drafts 1..k correct and draft k+1 inside a sample
     for row in rows:
         T = row.ids.shape[0]
@@ -244,7 +257,7 @@ def alpha_by_position(head: EagleHead, embed: torch.Tensor, rows: list[_Row], st
             ok = asked & (head.draft_to_target[logits.argmax(-1)] == truth)
             den[k] += int(asked.sum())
             num[k] += int(ok.sum())
-    return [n / d if d else float("nan") for n, d in zip(num, den)], den[0]
+    return num, den
 
 
 class Trainer:
@@ -263,8 +276,10 @@ class Trainer:
         with open(self.out / LOG, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def run(self, prompts: list[tuple[int, list[int]]], deadline: float) -> TrainResult | None:
-        """Data, then training, then evaluation; None when the deadline stopped the data stage."""
+    def run(self, prompts: list[tuple[int, list[int]]], deadline: float,
+            sources: dict[int, str] | None = None) -> TrainResult | None:
+        """Data, then training, then evaluation (overall, and by ``sources``: prompt index -> its
+        corpus source); None when the deadline stopped the data stage."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt = self._load_checkpoint()
@@ -312,10 +327,16 @@ class Trainer:
             self.progress(f"resumed at step {state['step']} (epoch {state['epoch'] + 1}/{cfg.epochs})")
         finished = self._train(head, opt, train, d2t, state, deadline)
         save_head(head, self.out, extra={"training": {**asdict(cfg), **state, "finished": finished}})
-        alphas, anchors = self._evaluate(head, held, d2t)
-        self._log(event="eval", alpha_by_position=[None if math.isnan(a) else a for a in alphas],  # strict JSON
-                  anchors=anchors, finished=finished, **state)
-        return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors)
+        counts = self._evaluate(head, held, d2t, sources or {})
+        num = [sum(c[0][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
+        den = [sum(c[1][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
+        alphas, anchors = _alphas(num, den), den[0]
+        by_source = {} if not sources else {src: (_alphas(n, d), d[0]) for src, (n, d) in sorted(counts.items())}
+        strict = lambda xs: [None if math.isnan(a) else a for a in xs]  # noqa: E731 (strict JSON)
+        self._log(event="eval", alpha_by_position=strict(alphas), anchors=anchors,
+                  by_source={src: {"alpha_by_position": strict(a), "anchors": n} for src, (a, n) in by_source.items()},
+                  finished=finished, **state)
+        return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors, by_source)
 
     def _initial_head(self) -> EagleHead:
         """The head ``init_from`` names: for this target (else EagleTargetMismatch), with at least
@@ -385,12 +406,21 @@ class Trainer:
         self._save_checkpoint(head, opt, d2t, state)
         return True
 
-    def _evaluate(self, head: EagleHead, held: list[Sample], d2t: torch.Tensor) -> tuple[list[float], int]:
+    def _evaluate(self, head: EagleHead, held: list[Sample], d2t: torch.Tensor,
+                  sources: dict[int, str]) -> dict[str, tuple[list[int], list[int]]]:
+        """source -> acceptance counts of its held-out samples (one group, "", without sources;
+        a sample is its own sequence in a packed row, so grouping does not change its drafts)."""
         head.eval()
         runner = self._runner()
-        rows = [target_row(runner, r, self.cfg.row_tokens, d2t, head.cfg.feature_layers)
-                for r in pack_rows(held, self.cfg.row_tokens)]
-        return alpha_by_position(head, self.model.embed, rows, self.cfg.ttt_steps)
+        groups: dict[str, list[Sample]] = {}
+        for s in held:
+            groups.setdefault(sources.get(s.index, ""), []).append(s)
+        out = {}
+        for src, samples in groups.items():
+            rows = [target_row(runner, r, self.cfg.row_tokens, d2t, head.cfg.feature_layers)
+                    for r in pack_rows(samples, self.cfg.row_tokens)]
+            out[src] = acceptance_counts(head, self.model.embed, rows, self.cfg.ttt_steps)
+        return out or {"": ([0] * self.cfg.ttt_steps, [0] * self.cfg.ttt_steps)}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save_checkpoint(self, head: EagleHead, opt, d2t: torch.Tensor, state: dict) -> None:

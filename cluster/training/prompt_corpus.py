@@ -306,6 +306,12 @@ def build_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | No
                   max_chars: int = 600) -> list[str]:
     """Deterministic, deduplicated instructions from the four sources woven by ``_WEAVE`` (a source
     that runs out is skipped), none overlapping a workload prompt."""
+    return [text for _, text in build_labelled_prompts(workloads, limit=limit, seed=seed, max_chars=max_chars)]
+
+
+def build_labelled_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | None = None, seed: int = 0,
+                           max_chars: int = 600) -> list[tuple[str, str]]:
+    """``build_prompts`` as (source, prompt) pairs: source one of chat, docs, json, multilingual."""
     held_out = workload_prompts(workloads)
     exact = {_normalize(p) for p in held_out}
     shingles: set[tuple[str, ...]] = set().union(*(_shingles(p) for p in held_out)) if held_out else set()
@@ -324,7 +330,7 @@ def build_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | No
             if key in seen or key in exact or (_shingles(prompt) & shingles):
                 continue
             seen.add(key)
-            prompts.append(prompt)
+            prompts.append((name, prompt))
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts

@@ -49,6 +49,12 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     log = [json.loads(l) for l in (out / LOG).read_text().splitlines()]
     alphas = log[-1]["alpha_by_position"]
     assert log[-1]["event"] == "eval" and len(alphas) == 3 and log[-1]["anchors"] > 0
+    # by corpus source too: the held-out anchors split among the sources, each line printed
+    by_source = log[-1]["by_source"]
+    assert by_source and set(by_source) <= {"chat", "docs", "json", "multilingual"}
+    assert sum(v["anchors"] for v in by_source.values()) == log[-1]["anchors"]
+    for source, v in by_source.items():
+        assert len(v["alpha_by_position"]) == 3 and f"  {source}: [" in cap.out, source
     print(f"tiny model, α by position after {steps1} steps: {alphas}")
 
     # resume: a finished run trains one more epoch from its checkpoint (head + optimizer + step)

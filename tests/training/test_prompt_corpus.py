@@ -6,7 +6,8 @@ import json
 from collections import Counter
 
 from cluster.training.prompt_corpus import (_CHAT_QUESTIONS, _CHAT_SUBJECTS, _CHAT_TASKS, _MULTILINGUAL, _TEMPLATES,
-                                           DEFAULT_WORKLOADS, build_prompts, workload_prompts)
+                                           DEFAULT_WORKLOADS, build_labelled_prompts, build_prompts,
+                                           workload_prompts)
 
 
 def test_corpus_is_deterministic_and_deduplicated():
@@ -45,6 +46,15 @@ def test_sources_are_woven_in_ratio():
     # _WEAVE: 4 chat, 3 docs, 2 json, 1 multilingual in 10; the 33 multilingual prompts run out first
     assert counts["multilingual"] == sum(len(subjects) for _, subjects in _MULTILINGUAL) == 33
     assert 200 <= counts["chat"] <= 225 and 130 <= counts["docs"] <= 160 and 100 <= counts["json"] <= 110, counts
+
+
+def test_labelled_prompts_name_each_prompts_source():
+    """``build_labelled_prompts``: the same prompts as ``build_prompts``, each with the source a
+    classifier of the templates finds (train-draft reports held-out α by these)."""
+    labelled = build_labelled_prompts(None, limit=300, seed=3)
+    assert [text for _, text in labelled] == build_prompts(None, limit=300, seed=3)
+    assert all(source == _source(text) for source, text in labelled)
+    assert {source for source, _ in labelled} == {"chat", "docs", "json", "multilingual"}
 
 
 def test_chat_subjects_avoid_the_chat_workloads_subjects():
