@@ -331,7 +331,7 @@ class Trainer:
         num = [sum(c[0][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
         den = [sum(c[1][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
         alphas, anchors = _alphas(num, den), den[0]
-        by_source = {} if not sources else {src: (_alphas(n, d), d[0]) for src, (n, d) in sorted(counts.items())}
+        by_source = {src: (_alphas(n, d), d[0]) for src, (n, d) in sorted(counts.items()) if src}  # "": unlabelled
         strict = lambda xs: [None if math.isnan(a) else a for a in xs]  # noqa: E731 (strict JSON)
         self._log(event="eval", alpha_by_position=strict(alphas), anchors=anchors,
                   by_source={src: {"alpha_by_position": strict(a), "anchors": n} for src, (a, n) in by_source.items()},
