@@ -1,7 +1,7 @@
 """`specserve train-draft`: train an EAGLE draft head for a target on its own generations.
 
 Owns: the arguments (-> ``TrainConfig``), loading the target, building the prompt corpus (held
-out from ``../shared/workloads``), the ``--minutes`` deadline, and the final report (α by draft
+out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote woven in), the ``--minutes`` deadline, and the final report (α by draft
 position on held-out prompts, where the head is, how to use it). The training itself lives in
 ``cluster.training.eagle_trainer``; run the same command again to resume a stopped run.
 """
@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="odd prompts are sampled at this temperature, even ones greedy; 0: every sample greedy")
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
+    p.add_argument("--self-prompts", type=int, default=d.self_prompts,
+                   help="add this many requests the target writes itself (sampled from its chat template's bare "
+                        "user turn, filtered; corpus source 'self'), woven one-for-one with the corpus' prompts")
     p.add_argument("--workloads", type=Path, default=None,
                    help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
     p.add_argument("--init-from", type=Path, default=None,
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.models.runner import ModelRunner
     from cluster.models.tokenizer import chat_token_ids
     from cluster.training.eagle_trainer import Trainer, TrainConfig, expected_tokens_per_round
-    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_labelled_prompts
+    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_labelled_prompts, weave
+    from cluster.training.self_prompts import REQUESTS, write_requests
 
     t0 = time.monotonic()
     if args.minutes is not None and args.minutes <= 0:
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(tokens=args.tokens, epochs=args.epochs, draft_vocab_size=args.draft_vocab,
                           ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          max_prompts=args.max_prompts, seed=args.seed,
+                          max_prompts=args.max_prompts, self_prompts=args.self_prompts, seed=args.seed,
                           init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
@@ -79,6 +83,18 @@ def run(args: argparse.Namespace) -> int:
     workloads = args.workloads or DEFAULT_WORKLOADS
     labelled = build_labelled_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed)
     tok = target.tokenizer
+    if cfg.self_prompts:
+        requests = write_requests(args.out / REQUESTS, target.runner.model, tok, target.eos_token_ids,
+                                  count=cfg.self_prompts, seed=cfg.seed, workloads=workloads, deadline=deadline,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if len(requests) < cfg.self_prompts and time.monotonic() >= deadline:
+            print("self-written requests: stopped by --minutes; run the same command again to continue",
+                  file=sys.stderr)
+            return 0
+        if len(requests) < cfg.self_prompts:
+            print(f"self-written requests: only {len(requests)} of {cfg.self_prompts} passed the filters "
+                  f"(every attempt is in {args.out / REQUESTS}); going on with those", file=sys.stderr)
+        labelled = weave([("self", text) for text in requests], labelled)
     use_chat = getattr(tok, "chat_template", None) is not None
     encoded = [(source, chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat
                 else tok(text, add_special_tokens=False)["input_ids"]) for source, text in labelled]

@@ -65,6 +65,7 @@ class TrainConfig:
     temperature: float = 0.8  # odd prompts are sampled at this temperature (even ones greedy); 0: all greedy
     heldout_every: int = 20  # every n-th prompt is held out for α by position
     max_prompts: int | None = None
+    self_prompts: int = 0  # requests the target writes itself, woven one-for-one with the corpus' prompts
     gen_batch_size: int = 16
     checkpoint_every_s: float = 120.0
     seed: int = 0
@@ -81,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"temperature must be >= 0 (0: every sample greedy), got {self.temperature}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.self_prompts < 0:
+            raise ValueError(f"self_prompts must be >= 0, got {self.self_prompts}")
         if self.heldout_every < 2:
             raise ValueError("heldout_every must be >= 2 (some prompts must be trained on)")
 

@@ -12,6 +12,8 @@ Owns: four prompt sources, woven in a fixed ratio (``_WEAVE``) in a deterministi
 Deduplicated, and excluding every prompt of the benchmark workloads (``../shared/workloads/*.jsonl``):
 a corpus prompt is dropped when it equals a workload prompt or shares a run of 8 words with one (so
 the benchmark stays held out; no chat subject phrase here occurs in a chat workload prompt).
+Also: ``workload_overlap`` (that held-out rule, for other prompt sources too) and ``weave`` (two
+prompt lists alternated, for requests the target writes: ``cluster.training.self_prompts``).
 Ignores: tokenizing and generating (``cluster.training.self_distill``).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import random
 import re
 import warnings
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 _SHINGLE = 8  # words: a corpus prompt sharing this many consecutive words with a workload prompt is dropped
@@ -232,7 +235,7 @@ _MULTILINGUAL = (
 )
 
 
-def _normalize(text: str) -> str:
+def normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
 
@@ -257,6 +260,14 @@ def workload_prompts(workloads: Path | None) -> list[str]:
                 if isinstance(m, dict) and isinstance(m.get("content"), str):
                     out.append(m["content"])
     return out
+
+
+def workload_overlap(workloads: Path | None) -> Callable[[str], bool]:
+    """A test of whether a text equals a workload prompt or shares a run of ``_SHINGLE`` words with one."""
+    held_out = workload_prompts(workloads)
+    exact = {normalize(p) for p in held_out}
+    shingles: set[tuple[str, ...]] = set().union(*(_shingles(p) for p in held_out)) if held_out else set()
+    return lambda text: normalize(text) in exact or bool(_shingles(text) & shingles)
 
 
 def _doc_passages(max_chars: int) -> list[tuple[str, str]]:
@@ -312,9 +323,7 @@ def build_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | No
 def build_labelled_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit: int | None = None, seed: int = 0,
                            max_chars: int = 600) -> list[tuple[str, str]]:
     """``build_prompts`` as (source, prompt) pairs: source one of chat, docs, json, multilingual."""
-    held_out = workload_prompts(workloads)
-    exact = {_normalize(p) for p in held_out}
-    shingles: set[tuple[str, ...]] = set().union(*(_shingles(p) for p in held_out)) if held_out else set()
+    overlaps = workload_overlap(workloads)
     sources = {name: iter(items) for name, items in _sources(random.Random(seed), max_chars).items()}
     seen: set[str] = set()
     prompts = []
@@ -326,11 +335,20 @@ def build_labelled_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit:
             if prompt is None:
                 del sources[name]
                 continue
-            key = _normalize(prompt)
-            if key in seen or key in exact or (_shingles(prompt) & shingles):
+            key = normalize(prompt)
+            if key in seen or overlaps(prompt):
                 continue
             seen.add(key)
             prompts.append((name, prompt))
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts
+
+
+def weave(first: list, second: list) -> list:
+    """``first[0], second[0], first[1], second[1], ...``, then the rest of the longer list."""
+    out = []
+    for a, b in zip(first, second):
+        out += [a, b]
+    n = min(len(first), len(second))
+    return out + first[n:] + second[n:]

@@ -50,14 +50,14 @@ class _Running:
 
 @torch.inference_mode()
 def generate(model, prompts: list[tuple[int, list[int]]], *, max_new_tokens: int, eos_ids: frozenset[int],
-             temperature: float, sample_odd: bool, seed: int, batch_size: int = 16, block_size: int = 16,
+             temperature: float, sample_odd: bool, seed: int, sample_all: bool = False, batch_size: int = 16, block_size: int = 16,
              on_sample: Callable[[Sample], None] | None = None, admit: Callable[[], bool] = lambda: True,
              stop: Callable[[], bool] = lambda: False) -> list[Sample]:
     """Continue each (index, prompt ids) with the target (a ``LlamaModel``), continuously batched:
     up to ``batch_size`` sequences step together and a finished one's slot goes to the next prompt
     at once (its prefill shares the forward with the others' decodes). Sampled prompts draw from a
     generator seeded by (seed, prompt index), so a sample does not depend on its batch neighbours
-    (the runner's logits do not either). ``on_sample`` gets each sample as it finishes;
+    (the runner's logits do not either); ``sample_all`` samples every prompt. ``on_sample`` gets each sample as it finishes;
     ``admit()`` False stops taking new prompts (the running ones finish); ``stop()`` True drops
     the running ones and returns."""
     longest = max((len(p) for _, p in prompts), default=0) + max_new_tokens
@@ -71,7 +71,7 @@ def generate(model, prompts: list[tuple[int, list[int]]], *, max_new_tokens: int
                   for k, r in running.items()]
         while queue and len(running) < batch_size and admit():
             i, p = queue.pop()
-            greedy = not (sample_odd and i % 2) or temperature <= 0
+            greedy = not (sample_all or (sample_odd and i % 2)) or temperature <= 0
             running[f"s{i}"] = _Running(i, list(p), greedy, torch.Generator().manual_seed(seed * 1_000_003 + i), [])
             chunks.append(SeqChunk(f"s{i}", list(p), 0, 1))
         if not chunks:

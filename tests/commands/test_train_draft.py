@@ -134,4 +134,38 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "ttt_steps must be >= 1" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--temperature", "-0.5") == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--self-prompts", "-1") == 2
+    assert "self_prompts must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_self_written_requests_are_woven_into_the_corpus(tiny_llama_dir, tmp_path, capsys):
+    """--self-prompts: the requests file is read back (here seeded with three requests, as if the
+    target had written them: a random model hardly ever ends a turn) and the attempts it lacks are
+    written by the target; the kept ones alternate with the corpus' prompts, and the held-out
+    report has a 'self' row."""
+    from cluster.models.tokenizer import chat_token_ids, load_tokenizer
+    from cluster.training.self_prompts import REQUESTS
+
+    out = tmp_path / "self"
+    written = ["How should I plan a small vegetable garden for a sunny balcony?",
+               "Can you explain what a hash table is, with a short example?",
+               "Write a friendly note inviting my neighbours to a street party."]
+    (out / REQUESTS).parent.mkdir(parents=True)
+    (out / REQUESTS).write_text("".join(json.dumps({"index": i, "seed": 0, "text": t, "ended": True}) + "\n"
+                                        for i, t in enumerate(written)))
+    assert train(tiny_llama_dir, out, "--epochs", "1", "--self-prompts", "4", "--tokens", "1200") == 0
+    cap = capsys.readouterr()
+    assert "only 3 of 4 passed the filters" in cap.err  # the tiny target's own attempts never end
+    attempts = [json.loads(l) for l in (out / REQUESTS).read_text().splitlines()]
+    assert len(attempts) == 16 and [a["index"] for a in attempts] == list(range(16))  # 4 x 4 attempts at most
+    tok = load_tokenizer(tiny_llama_dir)
+    by_index = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (out / SAMPLES).read_text().splitlines()}
+    where = {i: k for k, text in enumerate(written) for i, ids in by_index.items()
+             if ids == chat_token_ids(tok, [{"role": "user", "content": text}])}
+    # prompts 0, 2, 4 of the woven list (a corpus prompt over the length limit is skipped, shifting one)
+    assert sorted(where.values()) == [0, 1, 2] and min(where) == 0 and max(where) <= 5
+    assert all(where[i] < where[j] for i in where for j in where if i < j)  # in the order written
+    by_source = [json.loads(l) for l in (out / LOG).read_text().splitlines()][-1]["by_source"]
+    assert "self" in by_source and by_source["self"]["anchors"] > 0  # index 0 is held out
+    assert "  self: [" in cap.out
