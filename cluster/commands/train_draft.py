@@ -1,8 +1,9 @@
 """`specserve train-draft`: train an EAGLE draft head for a target on its own generations.
 
 Owns: the arguments (-> ``TrainConfig``), loading the target, building the prompt corpus (held
-out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote woven in), the ``--minutes`` deadline, and the final report (α by draft
-position on held-out prompts, where the head is, how to use it). The training itself lives in
+out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote woven in),
+the ``--minutes`` deadline, and the final report (α by draft position on held-out prompts, where
+the head is, how to use it). The training itself lives in
 ``cluster.training.eagle_trainer``; run the same command again to resume a stopped run.
 """
 from __future__ import annotations
