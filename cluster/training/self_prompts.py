@@ -87,21 +87,16 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
     seen: set[str] = set()
     kept: list[str] = []
 
-    def judge(text: str, ended: bool) -> str:
-        if not ended:
-            return "unfinished"
-        if not keep_request(text, flt):
-            return "filtered"
+    def accept(text: str, ended: bool) -> bool:
+        """Unfinished, filtered, duplicate and workload-overlapping requests are not kept."""
         key = normalize(text)
-        if key in seen:
-            return "duplicate"
-        if overlaps(text):
-            return "workload"
+        if not ended or not keep_request(text, flt) or key in seen or overlaps(text):
+            return False
         seen.add(key)
-        return "kept"
+        return True
 
-    for row in sorted(rows, key=lambda r: r["index"]):  # re-judge: the filters may have changed
-        if judge(row["text"], row["ended"]) == "kept":
+    for row in sorted(rows, key=lambda r: r["index"]):  # tried again: the filters may have changed
+        if accept(row["text"], row["ended"]):
             kept.append(row["text"])
     next_index = 1 + max((r["index"] for r in rows), default=-1)
     limit = max_attempts_per_request * count
@@ -126,7 +121,7 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
             for i in sorted(done):  # in index order, so kept requests do not depend on batching
                 text, ended = done[i]
                 f.write(json.dumps({"index": i, "seed": seed, "text": text, "ended": ended}, ensure_ascii=False) + "\n")
-                if judge(text, ended) == "kept" and len(kept) < count:
+                if accept(text, ended) and len(kept) < count:
                     kept.append(text)
         next_index += wave
         progress(f"self-written requests: {len(kept)}/{count} kept of {next_index} written "
