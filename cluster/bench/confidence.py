@@ -8,12 +8,16 @@ Hugging Face ``generate``), the head's drafts over them teacher-forced as ``trai
 are the drafts themselves, so those positions are what drafting sees), and per segment
 - calibration: draft position 1 binned by the head's probability of its token, the share the
   target accepts (a calibrated head: share ≈ probability);
-- α by draft position (conditional, as ``bench spec`` reports it);
-- the step model: a step that drafts d tokens costs 1 + d (c + v) target decode steps (c: a draft
-  round, v: a verified position beyond the first, both as fractions of a step; defaults from the
-  ``bench spec`` rows of the shipped head) and commits 1 + (accepted); tokens per unit cost for a
-  fixed K = 1..steps and for each floor with K capped at ``--steps`` (a draft stops after the
-  token whose running product of probabilities falls below the floor).
+- α by draft position (conditional), at every anchor and at the steps a greedy engine drafting
+  ``--steps`` tokens takes (what ``bench spec``'s eagle rows measure: a step starts after a
+  rejection or a bonus token, harder than the average anchor);
+- the step model: a greedy engine stepping through each output (its first step at the prompt's
+  last position, each next one after the accepted drafts and the target's token); a step that
+  drafts d tokens costs 1 + d (c + v) target decode steps (c: a draft round, v: a verified
+  position beyond the first, both as fractions of a step; defaults from the ``bench spec`` rows
+  of the shipped head) and commits 1 + (accepted); tokens per unit cost for a fixed K = 1..steps
+  and for each floor with K capped at ``--steps`` (a draft stops after the token whose running
+  product of probabilities falls below the floor).
 Ignores: wall-clock time (``bench spec`` measures the floor's speed side by side:
 ``--compare-stop-confidence``). A model, not a measurement: after a rejected draft the drafts that
 would follow are not computed (the fed tokens are the target's), so how many get drafted there is
@@ -25,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.bench.spec import DEFAULT_WORKLOADS
@@ -47,9 +52,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
-def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[list[tuple[float, bool]]]:
-    """Per anchor (an output position with a next output token): [(the head's probability of its
-    draft k, draft k correct)] for k = 1.. while inside the sample (teacher forced)."""
+Chain = list[tuple[float, bool]]  # per draft position k = 1..: (the head's probability of its draft, correct)
+
+
+@dataclass(slots=True)
+class SampleChains:
+    """One greedy output's drafts, teacher forced: ``by_anchor[t]`` is the chain drafted at anchor t
+    (empty where no draft falls inside the sample); ``first`` is the anchor of the engine's first
+    step (the prompt's last position: the first output token comes from the prefill)."""
+
+    first: int
+    by_anchor: list[Chain]
+
+    @property
+    def anchors(self) -> list[Chain]:
+        return [c for c in self.by_anchor if c]
+
+
+def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[SampleChains]:
+    """Each sample's chains: per anchor (a position whose next draft is an output token of the
+    sample) [(the head's probability of its draft k, draft k correct)] for k = 1.. while inside
+    the sample (teacher forced)."""
     import torch
 
     from cluster.training.eagle_trainer import row_runner, target_row, ttt_unroll
@@ -65,39 +88,60 @@ def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[lis
                 p, arg = torch.softmax(logits, dim=-1).max(-1)  # [T]
                 correct = head.draft_to_target[arg] == row.ids[(src + 1).clamp(max=T - 1)]
                 per.append((p.tolist(), correct.tolist(), valid.tolist()))
+            by_anchor = []
             for t in range(T):
                 chain = []
                 for p, correct, valid in per:
                     if not valid[t]:
                         break
                     chain.append((p[t], bool(correct[t])))
-                if chain:
-                    out.append(chain)
+                by_anchor.append(chain)
+            out.append(SampleChains(len(s.prompt_ids) - 1, by_anchor))
     return out
 
 
-def step_model(anchors: list[list[tuple[float, bool]]], k: int, floor: float, c: float, v: float) -> dict:
-    """Tokens committed per unit cost (and per step, and drafts per step) drafting up to ``k``
-    tokens per step, stopping after the token whose running probability product < ``floor``."""
-    committed = cost = drafted = 0.0
-    for chain in anchors:
-        run, accepted, alive, d = 1.0, 0, True, 0
-        for p, correct in chain[:k]:
-            d += 1
-            alive = alive and correct
-            accepted += alive
-            run *= p
-            if run < floor:
-                break
-        committed += 1 + accepted
-        cost += 1 + d * (c + v)
-        drafted += d
-    n = max(len(anchors), 1)
-    return {"tokens_per_cost": round(committed / cost, 4) if cost else None,
-            "tokens_per_step": round(committed / n, 4), "drafts_per_step": round(drafted / n, 4)}
+def _draft(chain: Chain, k: int, floor: float) -> tuple[int, int]:
+    """(drafted, accepted) drafting up to ``k`` tokens, stopping after the token whose running
+    probability product falls below ``floor``."""
+    run, accepted, alive, d = 1.0, 0, True, 0
+    for p, correct in chain[:k]:
+        d += 1
+        alive = alive and correct
+        accepted += alive
+        run *= p
+        if run < floor:
+            break
+    return d, accepted
 
 
-def segment_report(anchors, steps: int, floors: list[float], c: float, v: float) -> dict:
+def step_model(samples: list[SampleChains], k: int, floor: float, c: float, v: float) -> dict:
+    """A greedy engine drafting up to ``k`` tokens a step under ``floor``, stepping through each
+    sample (the next step starts after the accepted drafts and the target's token) -> tokens
+    committed per unit cost (a step: 1 + drafted (c + v)), per step, drafts per step, and α by
+    draft position at those steps (what ``bench spec`` measures)."""
+    committed = cost = drafted = steps = 0.0
+    asked, right = [0] * k, [0] * k
+    for sample in samples:
+        t = sample.first
+        while 0 <= t < len(sample.by_anchor) and sample.by_anchor[t]:
+            chain = sample.by_anchor[t]
+            d, accepted = _draft(chain, k, floor)
+            for j in range(min(d, accepted + 1)):
+                asked[j] += 1
+                right[j] += chain[j][1]
+            committed += 1 + accepted
+            cost += 1 + d * (c + v)
+            drafted += d
+            steps += 1
+            t += accepted + 1
+    n = max(steps, 1)
+    return {"steps": int(steps), "tokens_per_cost": round(committed / cost, 4) if cost else None,
+            "tokens_per_step": round(committed / n, 4), "drafts_per_step": round(drafted / n, 4),
+            "alpha_by_position": [round(r / a, 4) if a else None for r, a in zip(right, asked)]}
+
+
+def segment_report(samples: list[SampleChains], steps: int, floors: list[float], c: float, v: float) -> dict:
+    anchors = [chain for sample in samples for chain in sample.anchors]
     calibration = []
     for lo, hi in zip(BINS, BINS[1:]):
         hits = [ok for chain in anchors for p, ok in chain[:1] if lo <= p < hi or (hi == 1.0 and p == 1.0)]
@@ -107,11 +151,12 @@ def segment_report(anchors, steps: int, floors: list[float], c: float, v: float)
     for k in range(steps):
         asked = [chain for chain in anchors if len(chain) > k and all(ok for _, ok in chain[:k])]
         alpha.append(round(sum(chain[k][1] for chain in asked) / len(asked), 4) if asked else None)
-    fixed = {str(k): step_model(anchors, k, 0.0, c, v) for k in range(1, steps + 1)}
-    floored = {f"{f:g}": step_model(anchors, steps, f, c, v) for f in floors}
+    fixed = {str(k): step_model(samples, k, 0.0, c, v) for k in range(1, steps + 1)}
+    floored = {f"{f:g}": step_model(samples, steps, f, c, v) for f in floors}
     best_fixed = max(fixed, key=lambda k: fixed[k]["tokens_per_cost"] or 0)
     best_floor = max(floored, key=lambda f: floored[f]["tokens_per_cost"] or 0)
     return {"anchors": len(anchors), "calibration": calibration, "alpha_by_position": alpha,
+            "step_alpha_by_position": fixed[str(steps)]["alpha_by_position"],
             "fixed_k": fixed, "floors": floored, "best_fixed_k": int(best_fixed), "best_floor": float(best_floor),
             "best_floor_over_best_fixed_k": round(floored[best_floor]["tokens_per_cost"]
                                                   / fixed[best_fixed]["tokens_per_cost"], 4) if anchors else None}
@@ -172,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
                                 eos_ids=target.eos_token_ids, temperature=0.0, sample_odd=False, seed=0)
         rep = report["segments"][seg] = segment_report(chains(head, model, samples, args.steps), args.steps,
                                                        floors, args.c, args.v)
-        print(f"{seg}: {rep['anchors']} anchors, α by position {rep['alpha_by_position']}; calibration "
+        print(f"{seg}: {rep['anchors']} anchors, α by position {rep['alpha_by_position']}, at the steps of a greedy "
+              f"K = {args.steps} engine {rep['step_alpha_by_position']}; calibration "
               + " ".join(f"[{b['p'][0]:.1f},{b['p'][1]:.1f}):{b['accepted']}" for b in rep["calibration"] if b["anchors"]))
         print(f"  tokens per unit cost: fixed K " + " ".join(f"{k}:{m['tokens_per_cost']}" for k, m in rep["fixed_k"].items())
               + f"; floors (K <= {args.steps}) " + " ".join(f"{f}:{m['tokens_per_cost']}" for f, m in rep["floors"].items())

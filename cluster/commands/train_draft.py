@@ -111,13 +111,16 @@ def run(args: argparse.Namespace) -> int:
     result = trainer.run(prompts, deadline, sources)
     if result is None:
         return 0
-    alphas = ", ".join(f"{a:.3f}" for a in result.alpha_by_position)
+    fmt = lambda xs: ", ".join(f"{a:.3f}" for a in xs)  # noqa: E731
+    k = len(result.alpha_by_position)
     print(f"train-draft: {'finished' if result.finished else 'stopped by --minutes (resumable)'} after "
           f"{result.steps} steps, {result.train_tokens} training tokens, {(time.monotonic() - t0) / 60:.1f} min")
-    print(f"held-out α by draft position (greedy, {result.heldout_anchors} anchors): [{alphas}]; "
-          f"expected tokens per round at K={len(result.alpha_by_position)}: "
-          f"{expected_tokens_per_round(result.alpha_by_position):.2f}")
-    for source, (alphas_of, anchors) in result.alpha_by_source.items():
-        print(f"  {source}: [{', '.join(f'{a:.3f}' for a in alphas_of)}] ({anchors} anchors)")
+    print(f"held-out α by draft position (greedy, {result.heldout_anchors} anchors): [{fmt(result.alpha_by_position)}]; "
+          f"expected tokens per round at K={k}: {expected_tokens_per_round(result.alpha_by_position):.2f}")
+    print(f"  at the steps of a greedy engine drafting {k} tokens ({result.heldout.step_den[0]} steps; what "
+          f"bench spec's α measures): [{fmt(result.heldout.step_alphas)}]")
+    for source, counts in result.by_source.items():
+        print(f"  {source}: [{fmt(counts.alphas)}] ({counts.den[0]} anchors); at the engine's steps "
+              f"[{fmt(counts.step_alphas)}] ({counts.step_den[0]} steps)")
     print(f"head: {args.out} (use it with --draft eagle:{args.out})")
     return 0

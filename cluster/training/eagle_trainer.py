@@ -19,7 +19,10 @@ target feature t and token t+1, predicting token t+2):
   vocabulary and renormalised, over anchors whose predicted token is an output token, weighted
   ``step_decay ** k``.
 α by position (held out, greedy samples): draft token k of an anchor is correct when it equals the
-sample's token (the target's greedy token); α_k = P(draft k correct | drafts 1..k-1 correct).
+sample's token (the target's greedy token); α_k = P(draft k correct | drafts 1..k-1 correct), at
+every anchor and at the anchors a greedy engine drafting ``ttt_steps`` tokens starts its steps
+from (``chain_step_anchors``; what ``bench spec`` measures, lower: a step starts after a rejection
+or a bonus token).
 Ignores: generating the data (``cluster.training.self_distill``), the command line
 (``cluster.commands.train_draft``).
 """
@@ -93,11 +96,18 @@ class TrainResult:
     finished: bool  # all epochs done (False: the deadline stopped it; run again to resume)
     steps: int
     train_tokens: int
-    alpha_by_position: list[float]
-    heldout_anchors: int
-    # corpus source (chat, docs, ...) -> (α by position, anchors) on its held-out samples; empty
-    # when the prompts came without sources
-    alpha_by_source: dict[str, tuple[list[float], int]] = field(default_factory=dict)
+    heldout: "AcceptanceCounts"  # on every held-out greedy sample
+    # corpus source (chat, docs, ...) -> its held-out samples' counts; empty when the prompts came
+    # without sources
+    by_source: dict[str, "AcceptanceCounts"] = field(default_factory=dict)
+
+    @property
+    def alpha_by_position(self) -> list[float]:
+        return self.heldout.alphas
+
+    @property
+    def heldout_anchors(self) -> int:
+        return self.heldout.den[0]
 
 
 class _Collect:
@@ -235,32 +245,92 @@ def ttt_loss(head: EagleHead, embed: torch.Tensor, row: _Row, cfg: TrainConfig) 
     return total, acc0
 
 
+@dataclass(slots=True)
+class AcceptanceCounts:
+    """Correct drafts / drafts asked per draft position, counted twice: at every anchor, and at the
+    anchors a greedy engine drafting chains of ``steps`` tokens starts its steps from (its first
+    step after the prompt's last position; each next one after the accepted drafts and the
+    target's own token). A step starts after a rejection or a bonus token, where drafting is
+    harder than on average, so the second α is lower; it is what ``bench spec`` measures."""
+
+    num: list[int]
+    den: list[int]  # den[k]: anchors with drafts 1..k correct and draft k+1 inside a sample
+    step_num: list[int]
+    step_den: list[int]
+
+    @classmethod
+    def zeros(cls, steps: int) -> "AcceptanceCounts":
+        return cls([0] * steps, [0] * steps, [0] * steps, [0] * steps)
+
+    def add(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        pairs = zip((self.num, self.den, self.step_num, self.step_den),
+                    (other.num, other.den, other.step_num, other.step_den))
+        return AcceptanceCounts(*([a + b for a, b in zip(mine, theirs)] for mine, theirs in pairs))
+
+    @property
+    def alphas(self) -> list[float]:
+        return _alphas(self.num, self.den)
+
+    @property
+    def step_alphas(self) -> list[float]:
+        return _alphas(self.step_num, self.step_den)
+
+
 @torch.no_grad()
 def alpha_by_position(head: EagleHead, embed: torch.Tensor, rows: list[_Row], steps: int) -> tuple[list[float], int]:
     """Conditional acceptance per draft position on greedy samples -> (α_1..α_steps, anchors).
     Teacher forcing equals drafting on the anchors that count: while drafts 1..k-1 are correct,
     the tokens fed are the drafts themselves."""
-    num, den = acceptance_counts(head, embed, rows, steps)
-    return _alphas(num, den), den[0]
+    counts = acceptance_counts(head, embed, rows, steps)
+    return counts.alphas, counts.den[0]
 
 
 def _alphas(num: list[int], den: list[int]) -> list[float]:
     return [n / d if d else float("nan") for n, d in zip(num, den)]
 
 
-def acceptance_counts(head: EagleHead, embed: torch.Tensor, rows: list[_Row], steps: int) -> tuple[list[int], list[int]]:
-    """(correct drafts, drafts asked) per position: what ``alpha_by_position`` divides, to pool."""
-    num, den = [0] * steps, [0] * steps  # den[k]: anchors with drafts 1..k correct and draft k+1 inside a sample
+@torch.no_grad()
+def acceptance_counts(head: EagleHead, embed: torch.Tensor, rows: list[_Row], steps: int) -> AcceptanceCounts:
+    """What ``alpha_by_position`` divides, at every anchor and at a greedy chain's steps, to pool."""
+    out = AcceptanceCounts.zeros(steps)
     for row in rows:
         T = row.ids.shape[0]
         ok = torch.ones(T, dtype=torch.bool)
+        asked_k, ok_k = [], []
         for k, logits, valid, src in ttt_unroll(head, embed, row, steps):
             truth = row.ids[(src + 1).clamp(max=T - 1)]  # token t+2+k
             asked = ok & valid
             ok = asked & (head.draft_to_target[logits.argmax(-1)] == truth)
-            den[k] += int(asked.sum())
-            num[k] += int(ok.sum())
-    return num, den
+            out.den[k] += int(asked.sum())
+            out.num[k] += int(ok.sum())
+            asked_k.append(asked.tolist())
+            ok_k.append(ok.tolist())
+        for t in chain_step_anchors(row, asked_k[0], ok_k):
+            for k in range(steps):
+                out.step_den[k] += asked_k[k][t]
+                out.step_num[k] += ok_k[k][t]
+    return out
+
+
+def chain_step_anchors(row: _Row, asked0: list[bool], ok_k: list[list[bool]]) -> list[int]:
+    """The anchors (row positions) a greedy engine drafting chains of ``len(ok_k)`` tokens starts
+    its steps from: per sample, the prompt's last position (its first output token comes from the
+    prefill), then after each step the accepted drafts and one more (the target's token)."""
+    out = []
+    doc, is_output = row.doc.tolist(), row.is_output.tolist()
+    first_output: dict[int, int] = {}
+    for t, (d, o) in enumerate(zip(doc, is_output)):
+        if o and d not in first_output:
+            first_output[d] = t
+    for first in first_output.values():
+        t = first - 1
+        while 0 <= t < len(asked0) and asked0[t]:
+            out.append(t)
+            accepted = 0
+            while accepted < len(ok_k) and ok_k[accepted][t]:
+                accepted += 1
+            t += accepted + 1
+    return out
 
 
 class Trainer:
@@ -331,15 +401,13 @@ class Trainer:
         finished = self._train(head, opt, train, d2t, state, deadline)
         save_head(head, self.out, extra={"training": {**asdict(cfg), **state, "finished": finished}})
         counts = self._evaluate(head, held, d2t, sources or {})
-        num = [sum(c[0][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
-        den = [sum(c[1][k] for c in counts.values()) for k in range(cfg.ttt_steps)]
-        alphas, anchors = _alphas(num, den), den[0]
-        by_source = {src: (_alphas(n, d), d[0]) for src, (n, d) in sorted(counts.items()) if src}  # "": unlabelled
-        strict = lambda xs: [None if math.isnan(a) else a for a in xs]  # noqa: E731 (strict JSON)
-        self._log(event="eval", alpha_by_position=strict(alphas), anchors=anchors,
-                  by_source={src: {"alpha_by_position": strict(a), "anchors": n} for src, (a, n) in by_source.items()},
+        pooled = AcceptanceCounts.zeros(cfg.ttt_steps)
+        for c in counts.values():
+            pooled = pooled.add(c)
+        by_source = {src: c for src, c in sorted(counts.items()) if src}  # "": unlabelled
+        self._log(event="eval", **_eval_fields(pooled), by_source={src: _eval_fields(c) for src, c in by_source.items()},
                   finished=finished, **state)
-        return TrainResult(finished, state["step"], state["train_tokens"], alphas, anchors, by_source)
+        return TrainResult(finished, state["step"], state["train_tokens"], pooled, by_source)
 
     def _initial_head(self) -> EagleHead:
         """The head ``init_from`` names: for this target (else EagleTargetMismatch), with at least
@@ -410,7 +478,7 @@ class Trainer:
         return True
 
     def _evaluate(self, head: EagleHead, held: list[Sample], d2t: torch.Tensor,
-                  sources: dict[int, str]) -> dict[str, tuple[list[int], list[int]]]:
+                  sources: dict[int, str]) -> dict[str, AcceptanceCounts]:
         """source -> acceptance counts of its held-out samples (one group, "", without sources;
         a sample is its own sequence in a packed row, so grouping does not change its drafts)."""
         head.eval()
@@ -423,7 +491,7 @@ class Trainer:
             rows = [target_row(runner, r, self.cfg.row_tokens, d2t, head.cfg.feature_layers)
                     for r in pack_rows(samples, self.cfg.row_tokens)]
             out[src] = acceptance_counts(head, self.model.embed, rows, self.cfg.ttt_steps)
-        return out or {"": ([0] * self.cfg.ttt_steps, [0] * self.cfg.ttt_steps)}
+        return out or {"": AcceptanceCounts.zeros(self.cfg.ttt_steps)}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save_checkpoint(self, head: EagleHead, opt, d2t: torch.Tensor, state: dict) -> None:
@@ -450,6 +518,13 @@ class Trainer:
             raise InvalidRequestError(f"{self.out} was started with another recipe (differs in {diff}); "
                              "resume with the same options or use another --out")
         return ckpt
+
+
+def _eval_fields(counts: AcceptanceCounts) -> dict:
+    """The log's fields for one group of held-out samples (strict JSON: no NaN)."""
+    strict = lambda xs: [None if math.isnan(a) else a for a in xs]  # noqa: E731
+    return {"alpha_by_position": strict(counts.alphas), "anchors": counts.den[0],
+            "step_alpha_by_position": strict(counts.step_alphas), "steps_counted": counts.step_den[0]}
 
 
 def learning_rate(cfg: TrainConfig, step: int, total_steps: int) -> float:

@@ -1,5 +1,6 @@
-"""`specserve bench confidence`: the step model counts what a floor drafts and commits (hand-made
-chains), the report's calibration and α by position, refusals before any model loads, and one
+"""`specserve bench confidence`: the step model steps through an output as a greedy engine does and
+counts what a floor drafts and commits (hand-made chains), the report's calibration and α by
+position (at every anchor and at the engine's steps), refusals before any model loads, and one
 end-to-end run with the shipped head on the default model."""
 from __future__ import annotations
 
@@ -8,36 +9,41 @@ import math
 
 import pytest
 
-from cluster.bench.confidence import segment_report, step_model
+from cluster.bench.confidence import SampleChains, segment_report, step_model
 from cluster.cli import main as cli_main
 from tests.reference import WORKLOADS
 
-# two anchors: drafts 1-3 right with probabilities .9 .5 .9; draft 1 wrong (p .3) then "right" ones
-ANCHORS = [[(0.9, True), (0.5, True), (0.9, True)], [(0.3, False), (0.9, True), (0.9, True)]]
+# one output, anchors 0..4 (draft k: probability, right); anchor 5 has no draft inside the output
+SAMPLE = SampleChains(0, [[(0.9, True), (0.5, True), (0.9, True)], [(0.3, False), (0.9, True), (0.9, True)],
+                          [(0.8, True), (0.8, False), (0.9, True)], [(0.3, False), (0.9, True)], [(0.6, True)], []])
 
 
-def test_step_model_counts_drafts_and_commits_under_a_floor():
+def test_step_model_steps_through_the_output_as_the_engine_does():
     c, v = 0.1, 0.05
-    k1 = step_model(ANCHORS, 1, 0.0, c, v)
-    assert k1["tokens_per_step"] == 1.5 and k1["drafts_per_step"] == 1  # (2 + 1) / 2
-    assert math.isclose(k1["tokens_per_cost"], 3 / (2 * 1.15), rel_tol=1e-3)
-    k3 = step_model(ANCHORS, 3, 0.0, c, v)
-    assert k3["tokens_per_step"] == 2.5 and k3["drafts_per_step"] == 3  # a rejected first draft commits 1
-    # running products: anchor 1 .9, .45, .405; anchor 2 .3 — a draft stops after the token that crosses
-    f = step_model(ANCHORS, 3, 0.42, c, v)  # anchor 1: all 3 drafted (.405 crosses at the last); anchor 2: 1
-    assert f["drafts_per_step"] == 2 and f["tokens_per_step"] == 2.5
-    f = step_model(ANCHORS, 3, 0.5, c, v)  # .45 < .5: anchor 1 stops after draft 2
-    assert f["drafts_per_step"] == 1.5 and f["tokens_per_step"] == 2.0
-    assert math.isclose(f["tokens_per_cost"], 4 / (2 + 3 * (c + v)), rel_tol=1e-3)
+    k1 = step_model([SAMPLE], 1, 0.0, c, v)  # steps at 0, 2, 4: each accepts its one draft
+    assert (k1["steps"], k1["tokens_per_step"], k1["drafts_per_step"]) == (3, 2.0, 1.0)
+    assert k1["alpha_by_position"] == [1.0] and math.isclose(k1["tokens_per_cost"], 6 / (3 * 1.15), rel_tol=1e-3)
+    k2 = step_model([SAMPLE], 2, 0.0, c, v)  # 0 (2 accepted) -> 3 (first rejected) -> 4 (1 of 1)
+    assert (k2["steps"], k2["tokens_per_step"], k2["drafts_per_step"]) == (3, 2.0, round(5 / 3, 4))
+    assert k2["alpha_by_position"] == [round(2 / 3, 4), 1.0]  # position 2 asked only where 1 was right
+    k3 = step_model([SAMPLE], 3, 0.0, c, v)  # 0 (3 accepted) -> 4 (its chain holds 1 draft)
+    assert (k3["steps"], k3["tokens_per_step"], k3["drafts_per_step"]) == (2, 3.0, 2.0)
+    # running products at 0: .9, .45 — a draft stops after the token that crosses the floor: 0 drafts
+    # 2 (both right) -> 3: .3 crosses at once (rejected) -> 4: 1 of 1
+    f = step_model([SAMPLE], 3, 0.5, c, v)
+    assert (f["steps"], f["drafts_per_step"], f["tokens_per_step"]) == (3, round(4 / 3, 4), 2.0)
+    assert math.isclose(f["tokens_per_cost"], 6 / (3 + 4 * (c + v)), rel_tol=1e-3)
+    assert step_model([SampleChains(3, SAMPLE.by_anchor)], 1, 0.0, c, v)["steps"] == 2  # a later first step
 
 
 def test_segment_report_calibration_and_alpha():
-    rep = segment_report(ANCHORS, 3, [0.42, 0.5], 0.1, 0.05)
+    rep = segment_report([SAMPLE], 3, [0.42, 0.5], 0.1, 0.05)
     bins = {tuple(b["p"]): (b["anchors"], b["accepted"]) for b in rep["calibration"]}
-    assert bins[(0.9, 1.0)] == (1, 1.0) and bins[(0.3, 0.4)] == (1, 0.0)
-    assert sum(n for n, _ in bins.values()) == rep["anchors"] == 2
-    assert rep["alpha_by_position"] == [0.5, 1.0, 1.0]  # position 2 asked only where draft 1 was right
-    assert rep["best_fixed_k"] in (1, 2, 3) and rep["best_floor"] in (0.42, 0.5)
+    assert bins[(0.9, 1.0)] == (1, 1.0) and bins[(0.3, 0.4)] == (2, 0.0) and bins[(0.6, 0.7)] == (1, 1.0)
+    assert sum(n for n, _ in bins.values()) == rep["anchors"] == 5
+    assert rep["alpha_by_position"] == [0.6, 0.5, 1.0]  # at every anchor; position 2 where draft 1 was right
+    assert rep["step_alpha_by_position"] == [1.0, 1.0, 1.0]  # at the K = 3 engine's two steps
+    assert rep["best_fixed_k"] == 3 and rep["best_floor"] in (0.42, 0.5)
     assert rep["best_floor_over_best_fixed_k"] > 0
 
 
@@ -60,4 +66,5 @@ def test_the_shipped_head_on_the_default_model(tmp_path, default_model, capsys):
     assert rep["anchors"] >= 20 and len(rep["alpha_by_position"]) == 3
     assert set(rep["fixed_k"]) == {"1", "2", "3"} and set(rep["floors"]) == {"0.2"}
     assert 0.0 < rep["alpha_by_position"][0] <= 1.0  # the shipped head drafts json well (~0.6 at position 1)
+    assert 0 < rep["fixed_k"]["3"]["steps"] <= rep["anchors"] and len(rep["step_alpha_by_position"]) == 3
     assert "tokens per unit cost" in capsys.readouterr().out

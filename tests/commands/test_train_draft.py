@@ -55,6 +55,10 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert sum(v["anchors"] for v in by_source.values()) == log[-1]["anchors"]
     for source, v in by_source.items():
         assert len(v["alpha_by_position"]) == 3 and f"  {source}: [" in cap.out, source
+    # and at the steps a greedy engine drafting 3 tokens would take (fewer than the anchors)
+    assert 0 < log[-1]["steps_counted"] < log[-1]["anchors"] and len(log[-1]["step_alpha_by_position"]) == 3
+    assert sum(v["steps_counted"] for v in by_source.values()) == log[-1]["steps_counted"]
+    assert "at the steps of a greedy engine drafting 3 tokens" in cap.out
     print(f"tiny model, α by position after {steps1} steps: {alphas}")
 
     # resume: a finished run trains one more epoch from its checkpoint (head + optimizer + step)
