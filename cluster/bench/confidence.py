@@ -11,6 +11,8 @@ are the drafts themselves, so those positions are what drafting sees), and per s
 - α by draft position (conditional), at every anchor and at the steps a greedy engine drafting
   ``--steps`` tokens takes (what ``bench spec``'s eagle rows measure: a step starts after a
   rejection or a bonus token, harder than the average anchor);
+- at those steps, the share whose target token is among the head's best 1..4 first-draft choices
+  (what a tree with siblings at draft position 1 would catch, beyond the chain's first choice);
 - the step model: a greedy engine stepping through each output (its first step at the prompt's
   last position, each next one after the accepted drafts and the target's token); a step that
   drafts d tokens costs 1 + d (c + v) target decode steps (c: a draft round, v: a verified
@@ -35,6 +37,7 @@ from pathlib import Path
 from cluster.bench.spec import DEFAULT_WORKLOADS
 
 BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TOP_RANKS = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +66,9 @@ class SampleChains:
 
     first: int
     by_anchor: list[Chain]
+    # per anchor: the rank of the target's token among the head's first-draft choices (0: its top
+    # choice, ..., TOP_RANKS: not among its TOP_RANKS best); what a tree of siblings at draft 1 catches
+    first_rank: list[int] | None = None
 
     @property
     def anchors(self) -> list[Chain]:
@@ -84,10 +90,15 @@ def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[Sam
             row = target_row(runner, [s], row_tokens, head.draft_to_target, head.cfg.feature_layers)
             T = row.ids.shape[0]
             per = []
-            for _, logits, valid, src in ttt_unroll(head, model.embed, row, steps):
+            for k, logits, valid, src in ttt_unroll(head, model.embed, row, steps):
                 p, arg = torch.softmax(logits, dim=-1).max(-1)  # [T]
-                correct = head.draft_to_target[arg] == row.ids[(src + 1).clamp(max=T - 1)]
+                truth = row.ids[(src + 1).clamp(max=T - 1)]  # [T]
+                correct = head.draft_to_target[arg] == truth
                 per.append((p.tolist(), correct.tolist(), valid.tolist()))
+                if k == 0:
+                    top = head.draft_to_target[logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices]  # [T, R]
+                    hit = top == truth[:, None]
+                    first_rank = torch.where(hit.any(-1), hit.float().argmax(-1), TOP_RANKS).tolist()
             by_anchor = []
             for t in range(T):
                 chain = []
@@ -96,7 +107,7 @@ def chains(head, model, samples, steps: int, row_tokens: int = 1024) -> list[Sam
                         break
                     chain.append((p[t], bool(correct[t])))
                 by_anchor.append(chain)
-            out.append(SampleChains(len(s.prompt_ids) - 1, by_anchor))
+            out.append(SampleChains(len(s.prompt_ids) - 1, by_anchor, first_rank))
     return out
 
 
@@ -114,30 +125,44 @@ def _draft(chain: Chain, k: int, floor: float) -> tuple[int, int]:
     return d, accepted
 
 
+def _steps(sample: SampleChains, k: int, floor: float):
+    """Yield (anchor, drafted, accepted) for each step a greedy engine drafting up to ``k`` tokens
+    under ``floor`` takes through the sample (the next step starts after the accepted drafts and
+    the target's token)."""
+    t = sample.first
+    while 0 <= t < len(sample.by_anchor) and sample.by_anchor[t]:
+        d, accepted = _draft(sample.by_anchor[t], k, floor)
+        yield t, d, accepted
+        t += accepted + 1
+
+
 def step_model(samples: list[SampleChains], k: int, floor: float, c: float, v: float) -> dict:
-    """A greedy engine drafting up to ``k`` tokens a step under ``floor``, stepping through each
-    sample (the next step starts after the accepted drafts and the target's token) -> tokens
-    committed per unit cost (a step: 1 + drafted (c + v)), per step, drafts per step, and α by
-    draft position at those steps (what ``bench spec`` measures)."""
+    """A greedy engine drafting up to ``k`` tokens a step under ``floor`` -> tokens committed per
+    unit cost (a step: 1 + drafted (c + v)), per step, drafts per step, and α by draft position at
+    those steps (what ``bench spec`` measures)."""
     committed = cost = drafted = steps = 0.0
     asked, right = [0] * k, [0] * k
     for sample in samples:
-        t = sample.first
-        while 0 <= t < len(sample.by_anchor) and sample.by_anchor[t]:
-            chain = sample.by_anchor[t]
-            d, accepted = _draft(chain, k, floor)
+        for t, d, accepted in _steps(sample, k, floor):
             for j in range(min(d, accepted + 1)):
                 asked[j] += 1
-                right[j] += chain[j][1]
+                right[j] += sample.by_anchor[t][j][1]
             committed += 1 + accepted
             cost += 1 + d * (c + v)
             drafted += d
             steps += 1
-            t += accepted + 1
     n = max(steps, 1)
     return {"steps": int(steps), "tokens_per_cost": round(committed / cost, 4) if cost else None,
             "tokens_per_step": round(committed / n, 4), "drafts_per_step": round(drafted / n, 4),
             "alpha_by_position": [round(r / a, 4) if a else None for r, a in zip(right, asked)]}
+
+
+def first_draft_top(samples: list[SampleChains], k: int) -> list[float | None]:
+    """At the steps of a greedy engine drafting ``k`` tokens: the share whose target token is among
+    the head's best 1, 2, .., TOP_RANKS first-draft choices (what siblings at draft 1 would catch)."""
+    ranks = [sample.first_rank[t] for sample in samples if sample.first_rank is not None
+             for t, _, _ in _steps(sample, k, 0.0)]
+    return [round(sum(r < n for r in ranks) / len(ranks), 4) if ranks else None for n in range(1, TOP_RANKS + 1)]
 
 
 def segment_report(samples: list[SampleChains], steps: int, floors: list[float], c: float, v: float) -> dict:
@@ -157,6 +182,7 @@ def segment_report(samples: list[SampleChains], steps: int, floors: list[float],
     best_floor = max(floored, key=lambda f: floored[f]["tokens_per_cost"] or 0)
     return {"anchors": len(anchors), "calibration": calibration, "alpha_by_position": alpha,
             "step_alpha_by_position": fixed[str(steps)]["alpha_by_position"],
+            "step_first_draft_top": first_draft_top(samples, steps),
             "fixed_k": fixed, "floors": floored, "best_fixed_k": int(best_fixed), "best_floor": float(best_floor),
             "best_floor_over_best_fixed_k": round(floored[best_floor]["tokens_per_cost"]
                                                   / fixed[best_fixed]["tokens_per_cost"], 4) if anchors else None}
@@ -218,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         rep = report["segments"][seg] = segment_report(chains(head, model, samples, args.steps), args.steps,
                                                        floors, args.c, args.v)
         print(f"{seg}: {rep['anchors']} anchors, α by position {rep['alpha_by_position']}, at the steps of a greedy "
-              f"K = {args.steps} engine {rep['step_alpha_by_position']}; calibration "
+              f"K = {args.steps} engine {rep['step_alpha_by_position']} (the target's token among the head's best "
+              f"1..{TOP_RANKS} first drafts there: {rep['step_first_draft_top']}); calibration "
               + " ".join(f"[{b['p'][0]:.1f},{b['p'][1]:.1f}):{b['accepted']}" for b in rep["calibration"] if b["anchors"]))
         print(f"  tokens per unit cost: fixed K " + " ".join(f"{k}:{m['tokens_per_cost']}" for k, m in rep["fixed_k"].items())
               + f"; floors (K <= {args.steps}) " + " ".join(f"{f}:{m['tokens_per_cost']}" for f, m in rep["floors"].items())

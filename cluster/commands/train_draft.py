@@ -1,7 +1,8 @@
 """`specserve train-draft`: train an EAGLE draft head for a target on its own generations.
 
-Owns: the arguments (-> ``TrainConfig``), loading the target, building the prompt corpus (held
-out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote woven in),
+Owns: the arguments (-> ``TrainConfig``), loading the target, the prompts (the built-in corpus,
+held out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote; with
+``--prompts``, the operator's own; taken in turn, and the mix printed),
 the ``--minutes`` deadline, and the final report (α by draft position on held-out prompts, where
 the head is, how to use it). The training itself lives in
 ``cluster.training.eagle_trainer``; run the same command again to resume a stopped run.
@@ -12,6 +13,7 @@ import argparse
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from cluster.common.errors import InvalidRequestError, ModelLoadError
@@ -42,7 +44,16 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many corpus prompts")
     p.add_argument("--self-prompts", type=int, default=d.self_prompts,
                    help="add this many requests the target writes itself (sampled from its chat template's bare "
-                        "user turn, filtered; corpus source 'self'), woven one-for-one with the corpus' prompts")
+                        "user turn, filtered; source 'self'), taken in turn with the other sources' prompts")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="your own prompts: a JSONL file, or a directory of them, in the rows of `specserve generate "
+                        "--prompts` / `map --traffic` (prompt [+ chat] or messages; source 'prompts:<segment>'), "
+                        "taken in turn with the other sources' prompts; rows with json_schema or regex, or overlapping "
+                        "a benchmark workload prompt, are left out and counted")
+    p.add_argument("--no-corpus", action="store_true",
+                   help="leave out the built-in prompt corpus (train on --prompts and / or --self-prompts only)")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="prompts longer than this are left out (counted per source)")
     p.add_argument("--workloads", type=Path, default=None,
                    help="benchmark workloads whose prompts are excluded (default ../shared/workloads)")
     p.add_argument("--init-from", type=Path, default=None,
@@ -75,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                           ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           max_prompts=args.max_prompts, self_prompts=args.self_prompts, seed=args.seed,
+                          prompts=str(args.prompts.resolve()) if args.prompts else None, corpus=not args.no_corpus,
+                          max_prompt_tokens=args.max_prompt_tokens,
                           init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
@@ -82,8 +95,18 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(target.runner, ModelRunner):
         raise ModelLoadError(f"train-draft needs a Llama-family target; {args.model!r} runs on the HF fallback")
     workloads = args.workloads or DEFAULT_WORKLOADS
-    labelled = build_labelled_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed)
     tok = target.tokenizer
+    own: list[tuple[str, list[int]]] = []
+    if cfg.prompts:  # read first: a file with no usable prompt stops the run before any generation
+        from cluster.training.prompt_file import read_prompt_file
+
+        found = read_prompt_file(Path(cfg.prompts), tok, workloads)
+        own = found.prompts
+        print(f"--prompts {args.prompts}: {found.summary()}; their max_tokens and sampling settings are not used "
+              f"(--max-new-tokens {cfg.max_new_tokens} and --temperature {cfg.temperature} set how the target "
+              "answers)", file=sys.stderr)
+    labelled = build_labelled_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed) if cfg.corpus else []
+    written: list[tuple[str, str]] = []
     if cfg.self_prompts:
         requests = write_requests(args.out / REQUESTS, target.runner.model, tok, target.eos_token_ids,
                                   count=cfg.self_prompts, seed=cfg.seed, workloads=workloads, deadline=deadline,
@@ -95,17 +118,28 @@ def run(args: argparse.Namespace) -> int:
         if len(requests) < cfg.self_prompts:
             print(f"self-written requests: only {len(requests)} of {cfg.self_prompts} passed the filters "
                   f"(every attempt is in {args.out / REQUESTS}); going on with those", file=sys.stderr)
-        labelled = weave([("self", text) for text in requests], labelled)
+        written = [("self", text) for text in requests]
     use_chat = getattr(tok, "chat_template", None) is not None
-    encoded = [(source, chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat
-                else tok(text, add_special_tokens=False)["input_ids"]) for source, text in labelled]
+    encode = lambda text: (chat_token_ids(tok, [{"role": "user", "content": text}]) if use_chat  # noqa: E731
+                           else tok(text, add_special_tokens=False)["input_ids"])
+    # in turn: your prompts, the target's own requests, the corpus (a source that runs out drops out)
+    encoded = weave(own, [(source, encode(text)) for source, text in written],
+                    [(source, encode(text)) for source, text in labelled])
     # longer prompts are skipped, not cut (the template's end matters); indices count the kept ones
     kept = [(source, [int(t) for t in ids]) for source, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    too_long = Counter(source for source, ids in encoded if len(ids) > cfg.max_prompt_tokens)
+    if too_long:
+        print(f"left out, longer than --max-prompt-tokens {cfg.max_prompt_tokens}: "
+              + ", ".join(f"{n} {source}" for source, n in sorted(too_long.items())), file=sys.stderr)
+    if not kept:
+        raise InvalidRequestError(f"no prompt of at most {cfg.max_prompt_tokens} tokens to train on")
     prompts = [(i, ids) for i, (_, ids) in enumerate(kept)]
     sources = {i: source for i, (source, _) in enumerate(kept)}
-    print(f"train-draft: target {target.name}, {len(prompts)} corpus prompts "
-          f"({'chat template' if use_chat else 'raw'}; workload prompts under {workloads} excluded), "
-          f"out {args.out}", file=sys.stderr)
+    mix = Counter(sources.values())
+    print(f"train-draft: target {target.name}, {len(prompts)} prompts ("
+          + ", ".join(f"{n} {source}" for source, n in sorted(mix.items()))
+          + f"; {'chat template' if use_chat else 'raw'} for the corpus' and self-written ones; workload prompts "
+          f"under {workloads} excluded), out {args.out}", file=sys.stderr)
     trainer = Trainer(args.out, target.runner.model, target.eos_token_ids, cfg,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     result = trainer.run(prompts, deadline, sources)

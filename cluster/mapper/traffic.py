@@ -40,6 +40,7 @@ class Traffic:
     segments: dict[str, list[dict]] = field(default_factory=dict)
     bad: list[BadRow] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    in_order: list[dict] = field(default_factory=list)  # every good row in file order (as read)
 
     @property
     def num_rows(self) -> int:
@@ -146,6 +147,7 @@ def load_traffic(path: Path) -> Traffic:
                 row.setdefault("id", f"{f.stem}-{n}")
                 row["id"] = str(row["id"])
                 traffic.segments.setdefault(row["segment"], []).append(row)
+                traffic.in_order.append(row)
     if not traffic.num_rows:
         shown = "; ".join(str(b) for b in traffic.bad[:3])
         raise UserFacingError(f"no usable traffic rows in {path}" + (f" ({shown})" if shown else ""))

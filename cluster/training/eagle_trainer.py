@@ -68,7 +68,9 @@ class TrainConfig:
     temperature: float = 0.8  # odd prompts are sampled at this temperature (even ones greedy); 0: all greedy
     heldout_every: int = 20  # every n-th prompt is held out for α by position
     max_prompts: int | None = None
-    self_prompts: int = 0  # requests the target writes itself, woven one-for-one with the corpus' prompts
+    self_prompts: int = 0  # requests the target writes itself, taken in turn with the other sources' prompts
+    prompts: str | None = None  # an operator's prompt file (or directory), taken in turn with the others
+    corpus: bool = True  # the built-in prompt corpus (False: --prompts and / or --self-prompts only)
     gen_batch_size: int = 16
     checkpoint_every_s: float = 120.0
     seed: int = 0
@@ -87,6 +89,10 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.self_prompts < 0:
             raise ValueError(f"self_prompts must be >= 0, got {self.self_prompts}")
+        if not (self.corpus or self.prompts or self.self_prompts):
+            raise ValueError("without the corpus, give prompts (--prompts) or self-written ones (--self-prompts)")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.heldout_every < 2:
             raise ValueError("heldout_every must be >= 2 (some prompts must be trained on)")
 
@@ -513,7 +519,8 @@ class Trainer:
         free = ("checkpoint_every_s", "epochs")  # more epochs: train a finished head further
         recipe = {k: v for k, v in ckpt["config"].items() if k not in free}
         mine = {k: v for k, v in asdict(self.cfg).items() if k not in free}
-        diff = sorted(k for k in mine if recipe.get(k) != mine[k])  # a key an older run lacks counts as None
+        defaults = asdict(TrainConfig())  # a key an older run lacks: the default, what it did before the option
+        diff = sorted(k for k in mine if recipe.get(k, defaults[k]) != mine[k])
         if diff:
             raise InvalidRequestError(f"{self.out} was started with another recipe (differs in {diff}); "
                              "resume with the same options or use another --out")

@@ -12,8 +12,9 @@ Owns: four prompt sources, woven in a fixed ratio (``_WEAVE``) in a deterministi
 Deduplicated, and excluding every prompt of the benchmark workloads (``../shared/workloads/*.jsonl``):
 a corpus prompt is dropped when it equals a workload prompt or shares a run of 8 words with one (so
 the benchmark stays held out; no chat subject phrase here occurs in a chat workload prompt).
-Also: ``workload_overlap`` (that held-out rule, for other prompt sources too) and ``weave`` (two
-prompt lists alternated, for requests the target writes: ``cluster.training.self_prompts``).
+Also: ``workload_overlap`` (that held-out rule, for other prompt sources too) and ``weave`` (prompt
+lists taken in turn: the corpus with requests the target writes, ``cluster.training.self_prompts``,
+and an operator's own prompts, ``cluster.training.prompt_file``).
 Ignores: tokenizing and generating (``cluster.training.self_distill``).
 """
 from __future__ import annotations
@@ -345,10 +346,10 @@ def build_labelled_prompts(workloads: Path | None = DEFAULT_WORKLOADS, *, limit:
     return prompts
 
 
-def weave(first: list, second: list) -> list:
-    """``first[0], second[0], first[1], second[1], ...``, then the rest of the longer list."""
+def weave(*lists: list) -> list:
+    """Round robin over the lists: ``a[0], b[0], ..., a[1], b[1], ...``; a list that runs out drops
+    out and the others go on."""
     out = []
-    for a, b in zip(first, second):
-        out += [a, b]
-    n = min(len(first), len(second))
-    return out + first[n:] + second[n:]
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out

@@ -4,7 +4,7 @@ Owns: ``Sample`` (prompt ids + the target's output ids + whether it was greedy),
 continuously batched on a private ``ModelRunner`` over the target's weights (greedy for even
 prompt indices, temperature sampling for odd ones when asked, each prompt with its own seeded
 generator), and the resumable JSONL file each finished sample is appended to (a run that stops
-part-way continues with the prompts not yet done).
+part-way continues with the prompts not yet done; samples made for other prompts are refused).
 Ignores: features and logits (recomputed during training: ``cluster.training.eagle_trainer``),
 and which prompts (``cluster.training.prompt_corpus``).
 """
@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from cluster.common.errors import InvalidRequestError
 from cluster.models.runner import ModelRunner, SeqChunk
 
 
@@ -103,6 +104,13 @@ def extend_samples(path: Path, model, prompts: list[tuple[int, list[int]]], *, t
     deadline passes, appending each sample as it finishes -> (all samples, whether the budget was
     reached or every prompt is done)."""
     samples = read_samples(path)
+    current = dict(prompts)
+    changed = [s.index for s in samples if current.get(s.index) != s.prompt_ids]
+    if changed:
+        raise InvalidRequestError(
+            f"{path}: {len(changed)} of its samples answer other prompts than this run's (first: prompt "
+            f"{changed[0]}): the prompts changed since the run started (another --prompts file or its "
+            "content, another corpus); use another --out")
     done = {s.index for s in samples}
     todo = [(i, p) for i, p in prompts if i not in done]
     state = {"have": sum(len(s.token_ids) for s in samples), "made": 0, "left": len(todo)}

@@ -9,13 +9,14 @@ import math
 
 import pytest
 
-from cluster.bench.confidence import SampleChains, segment_report, step_model
+from cluster.bench.confidence import SampleChains, first_draft_top, segment_report, step_model
 from cluster.cli import main as cli_main
 from tests.reference import WORKLOADS
 
 # one output, anchors 0..4 (draft k: probability, right); anchor 5 has no draft inside the output
 SAMPLE = SampleChains(0, [[(0.9, True), (0.5, True), (0.9, True)], [(0.3, False), (0.9, True), (0.9, True)],
-                          [(0.8, True), (0.8, False), (0.9, True)], [(0.3, False), (0.9, True)], [(0.6, True)], []])
+                          [(0.8, True), (0.8, False), (0.9, True)], [(0.3, False), (0.9, True)], [(0.6, True)], []],
+                      first_rank=[0, 1, 0, 1, 0, 4])  # the target's token: the head's 2nd choice at 1 and 3
 
 
 def test_step_model_steps_through_the_output_as_the_engine_does():
@@ -36,6 +37,12 @@ def test_step_model_steps_through_the_output_as_the_engine_does():
     assert step_model([SampleChains(3, SAMPLE.by_anchor)], 1, 0.0, c, v)["steps"] == 2  # a later first step
 
 
+def test_first_draft_top_choices_at_the_engine_steps():
+    assert first_draft_top([SAMPLE], 2) == [round(2 / 3, 4), 1.0, 1.0, 1.0]  # steps 0, 3, 4: ranks 0, 1, 0
+    assert first_draft_top([SAMPLE], 3) == [1.0, 1.0, 1.0, 1.0]  # steps 0, 4
+    assert first_draft_top([SampleChains(0, SAMPLE.by_anchor)], 3) == [None] * 4  # no ranks recorded
+
+
 def test_segment_report_calibration_and_alpha():
     rep = segment_report([SAMPLE], 3, [0.42, 0.5], 0.1, 0.05)
     bins = {tuple(b["p"]): (b["anchors"], b["accepted"]) for b in rep["calibration"]}
@@ -43,6 +50,7 @@ def test_segment_report_calibration_and_alpha():
     assert sum(n for n, _ in bins.values()) == rep["anchors"] == 5
     assert rep["alpha_by_position"] == [0.6, 0.5, 1.0]  # at every anchor; position 2 where draft 1 was right
     assert rep["step_alpha_by_position"] == [1.0, 1.0, 1.0]  # at the K = 3 engine's two steps
+    assert rep["step_first_draft_top"] == [1.0, 1.0, 1.0, 1.0]
     assert rep["best_fixed_k"] == 3 and rep["best_floor"] in (0.42, 0.5)
     assert rep["best_floor_over_best_fixed_k"] > 0
 
@@ -67,4 +75,6 @@ def test_the_shipped_head_on_the_default_model(tmp_path, default_model, capsys):
     assert set(rep["fixed_k"]) == {"1", "2", "3"} and set(rep["floors"]) == {"0.2"}
     assert 0.0 < rep["alpha_by_position"][0] <= 1.0  # the shipped head drafts json well (~0.6 at position 1)
     assert 0 < rep["fixed_k"]["3"]["steps"] <= rep["anchors"] and len(rep["step_alpha_by_position"]) == 3
+    top = rep["step_first_draft_top"]  # the best choice is the chain's first draft; more choices catch more
+    assert top[0] == rep["step_alpha_by_position"][0] and top == sorted(top) and len(top) == 4
     assert "tokens per unit cost" in capsys.readouterr().out

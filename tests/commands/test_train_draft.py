@@ -140,6 +140,10 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "temperature must be >= 0" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--self-prompts", "-1") == 2
     assert "self_prompts must be >= 0" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--no-corpus") == 2
+    assert "without the corpus, give prompts (--prompts) or self-written ones" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--prompts", str(tmp_path / "none.jsonl")) == 2
+    assert "--prompts" in (err := capsys.readouterr().err) and "none.jsonl: traffic not found" in err
     assert not (tmp_path / "x").exists()
 
 
@@ -173,3 +177,48 @@ def test_self_written_requests_are_woven_into_the_corpus(tiny_llama_dir, tmp_pat
     by_source = [json.loads(l) for l in (out / LOG).read_text().splitlines()][-1]["by_source"]
     assert "self" in by_source and by_source["self"]["anchors"] > 0  # index 0 is held out
     assert "  self: [" in cap.out
+
+
+def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_path, capsys):
+    """--prompts FILE: its usable rows, encoded as the service would, are the prompts (alone with
+    --no-corpus, or in turn with the corpus), their segments the held-out report's sources; the
+    rows' own max_tokens and sampling are said to be unused; a changed file is refused on resume."""
+    from cluster.models.tokenizer import chat_token_ids, load_tokenizer
+
+    tok = load_tokenizer(tiny_llama_dir)
+    texts = [f"Tell me about the {w} of a small harbour town." for w in
+             ("fishermen", "bakers", "ferries", "gulls", "storms", "markets", "lighthouse", "tides")]
+    rows = [{"segment": "chat" if i % 2 else "story", "chat": True, "prompt": t, "max_tokens": 300}
+            for i, t in enumerate(texts)] + [{"segment": "json", "chat": True, "prompt": "x", "regex": "a+"}]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want = [chat_token_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+
+    alone = tmp_path / "alone"
+    assert train(tiny_llama_dir, alone, "--epochs", "1", "--prompts", str(mine), "--no-corpus") == 0
+    cap = capsys.readouterr()
+    assert f"--prompts {mine}: 8 prompts, 1 with json_schema or regex" in cap.err
+    assert "their max_tokens and sampling settings are not used (--max-new-tokens 32" in cap.err
+    assert "8 prompts (4 prompts:chat, 4 prompts:story;" in cap.err
+    samples = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (alone / SAMPLES).read_text().splitlines()}
+    assert samples == dict(enumerate(want))  # every prompt answered, in file order, nothing else
+    by_source = [json.loads(l) for l in (alone / LOG).read_text().splitlines()][-1]["by_source"]
+    assert set(by_source) == {"prompts:story"}  # index 0, the only held-out one, is a story
+    assert "  prompts:story: [" in cap.out
+
+    # the same file's content changed: the run's samples answer other prompts, refused
+    mine.write_text("".join(json.dumps({**r, "prompt": r["prompt"] + "!"}) + "\n" for r in rows[:8]))
+    assert train(tiny_llama_dir, alone, "--epochs", "1", "--prompts", str(mine), "--no-corpus") == 2
+    assert "answer other prompts than this run's" in capsys.readouterr().err
+
+    mixed = tmp_path / "mixed"
+    assert train(tiny_llama_dir, mixed, "--epochs", "1", "--prompts", str(mine), "--tokens", "1500") == 0
+    assert "prompts:chat, 4 prompts:story" in capsys.readouterr().err
+    by_index = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (mixed / SAMPLES).read_text().splitlines()}
+    changed = [chat_token_ids(tok, [{"role": "user", "content": t + "!"}]) for t in texts]
+    where = [i for i in sorted(by_index) if by_index[i] in changed]
+    assert [by_index[i] for i in where] == changed[:len(where)] and len(where) >= 3  # in file order
+    # in turn with the corpus: your first prompt first, a corpus one next (a corpus prompt over the
+    # length limit is left out after weaving, so two of yours may meet)
+    corpus_between = [i for i in by_index if i < where[-1] and i not in where]
+    assert where[0] == 0 and 1 in corpus_between and len(corpus_between) >= len(where) // 2

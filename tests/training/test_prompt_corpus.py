@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 from cluster.training.prompt_corpus import (_CHAT_QUESTIONS, _CHAT_SUBJECTS, _CHAT_TASKS, _MULTILINGUAL, _TEMPLATES,
-                                           DEFAULT_WORKLOADS, build_labelled_prompts, build_prompts,
+                                           DEFAULT_WORKLOADS, build_labelled_prompts, build_prompts, weave,
                                            workload_prompts)
 
 
@@ -75,3 +75,10 @@ def test_every_chat_question_and_task_is_in_the_corpus_once_and_none_is_a_worklo
     for task in _CHAT_TASKS:
         assert task.format(s=_CHAT_SUBJECTS[0]) in prompts, task
     assert not {" ".join(p.lower().split()) for p in prompts} & workloads
+
+
+def test_weave_takes_the_lists_in_turn_then_the_rest():
+    assert weave([1, 2, 3], ["a"]) == [1, "a", 2, 3]
+    assert weave([1], ["a", "b", "c"]) == [1, "a", "b", "c"]
+    assert weave([], ["a"]) == ["a"] and weave() == []
+    assert weave([1, 2], ["a"], ["x", "y", "z"]) == [1, "a", "x", 2, "y", "z"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.models.llama import LlamaModel
+from cluster.common.errors import InvalidRequestError
 from cluster.training.self_distill import extend_samples, generate, read_samples
 from tests.conftest import make_tiny_model_dir
 
@@ -75,3 +76,9 @@ def test_extend_samples_stops_at_the_budget_or_deadline_and_resumes(tiny, tmp_pa
                                     progress=lines.append, batch_size=2, **GEN)
     assert complete and sorted(s.index for s in more) == list(range(7))  # each prompt once
     assert len(read_samples(path)) == 7 and any("generated tok/s" in line for line in lines)
+    # other prompts at the same indices (another prompt file, another corpus): refused, not mixed in
+    changed = [(i, ids[:-1] + [ids[-1] + 1]) if i == 3 else (i, ids) for i, ids in prompts()]
+    with pytest.raises(InvalidRequestError, match=r"1 of its samples answer other prompts .*\(first: prompt 3\)"):
+        extend_samples(path, model, changed, token_budget=10**6, deadline=math.inf, progress=lines.append, **GEN)
+    with pytest.raises(InvalidRequestError, match="answer other prompts"):  # fewer prompts than samples
+        extend_samples(path, model, prompts()[:5], token_budget=10**6, deadline=math.inf, progress=lines.append, **GEN)

@@ -13,7 +13,7 @@ import torch
 from cluster.common.errors import InvalidRequestError
 from cluster.models.llama import LlamaModel
 from cluster.models.tokenizer import chat_token_ids, load_tokenizer
-from cluster.training.prompt_corpus import weave, workload_overlap
+from cluster.training.prompt_corpus import workload_overlap
 from cluster.training.self_distill import generate
 from cluster.training.self_prompts import RequestFilter, keep_request, read_requests, user_turn_prefix, write_requests
 
@@ -111,9 +111,3 @@ def test_workload_prompts_and_the_attempt_limit(tiny, tmp_path):
     assert write_requests(tmp_path / "e.jsonl", model, tok, EOS, workloads=None,
                           **{**kw, "flt": strict}, max_attempts_per_request=2) == []
     assert len(read_requests(tmp_path / "e.jsonl")) == 12
-
-
-def test_weave_alternates_then_appends_the_rest():
-    assert weave([1, 2, 3], ["a"]) == [1, "a", 2, 3]
-    assert weave([1], ["a", "b", "c"]) == [1, "a", "b", "c"]
-    assert weave([], ["a"]) == ["a"]
