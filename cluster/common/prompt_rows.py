@@ -1,16 +1,28 @@
 """Prompt rows: the JSONL format of workload files (``../shared/workloads/*.jsonl``) that
-``specserve generate --prompts``, ``specserve bench`` and ``specserve map`` read.
+``specserve generate --prompts``, ``specserve bench``, ``specserve map --traffic`` and
+``specserve train-draft --prompts`` read.
 
 Owns: parsing one row and reading a file of them (id, segment, chat, prompt, max_tokens), with
-an ``InvalidRequestError`` that names the file and line. Ignores: tokenizing a row
-(``cluster.models.tokenizer.prompt_token_ids``).
+an ``InvalidRequestError`` that names the file and line; checking a row in full (``check_row``:
+``prompt`` with optional ``chat``, or ``messages``; ``segment``, default ``default``;
+``max_tokens``; optional ``json_schema`` / ``regex``; sampling ``temperature`` / ``top_p`` /
+``top_k`` / ``seed`` / ``stop``) and reading a file or every ``*.jsonl`` of a directory (sorted)
+into checked rows in order, a bad row reported with its file and line instead of stopping
+(``read_checked_rows``). Ignores: tokenizing a row (``cluster.models.tokenizer.prompt_token_ids``)
+and what the rows are for (``cluster.mapper.traffic`` groups them by segment).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.common.errors import InvalidRequestError
+from cluster.common.errors import InvalidRequestError, UserFacingError
+from cluster.common.request import SamplingParams
+
+DEFAULT_SEGMENT = "default"  # rows without a segment are one segment
+DEFAULT_MAX_TOKENS = 128
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_prompt_row(line: str, where: str) -> dict:
@@ -40,3 +52,113 @@ def read_prompt_rows(path: Path, limit: int | None = None) -> list[dict]:
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+@dataclass(slots=True, frozen=True)
+class BadRow:
+    path: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def check_row(raw: dict) -> dict:
+    """A normalized row (``id``, ``segment``, ``max_tokens``, ``prompt``+``chat`` or ``messages``,
+    ``constrained``, sampling keys) or InvalidRequestError saying what is wrong."""
+    row = dict(raw)
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise InvalidRequestError("'messages' must be a non-empty list")
+        for m in msgs:
+            if not (isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in ROLES
+                    and isinstance(m["content"], str)):
+                raise InvalidRequestError(f"each message needs a role in {ROLES} and a string content, got {m!r}")
+        if "prompt" in row:
+            raise InvalidRequestError("give 'prompt' or 'messages', not both")
+    elif not row.get("prompt"):
+        raise InvalidRequestError("'prompt' is empty")
+    seg = row.get("segment", DEFAULT_SEGMENT)
+    if seg is None or seg == "":
+        seg = DEFAULT_SEGMENT
+    if not isinstance(seg, str):
+        raise InvalidRequestError(f"'segment' must be a string, got {seg!r}")
+    row["segment"] = seg
+    mt = row.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0:
+        raise InvalidRequestError(f"'max_tokens' must be a positive integer, got {mt!r}")
+    row["max_tokens"] = mt
+    if row.get("json_schema") and row.get("regex"):
+        raise InvalidRequestError("set at most one of 'json_schema' and 'regex'")
+    if isinstance(row.get("json_schema"), dict):  # a schema given as an object: send it as JSON text
+        import json
+
+        row["json_schema"] = json.dumps(row["json_schema"])
+    for key in ("json_schema", "regex"):
+        if key in row and row[key] is not None and not isinstance(row[key], str):
+            raise InvalidRequestError(f"'{key}' must be a string, got {type(row[key]).__name__}")
+    row["constrained"] = bool(row.get("json_schema") or row.get("regex"))
+    sampling_params(row)  # the engine's own checks of temperature, top_p, top_k, stop
+    return row
+
+
+def sampling_params(row: dict, max_tokens: int | None = None) -> SamplingParams:
+    """The row's sampling parameters (``max_tokens`` capped when given)."""
+    try:
+        return SamplingParams(max_tokens=min(row["max_tokens"], max_tokens or row["max_tokens"]),
+                              temperature=float(row.get("temperature", 0.0)),
+                              top_p=float(row.get("top_p", 1.0)), top_k=int(row.get("top_k", 0)),
+                              seed=None if row.get("seed") is None else int(row["seed"]),
+                              stop=tuple(row.get("stop") or ()))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"bad sampling parameter: {exc}") from None
+
+
+def _files(path: Path, what: str) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix == ".jsonl" and p.is_file())
+        if not files:
+            raise UserFacingError(f"no *.jsonl files in {path}")
+        return files
+    if not path.is_file():
+        raise UserFacingError(f"{what} not found: {path}")
+    return [path]
+
+@dataclass(slots=True)
+class CheckedRows:
+    """Every good row of a file or directory in file order, the bad ones, the files read."""
+
+    rows: list[dict] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def read_checked_rows(path: Path, what: str = "traffic") -> CheckedRows:
+    """Every row of ``path`` (a JSONL file or a directory of them) through ``check_row``; a bad row
+    is listed with its line number and skipped; no good row at all is an error (``what`` names
+    the rows in the messages)."""
+    out = CheckedRows()
+    for f in _files(Path(path), what):
+        out.files.append(str(f))
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = check_row(parse_prompt_row(line, f"{f}:{n}"))
+                except InvalidRequestError as exc:
+                    msg = str(exc)
+                    prefix = f"{f}:{n}: "
+                    out.bad.append(BadRow(str(f), n, msg[len(prefix):] if msg.startswith(prefix) else msg))
+                    continue
+                row.setdefault("id", f"{f.stem}-{n}")
+                row["id"] = str(row["id"])
+                out.rows.append(row)
+    if not out.rows:
+        shown = "; ".join(str(b) for b in out.bad[:3])
+        raise UserFacingError(f"no usable {what} rows in {path}" + (f" ({shown})" if shown else ""))
+    return out

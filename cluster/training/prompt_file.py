@@ -2,8 +2,9 @@
 like the traffic it will draft for.
 
 Owns: reading a JSONL file, or every ``*.jsonl`` of a directory, of prompt rows in the format
-``specserve generate --prompts`` and ``specserve map --traffic`` read (``cluster.mapper.traffic``:
-a bad row is reported with its file and line and skipped), which rows can be used, and encoding
+``specserve generate --prompts`` and ``specserve map --traffic`` read
+(``cluster.common.prompt_rows.read_checked_rows``: a bad row is reported with its file and line
+and skipped), which rows can be used, and encoding
 each as the service would: ``prompt`` with ``chat`` true through the chat template, ``prompt``
 alone as raw text (a completion), ``messages`` through the chat template over the conversation.
 Skipped, and counted by reason: a row with ``json_schema`` or ``regex`` (train-draft generates
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.common.errors import InvalidRequestError, UserFacingError
-from cluster.mapper.traffic import load_traffic
+from cluster.common.prompt_rows import read_checked_rows
 from cluster.models.tokenizer import chat_token_ids, prompt_token_ids
 from cluster.training.prompt_corpus import workload_overlap
 
@@ -56,13 +57,13 @@ def read_prompt_file(path: Path, tokenizer, workloads: Path | None) -> PromptFil
     """The usable prompts of ``path`` (a file or a directory of ``*.jsonl``); UserFacingError when
     none is usable, saying why the rows were left out."""
     try:
-        traffic = load_traffic(Path(path))
+        read = read_checked_rows(Path(path), what="prompt")
     except UserFacingError as exc:
         raise UserFacingError(f"--prompts {path}: {exc}") from None
     overlaps = workload_overlap(workloads)
-    out = PromptFile([], bad_rows=[str(b) for b in traffic.bad])
+    out = PromptFile([], bad_rows=[str(b) for b in read.bad])
     seen: set[tuple[int, ...]] = set()
-    for row in traffic.in_order:
+    for row in read.rows:
         if row["constrained"]:
             out.skipped["with json_schema or regex (generated without a grammar)"] += 1
             continue

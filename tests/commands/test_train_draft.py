@@ -143,7 +143,7 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert train(tiny_llama_dir, tmp_path / "x", "--no-corpus") == 2
     assert "without the corpus, give prompts (--prompts) or self-written ones" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--prompts", str(tmp_path / "none.jsonl")) == 2
-    assert "--prompts" in (err := capsys.readouterr().err) and "none.jsonl: traffic not found" in err
+    assert "--prompts" in (err := capsys.readouterr().err) and "none.jsonl: prompt not found" in err
     assert not (tmp_path / "x").exists()
 
 

@@ -86,7 +86,7 @@ def test_nothing_usable_is_refused_with_the_reasons(tmp_path, tok):
     path = _write(tmp_path / "p.jsonl", [{"chat": True, "prompt": "a", "regex": "a+"}, "[1, 2]"])
     with pytest.raises(UserFacingError, match=r"--prompts .*p.jsonl: no usable prompt \(0 prompts, 1 with json_schema"):
         read_prompt_file(path, tok, None)
-    with pytest.raises(UserFacingError, match="--prompts .*missing.jsonl: traffic not found"):
+    with pytest.raises(UserFacingError, match="--prompts .*missing.jsonl: prompt not found"):
         read_prompt_file(tmp_path / "missing.jsonl", tok, None)
-    with pytest.raises(UserFacingError, match=r"no usable traffic rows"):  # every row malformed
+    with pytest.raises(UserFacingError, match=r"no usable prompt rows"):  # every row malformed
         read_prompt_file(_write(tmp_path / "bad.jsonl", ["{", "[]"]), tok, None)
