@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [(i, ids) for i, (_, ids) in enumerate(kept)]
     sources = {i: source for i, (source, _) in enumerate(kept)}
     mix = Counter(sources.values())
-    print(f"train-draft: target {target.name}, {len(prompts)} prompts ("
+    print(f"train-draft: target {target.name}, {len(prompts)} prompts to draw from in turn until --tokens ("
           + ", ".join(f"{n} {source}" for source, n in sorted(mix.items()))
           + f"; {'chat template' if use_chat else 'raw'} for the corpus' and self-written ones; workload prompts "
           f"under {workloads} excluded), out {args.out}", file=sys.stderr)

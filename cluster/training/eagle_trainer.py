@@ -369,6 +369,9 @@ class Trainer:
         if not complete:
             self.progress("data: stopped by --minutes; run the same command again to continue")
             return None
+        if sources:
+            mix = Counter(sources.get(s.index, "unlabelled") for s in samples)
+            self.progress("data: samples by source: " + ", ".join(f"{n} {src}" for src, n in sorted(mix.items())))
         held_idx = {i for i, _ in prompts if i % cfg.heldout_every == 0}
         train = [s for s in samples if s.index not in held_idx]
         held = [s for s in samples if s.index in held_idx and s.greedy]

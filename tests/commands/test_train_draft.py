@@ -199,7 +199,8 @@ def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_p
     cap = capsys.readouterr()
     assert f"--prompts {mine}: 8 prompts, 1 with json_schema or regex" in cap.err
     assert "their max_tokens and sampling settings are not used (--max-new-tokens 32" in cap.err
-    assert "8 prompts (4 prompts:chat, 4 prompts:story;" in cap.err
+    assert "8 prompts to draw from in turn until --tokens (4 prompts:chat, 4 prompts:story;" in cap.err
+    assert "data: samples by source: 4 prompts:chat, 4 prompts:story" in cap.err  # what was generated
     samples = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (alone / SAMPLES).read_text().splitlines()}
     assert samples == dict(enumerate(want))  # every prompt answered, in file order, nothing else
     by_source = [json.loads(l) for l in (alone / LOG).read_text().splitlines()][-1]["by_source"]
@@ -213,7 +214,10 @@ def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_p
 
     mixed = tmp_path / "mixed"
     assert train(tiny_llama_dir, mixed, "--epochs", "1", "--prompts", str(mine), "--tokens", "1500") == 0
-    assert "prompts:chat, 4 prompts:story" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "prompts:chat, 4 prompts:story" in err and "data: samples by source: " in err
+    generated = err.split("data: samples by source: ")[1].split("\n")[0]
+    assert "prompts:chat" in generated and "chat" in generated.replace("prompts:chat", "")  # yours and the corpus'
     by_index = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (mixed / SAMPLES).read_text().splitlines()}
     changed = [chat_token_ids(tok, [{"role": "user", "content": t + "!"}]) for t in texts]
     where = [i for i in sorted(by_index) if by_index[i] in changed]
