@@ -128,6 +128,7 @@ def _files(path: Path, what: str) -> list[Path]:
         raise UserFacingError(f"{what} not found: {path}")
     return [path]
 
+
 @dataclass(slots=True)
 class CheckedRows:
     """Every good row of a file or directory in file order, the bad ones, the files read."""
