@@ -2,9 +2,9 @@
 
 Owns: the arguments (-> ``TrainConfig``), loading the target, the prompts (the built-in corpus,
 held out from ``../shared/workloads``; with ``--self-prompts``, requests the target wrote; with
-``--prompts``, the operator's own; taken in turn, and the mix printed),
-the ``--minutes`` deadline, and the final report (α by draft position on held-out prompts, where
-the head is, how to use it). The training itself lives in
+``--prompts``, the operator's own; taken in turn, and the mix printed), the device (``--device``:
+a GPU where torch sees one), the ``--minutes`` deadline, and the final report (α by draft position
+on held-out prompts, where the head is, how to use it). The training itself lives in
 ``cluster.training.eagle_trainer``; run the same command again to resume a stopped run.
 """
 from __future__ import annotations
@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--init-from", type=Path, default=None,
                    help="fine-tune this trained head (same target; its draft vocabulary, or the most frequent part of "
                         "it: --draft-vocab) instead of starting afresh")
+    p.add_argument("--device", default="auto",
+                   help="where the target and the head run: auto (the first CUDA device where torch sees one, else "
+                        "the CPU), cpu, cuda or cuda:N; a stopped run may resume on another device")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.common.config import EngineConfig
+    from cluster.models.device import resolve_device
     from cluster.models.load import load_model
     from cluster.models.runner import ModelRunner
     from cluster.models.tokenizer import chat_token_ids
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                           init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
-    target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2))
+    device = resolve_device(args.device)
+    target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2), device=str(device))
     if not isinstance(target.runner, ModelRunner):
         raise ModelLoadError(f"train-draft needs a Llama-family target; {args.model!r} runs on the HF fallback")
     workloads = args.workloads or DEFAULT_WORKLOADS
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [(i, ids) for i, (_, ids) in enumerate(kept)]
     sources = {i: source for i, (source, _) in enumerate(kept)}
     mix = Counter(sources.values())
-    print(f"train-draft: target {target.name}, {len(prompts)} prompts to draw from in turn until --tokens ("
+    print(f"train-draft: target {target.name} on {device}, {len(prompts)} prompts to draw from in turn until --tokens ("
           + ", ".join(f"{n} {source}" for source, n in sorted(mix.items()))
           + f"; {'chat template' if use_chat else 'raw'} for the corpus' and self-written ones; workload prompts "
           f"under {workloads} excluded), out {args.out}", file=sys.stderr)

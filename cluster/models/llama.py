@@ -5,7 +5,9 @@ Owns: weights (fused QKV and gate/up projections), RoPE, RMSNorm, grouped-query 
 ragged batch whose K/V live in flat paged storage, logits for the positions asked for, the
 layer-skip entry (run the first L layers + LM head) used by self-speculation, and the feature
 entry (``forward_features``: the same pass also returning the residual stream entering chosen
-layers at every fed position, what an EAGLE head drafts from).
+layers at every fed position, what an EAGLE head drafts from), and the device the weights, the
+rotary tables and the KV storage live on (``cpu`` unless asked: the native kernels are CPU float32
+ones, every other device or dtype takes the torch operators).
 Ignores: which sequences are in the batch and where their blocks are (``ForwardBatch`` is built
 by ``cluster.models.runner``), sampling, and architectures outside the family (HF fallback).
 """
@@ -92,6 +94,11 @@ class AttentionGroup:
     q_seq: torch.Tensor | None = None  # [Tg] int64
     q_keys: torch.Tensor | None = None  # [Tg] int64
 
+    def to(self, device: torch.device) -> "AttentionGroup":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionGroup(move(self.q_index), move(self.kv_slots), move(self.mask), move(self.out_rows),
+                              move(self.out_src), self.dense, move(self.q_seq), move(self.q_keys))
+
 
 @dataclass(slots=True)
 class ForwardBatch:
@@ -100,6 +107,12 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64 flat KV slot each new token is written to
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [N] int64 rows of [T] whose logits are returned
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """The same batch with every tensor on ``device`` (built on the CPU, run where the model is)."""
+        return ForwardBatch(self.input_ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True),
+                            self.slot_mapping.to(device, non_blocking=True), [g.to(device) for g in self.groups],
+                            self.logits_index.to(device, non_blocking=True))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,10 +157,12 @@ def _inv_freq(arch: LlamaArch) -> torch.Tensor:
 class LlamaModel:
     """Weights + forward. Not an nn.Module: inference only, no autograd, no hooks."""
 
-    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         self.arch = arch
         self.dtype = dtype
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.device = torch.device(device)
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         # Projections are ``Linear`` weights built from [in, out] and applied as x @ W (+ add):
         # packed for the skinny-GEMM kernel in float32 on CPU, plain tensors otherwise.
         self.embed = w["model.embed_tokens.weight"]  # [V, hidden], gathered by token id
@@ -173,12 +188,13 @@ class LlamaModel:
         max_pos = arch.max_position_embeddings
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), _inv_freq(arch))
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
-        self.cos = emb.cos().to(dtype)
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
         half = emb.shape[-1] // 2
-        self.sin_signed = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(dtype)
+        self.sin_signed = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(device=self.device,
+                                                                                             dtype=dtype)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype) -> "LlamaModel":
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> "LlamaModel":
         from safetensors.torch import load_file
 
         arch = LlamaArch.from_hf_config(json.loads((model_dir / "config.json").read_text()))
@@ -191,7 +207,7 @@ class LlamaModel:
         missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in weights]
         if missing:
             raise ModelLoadError(f"{model_dir}: weights missing {missing}")
-        return cls(arch, weights, dtype)
+        return cls(arch, weights, dtype, device)
 
     def weight_bytes(self) -> int:
         """Bytes read per decode step: every weight once. The input embedding is only gathered
@@ -203,8 +219,8 @@ class LlamaModel:
     def new_kv_storage(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         a = self.arch
         shape = (num_slots, a.num_kv_heads, a.head_dim)
-        return ([torch.zeros(shape, dtype=self.dtype) for _ in range(a.num_layers)],
-                [torch.zeros(shape, dtype=self.dtype) for _ in range(a.num_layers)])
+        return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)],
+                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)])
 
     @torch.inference_mode()
     def forward(

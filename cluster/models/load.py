@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from cluster.common.config import DType, EngineConfig
 from cluster.common.errors import ModelLoadError
 from cluster.models.hf_runner import HFRunner
@@ -38,14 +40,22 @@ class LoadedModel:
                            self.hf_config, self.dtype)
 
 
-def load_model(source: str, config: EngineConfig, *, num_blocks: int | None = None) -> LoadedModel:
+def load_model(source: str, config: EngineConfig, *, num_blocks: int | None = None,
+               device: str = "cpu") -> LoadedModel:
+    """``device`` (a torch device name, e.g. ``cuda:0``) holds a Llama-family model's weights and KV
+    storage; the engines run on ``cpu`` (their sampling, drafters and kernels are CPU ones), and
+    ``specserve train-draft`` asks for a GPU where there is one."""
     md = resolve_model(source)
     hf_config = md.config()
     dtype: DType = config.dtype  # type: ignore[assignment]
     blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
+    native = hf_config.get("model_type") in SUPPORTED_MODEL_TYPES
+    if not native and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"model {source!r} runs on the Hugging Face fallback, which runs on the CPU only "
+                             f"(asked for {device})")
     try:
-        if hf_config.get("model_type") in SUPPORTED_MODEL_TYPES:
-            runner = ModelRunner(LlamaModel.load(md.path, dtype.torch), blocks, config.block_size,
+        if native:
+            runner = ModelRunner(LlamaModel.load(md.path, dtype.torch, device), blocks, config.block_size,
                                  config.kv_cache_memory_mb)
         else:
             from transformers import AutoModelForCausalLM

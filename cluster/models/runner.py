@@ -3,7 +3,7 @@ cache.
 
 Owns: the KV storage tensors and the ``KVCacheManager`` of one model, building ``ForwardBatch``
 metadata (positions, slot mapping, attention groups with padding masks, logits rows) from
-``SeqChunk``s, updating each sequence's cached length after the pass, and the feature tap: when
+``SeqChunk``s on the CPU and handing it to the model's device, updating each sequence's cached length after the pass, and the feature tap: when
 one is installed, every committed full forward also hands the tap the chosen layers' states of
 every fed token (an EAGLE drafter reads the target's features from the verification pass), and
 is told when a sequence is freed.
@@ -149,7 +149,7 @@ class ModelRunner:
                               torch.tensor(q_seq) if paged else None, torch.tensor(q_keys) if paged else None)
 
     def forward(self, chunks: list[SeqChunk], num_layers: int | None = None,
-                commit: bool = True) -> torch.Tensor:  # [sum num_logits, V] float32
+                commit: bool = True) -> torch.Tensor:  # [sum num_logits, V] float32, on the model's device
         """Run one ragged forward. commit=True records the new tokens as cached; a layer-skip
         draft pass uses commit=False (its K/V in those slots get overwritten by verification)."""
         for c in chunks:
@@ -157,6 +157,8 @@ class ModelRunner:
                 raise ValueError(f"{c.seq_id}: chunk starts at {c.start_pos} but {self.kv.num_tokens(c.seq_id)} cached")
             self.kv.reserve(c.seq_id, c.start_pos + len(c.token_ids))
         batch = self.build_batch(chunks)
+        if self.model.device.type != "cpu":
+            batch = batch.to(self.model.device)
         tap = self.feature_tap if commit and num_layers is None else None
         if tap is not None and not tap.feature_layers:  # a KVSync tap before its DraftServer named layers
             tap = None

@@ -235,7 +235,7 @@ def save_head(head: EagleHead, out_dir: Path, extra: dict | None = None) -> None
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # bfloat16 on disk (an 8k-vocabulary head for SmolLM2 is ~20 MB); loaded back into float32
-    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).cpu().contiguous()
              for k, v in head.state_dict().items()}
     save_file(state, str(out_dir / WEIGHTS_FILE))
     (out_dir / CONFIG_FILE).write_text(json.dumps({**head.cfg.to_json(), **(extra or {})}, indent=1) + "\n")

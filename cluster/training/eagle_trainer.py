@@ -195,13 +195,15 @@ def target_row(runner: ModelRunner, samples: list[Sample], row_tokens: int, d2t:
     tap = _Collect(layers)
     runner.feature_tap = tap
     try:
-        logits = runner.forward(chunks)  # [T, V]
+        logits = runner.forward(chunks)  # [T, V] on the target's device
     finally:
         runner.feature_tap = None
         for c in chunks:
             runner.free(c.seq_id)
-    return _Row(torch.tensor([t for c in chunks for t in c.token_ids]), torch.tensor(docs), torch.tensor(poss),
-                torch.tensor(outs), tap.features.clone(), logits[:, d2t].clone())
+    dev = logits.device
+    return _Row(torch.tensor([t for c in chunks for t in c.token_ids], device=dev), torch.tensor(docs, device=dev),
+                torch.tensor(poss, device=dev), torch.tensor(outs, device=dev), tap.features.clone(),
+                logits[:, d2t.to(dev)].clone())
 
 
 def row_runner(model, row_tokens: int) -> ModelRunner:
@@ -216,10 +218,10 @@ def ttt_unroll(head: EagleHead, embed: torch.Tensor, row: _Row, steps: int):
     anchor t feeds token src = t+1+k, and counts (valid) when the token it predicts, t+2+k, is
     an output token of the same sample; the target's distribution for it is at row src."""
     T = row.ids.shape[0]
-    idx = torch.arange(T)
+    idx = torch.arange(T, device=row.ids.device)
     same_doc = row.doc[:, None] == row.doc[None, :]
     mask0 = same_doc & (idx[None, :] <= idx[:, None])  # [T, T] step-0 keys: causal in the sample
-    eye = torch.eye(T, dtype=torch.bool)
+    eye = torch.eye(T, dtype=torch.bool, device=row.ids.device)
     hidden = head.fuse(row.features)[None]  # [1, T, H]
     past_k = past_v = None
     for k in range(steps):
@@ -238,7 +240,7 @@ def ttt_unroll(head: EagleHead, embed: torch.Tensor, row: _Row, steps: int):
 
 def ttt_loss(head: EagleHead, embed: torch.Tensor, row: _Row, cfg: TrainConfig) -> tuple[torch.Tensor, float]:
     """-> (weighted soft cross-entropy, step-0 top-1 agreement with the target on valid anchors)."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=row.ids.device)
     acc0 = float("nan")
     for k, logits, valid, src in ttt_unroll(head, embed, row, cfg.ttt_steps):
         if not bool(valid.any()):
@@ -301,7 +303,7 @@ def acceptance_counts(head: EagleHead, embed: torch.Tensor, rows: list[_Row], st
     out = AcceptanceCounts.zeros(steps)
     for row in rows:
         T = row.ids.shape[0]
-        ok = torch.ones(T, dtype=torch.bool)
+        ok = torch.ones(T, dtype=torch.bool, device=row.ids.device)
         asked_k, ok_k = [], []
         for k, logits, valid, src in ttt_unroll(head, embed, row, steps):
             truth = row.ids[(src + 1).clamp(max=T - 1)]  # token t+2+k
@@ -350,6 +352,7 @@ class Trainer:
         self.cfg = cfg
         self.progress = progress
         self.identity = target_identity(model)
+        self.device = model.device  # where the target runs, and so the head: data, training, evaluation
 
     def _log(self, **row) -> None:
         with open(self.out / LOG, "a") as f:
@@ -399,7 +402,8 @@ class Trainer:
             head.load_state_dict(start.state_dict())
         elif ckpt is None:  # start from the target's own output rows of the draft vocabulary
             with torch.no_grad():
-                head.lm_head.weight.copy_(self.model.lm_head.weight()[:, d2t].t().float())
+                head.lm_head.weight.copy_(self.model.lm_head.weight()[:, d2t.to(self.device)].t().float())
+        head.to(self.device)
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         state = {"step": 0, "epoch": 0, "cursor": 0, "train_tokens": 0, "seconds": 0.0}
         if ckpt is not None:
@@ -514,7 +518,7 @@ class Trainer:
         path = self.out / CHECKPOINT
         if not path.is_file():
             return None
-        ckpt = torch.load(path, weights_only=True)
+        ckpt = torch.load(path, weights_only=True, map_location="cpu")  # a run may resume on another device
         if ckpt["target"] != asdict(self.identity):
             raise EagleTargetMismatch(
                 f"{self.out} holds a checkpoint for another target (fingerprint {ckpt['target']['fingerprint']}, "

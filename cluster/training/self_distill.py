@@ -77,7 +77,7 @@ def generate(model, prompts: list[tuple[int, list[int]]], *, max_new_tokens: int
             chunks.append(SeqChunk(f"s{i}", list(p), 0, 1))
         if not chunks:
             break
-        logits = runner.forward(chunks)  # [len(chunks), V]
+        logits = runner.forward(chunks).cpu()  # [len(chunks), V]: chosen on the CPU, each prompt by its generator
         for row, c in enumerate(chunks):
             r = running[c.seq_id]
             if r.greedy:

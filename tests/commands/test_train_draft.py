@@ -15,6 +15,7 @@ from cluster.common.config import EngineConfig, SpecConfig
 from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.speculation import build_spec_controller
+from cluster.models.device import resolve_device
 from cluster.models.load import load_model
 from cluster.speculative.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleTargetMismatch, load_head
 from cluster.training.eagle_trainer import CHECKPOINT, LOG, SAMPLES
@@ -39,6 +40,7 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert train(tiny_llama_dir, out, "--epochs", "1") == 0
     cap = capsys.readouterr()
     assert "held-out α by draft position" in cap.out and "finished after" in cap.out
+    assert f"on {resolve_device('auto')}, " in cap.err  # --device auto: a GPU where torch sees one
     cfg = json.loads((out / CONFIG_FILE).read_text())
     assert cfg["target"]["model_type"] == "llama" and len(cfg["feature_layers"]) == 3
     assert cfg["draft_vocab_size"] == 512 and cfg["training"]["finished"]
@@ -144,7 +146,35 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "without the corpus, give prompts (--prompts) or self-written ones" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--prompts", str(tmp_path / "none.jsonl")) == 2
     assert "--prompts" in (err := capsys.readouterr().err) and "none.jsonl: prompt not found" in err
+    assert train(tiny_llama_dir, tmp_path / "x", "--device", "tpu") == 2
+    assert "device 'tpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert train(tiny_llama_dir, tmp_path / "x", "--device", "cuda") == 2
+        assert "torch sees no CUDA device on this machine" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_train_on_a_gpu_then_resume_on_the_cpu(tiny_llama_dir, tmp_path, capsys):
+    """Where torch sees a GPU the target and the head train on it; the checkpoint resumes on the
+    CPU, and the head drafts losslessly through the (CPU) engine."""
+    out = tmp_path / "gpu"
+    assert train(tiny_llama_dir, out, "--epochs", "1", "--device", "cuda") == 0
+    cap = capsys.readouterr()
+    assert "on cuda:0, " in cap.err and "held-out α by draft position" in cap.out
+    steps1 = json.loads((out / CONFIG_FILE).read_text())["training"]["step"]
+    assert train(tiny_llama_dir, out, "--epochs", "2", "--device", "cpu") == 0
+    assert f"resumed at step {steps1}" in capsys.readouterr().err
+    target = load_model(str(tiny_llama_dir), EngineConfig(model=str(tiny_llama_dir)))
+    prompts = [s["prompt_ids"] for s in map(json.loads, (out / SAMPLES).read_text().splitlines()[:4])]
+    results = {}
+    for spec in (None, SpecConfig(drafter=f"eagle:{out}", num_draft_tokens=3)):
+        config = EngineConfig(model="tiny", spec=spec)
+        m = target.with_fresh_kv(config)
+        eng = LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+        reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)]
+        results[spec is None] = {r: v["ids"] for r, v in run_to_completion(eng, reqs).items()}
+    assert results[False] == results[True]
 
 
 def test_self_written_requests_are_woven_into_the_corpus(tiny_llama_dir, tmp_path, capsys):
