@@ -45,6 +45,12 @@ def add_parser(sub) -> None:
     p.add_argument("--self-prompts", type=int, default=d.self_prompts,
                    help="add this many requests the target writes itself (sampled from its chat template's bare "
                         "user turn, filtered; source 'self'), taken in turn with the other sources' prompts")
+    p.add_argument("--self-prompt-openers", default="",
+                   help="'|'-separated first words of the self-written requests, taken in turn (e.g. 'Write a poem "
+                        "about|Describe|Give me advice'): the target goes on from them, so they steer the kind of "
+                        "request; default: none (the bare user turn)")
+    p.add_argument("--self-prompt-temperature", type=float, default=d.self_prompt_temperature,
+                   help="the temperature self-written requests are sampled at (lower: tidier, less varied)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="your own prompts: a JSONL file, or a directory of them, in the rows of `specserve generate "
                         "--prompts` / `map --traffic` (prompt [+ chat] or messages; source 'prompts:<segment>'), "
@@ -90,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
                           ttt_steps=args.ttt_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, row_tokens=args.row_tokens,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           max_prompts=args.max_prompts, self_prompts=args.self_prompts, seed=args.seed,
+                          self_prompt_openers=tuple(o.strip() for o in args.self_prompt_openers.split("|"))
+                          if args.self_prompt_openers.strip() else (),
+                          self_prompt_temperature=args.self_prompt_temperature,
                           prompts=str(args.prompts.resolve()) if args.prompts else None, corpus=not args.no_corpus,
                           max_prompt_tokens=args.max_prompt_tokens,
                           init_from=str(args.init_from) if args.init_from else None)
@@ -113,8 +122,12 @@ def run(args: argparse.Namespace) -> int:
     labelled = build_labelled_prompts(workloads, limit=cfg.max_prompts, seed=cfg.seed) if cfg.corpus else []
     written: list[tuple[str, str]] = []
     if cfg.self_prompts:
+        print(f"self-written requests: {cfg.self_prompts} at temperature {cfg.self_prompt_temperature}, "
+              + (f"starting with {len(cfg.self_prompt_openers)} openers in turn ({' | '.join(cfg.self_prompt_openers)})"
+                 if cfg.self_prompt_openers else "from the bare user turn"), file=sys.stderr)
         requests = write_requests(args.out / REQUESTS, target.runner.model, tok, target.eos_token_ids,
                                   count=cfg.self_prompts, seed=cfg.seed, workloads=workloads, deadline=deadline,
+                                  openers=cfg.self_prompt_openers, temperature=cfg.self_prompt_temperature,
                                   progress=lambda line: print(line, file=sys.stderr, flush=True))
         if len(requests) < cfg.self_prompts and time.monotonic() >= deadline:
             print("self-written requests: stopped by --minutes; run the same command again to continue",

@@ -69,6 +69,8 @@ class TrainConfig:
     heldout_every: int = 20  # every n-th prompt is held out for α by position
     max_prompts: int | None = None
     self_prompts: int = 0  # requests the target writes itself, taken in turn with the other sources' prompts
+    self_prompt_openers: tuple[str, ...] = ()  # their first words, in turn (none: the bare user turn)
+    self_prompt_temperature: float = 1.0  # what the requests are sampled at
     prompts: str | None = None  # an operator's prompt file (or directory), taken in turn with the others
     corpus: bool = True  # the built-in prompt corpus (False: --prompts and / or --self-prompts only)
     gen_batch_size: int = 16
@@ -89,6 +91,12 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.self_prompts < 0:
             raise ValueError(f"self_prompts must be >= 0, got {self.self_prompts}")
+        if self.self_prompt_openers and not self.self_prompts:
+            raise ValueError("self_prompt_openers start self-written requests: give self_prompts too")
+        if any(not o.strip() for o in self.self_prompt_openers):
+            raise ValueError("a self-prompt opener must have words in it")
+        if not 0.0 < self.self_prompt_temperature < math.inf:
+            raise ValueError(f"self_prompt_temperature must be > 0, got {self.self_prompt_temperature}")
         if not (self.corpus or self.prompts or self.self_prompts):
             raise ValueError("without the corpus, give prompts (--prompts) or self-written ones (--self-prompts)")
         if self.max_prompt_tokens < 1:

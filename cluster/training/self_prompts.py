@@ -2,7 +2,10 @@
 
 Owns: sampling the target from its chat template's bare user turn (the template up to where a
 user's message would begin; the "Magpie" observation: an instruction-tuned model continues that
-with the kind of request it was tuned on, ending it with its end-of-turn token), the filters a
+with the kind of request it was tuned on, ending it with its end-of-turn token), openers (the
+first words of a request, written into the user turn before the target goes on: attempt i starts
+with opener i mod their number, which steers the kind of request while its subject and phrasing
+stay the target's), the filters a
 written request must pass (it ended by itself, it has ``min_words``..``max_words`` words, it is
 mostly letters, no special-token text, not a duplicate, not overlapping any benchmark workload
 prompt by the corpus' own rule), and the resumable JSONL file the kept requests go to (the same
@@ -34,16 +37,17 @@ class RequestFilter:
     min_letter_share: float = 0.6  # letters / non-space characters
 
 
-def user_turn_prefix(tokenizer) -> list[int]:
+def user_turn_prefix(tokenizer, opener: str = "") -> list[int]:
     """Token ids of the chat template up to a user message's first character (system prompt
-    included when the template adds one by default)."""
+    included when the template adds one by default), followed by ``opener``, the request's first
+    words (tokenized with the template, as a request starting with them would be)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("self-written prompts need a target with a chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     if _SENTINEL not in text:
         raise InvalidRequestError("the chat template does not place the user's message where it can be found")
-    prefix = text[: text.index(_SENTINEL)]
+    prefix = text[: text.index(_SENTINEL)] + opener
     return [int(t) for t in tokenizer(prefix, add_special_tokens=False)["input_ids"]]
 
 
@@ -68,22 +72,33 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
                    workloads: Path | None, temperature: float = 1.0, max_tokens: int = 96,
                    flt: RequestFilter = RequestFilter(), batch_size: int = 32,
                    progress: Callable[[str], None] = print, deadline: float = float("inf"),
-                   max_attempts_per_request: int = 4) -> list[str]:
+                   max_attempts_per_request: int = 4, openers: tuple[str, ...] = ()) -> list[str]:
     """Requests the target writes from its bare user turn until ``count`` pass the filters (or
     ``max_attempts_per_request * count`` were written) -> the kept ones, in attempt order. Attempt
     i is sampled with its own generator seeded by (seed, i), so the result does not depend on
     batching or on where a run was stopped. Every attempt (kept or not) is one line of ``path``: a
     rerun with the same seed reads them back and goes on from the next attempt index (a wave the
-    deadline cut is written again in full)."""
+    deadline cut is written again in full). With ``openers``, attempt i's request starts with
+    ``openers[i % len(openers)]`` (part of the kept text); a file written with other openers or at
+    another temperature is refused."""
     if count <= 0:
         return []
     if temperature <= 0:
         raise InvalidRequestError("self-written prompts are sampled: temperature must be > 0")
+    if any(not o.strip() for o in openers):
+        raise InvalidRequestError("an opener must have words in it")
     overlaps = workload_overlap(workloads)
-    prefix = user_turn_prefix(tokenizer)
+    starts = list(openers) or [""]
+    prefixes = [user_turn_prefix(tokenizer, o) for o in starts]
     rows = read_requests(path)
     if rows and rows[0].get("seed") != seed:
         raise InvalidRequestError(f"{path} holds requests written with seed {rows[0].get('seed')}, not {seed}")
+    if rows and rows[0].get("openers", []) != list(openers):
+        raise InvalidRequestError(f"{path} holds requests written with the openers {rows[0].get('openers', [])}, "
+                                  f"not {list(openers)}")
+    if rows and rows[0].get("temperature", 1.0) != temperature:
+        raise InvalidRequestError(f"{path} holds requests written at temperature {rows[0].get('temperature', 1.0)}, "
+                                  f"not {temperature}")
     seen: set[str] = set()
     kept: list[str] = []
 
@@ -104,13 +119,14 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
     t0 = time.monotonic()
     while len(kept) < count and next_index < limit and time.monotonic() < deadline:
         wave = min(limit - next_index, max(batch_size, min(_WAVE, 2 * (count - len(kept)))))
-        batch = [(i, list(prefix)) for i in range(next_index, next_index + wave)]
+        batch = [(i, list(prefixes[i % len(prefixes)])) for i in range(next_index, next_index + wave)]
         done: dict[int, tuple[str, bool]] = {}
 
         def on_sample(s) -> None:
             ended = bool(s.output_ids) and s.output_ids[-1] in eos_ids
             ids = s.output_ids[:-1] if ended else s.output_ids
-            done[s.index] = (tokenizer.decode(ids, skip_special_tokens=False).strip(), ended)
+            start = starts[s.index % len(starts)]
+            done[s.index] = ((start + tokenizer.decode(ids, skip_special_tokens=False)).strip(), ended)
 
         generate(model, batch, max_new_tokens=max_tokens, eos_ids=eos_ids, temperature=temperature,
                  sample_odd=False, sample_all=True, seed=seed, batch_size=batch_size, on_sample=on_sample,
@@ -120,7 +136,10 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
         with open(path, "a") as f:
             for i in sorted(done):  # in index order, so kept requests do not depend on batching
                 text, ended = done[i]
-                f.write(json.dumps({"index": i, "seed": seed, "text": text, "ended": ended}, ensure_ascii=False) + "\n")
+                row = {"index": i, "seed": seed, "text": text, "ended": ended, "temperature": temperature}
+                if openers:
+                    row["openers"] = list(openers)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 if accept(text, ended) and len(kept) < count:
                     kept.append(text)
         next_index += wave

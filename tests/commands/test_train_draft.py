@@ -146,6 +146,12 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "without the corpus, give prompts (--prompts) or self-written ones" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--prompts", str(tmp_path / "none.jsonl")) == 2
     assert "--prompts" in (err := capsys.readouterr().err) and "none.jsonl: prompt not found" in err
+    assert train(tiny_llama_dir, tmp_path / "x", "--self-prompt-openers", "Describe") == 2
+    assert "give self_prompts too" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--self-prompts", "4", "--self-prompt-openers", "Describe| |Why") == 2
+    assert "a self-prompt opener must have words in it" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--self-prompts", "4", "--self-prompt-temperature", "0") == 2
+    assert "self_prompt_temperature must be > 0" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--device", "tpu") == 2
     assert "device 'tpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     if not torch.cuda.is_available():

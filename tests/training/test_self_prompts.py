@@ -111,3 +111,33 @@ def test_workload_prompts_and_the_attempt_limit(tiny, tmp_path):
     assert write_requests(tmp_path / "e.jsonl", model, tok, EOS, workloads=None,
                           **{**kw, "flt": strict}, max_attempts_per_request=2) == []
     assert len(read_requests(tmp_path / "e.jsonl")) == 12
+
+
+def test_openers_start_the_requests_in_turn(tiny, tmp_path):
+    """Attempt i starts from the user turn followed by opener i mod their number: the opener is
+    tokenized with the template and is the start of the kept text; a file written with other
+    openers, or at another temperature, is refused."""
+    model, tok = tiny
+    base = user_turn_prefix(tok)
+    with_opener = user_turn_prefix(tok, "Write a poem about")
+    assert with_opener[: len(base)] == base and tok.decode(with_opener[len(base):]) == "Write a poem about"
+    openers = ("Write a poem about", "Describe")
+    kw = dict(count=8, seed=5, workloads=None, max_tokens=8, flt=LOOSE, batch_size=4, progress=lambda _: None)
+    kept = write_requests(tmp_path / "o.jsonl", model, tok, EOS, openers=openers, **kw)
+    rows = read_requests(tmp_path / "o.jsonl")
+    assert len(kept) == 8 and all(r["openers"] == list(openers) for r in rows)
+    for r in rows:
+        assert r["text"].startswith(openers[r["index"] % 2]), r
+    assert all(any(k.startswith(o) for k in kept) for o in openers)
+    assert write_requests(tmp_path / "o.jsonl", model, tok, EOS, openers=openers, **kw) == kept  # read back
+    with pytest.raises(InvalidRequestError, match="openers"):
+        write_requests(tmp_path / "o.jsonl", model, tok, EOS, openers=("Describe",), **kw)
+    with pytest.raises(InvalidRequestError, match="openers"):
+        write_requests(tmp_path / "o.jsonl", model, tok, EOS, **kw)  # none now: not the file's
+    with pytest.raises(InvalidRequestError, match="temperature 1.0, not 0.7"):
+        write_requests(tmp_path / "o.jsonl", model, tok, EOS, openers=openers, temperature=0.7, **kw)
+    with pytest.raises(InvalidRequestError, match="words"):
+        write_requests(tmp_path / "p.jsonl", model, tok, EOS, openers=("Describe", "  "), **kw)
+    # without openers nothing changed: the same requests as before openers existed
+    plain = write_requests(tmp_path / "q.jsonl", model, tok, EOS, **kw)
+    assert "openers" not in read_requests(tmp_path / "q.jsonl")[0] and plain != kept
