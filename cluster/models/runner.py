@@ -3,10 +3,10 @@ cache.
 
 Owns: the KV storage tensors and the ``KVCacheManager`` of one model, building ``ForwardBatch``
 metadata (positions, slot mapping, attention groups with padding masks, logits rows) from
-``SeqChunk``s on the CPU and handing it to the model's device, updating each sequence's cached length after the pass, and the feature tap: when
-one is installed, every committed full forward also hands the tap the chosen layers' states of
-every fed token (an EAGLE drafter reads the target's features from the verification pass), and
-is told when a sequence is freed.
+``SeqChunk``s on the CPU and handing it to the model's device, updating each sequence's cached
+length after the pass, and the feature tap: when one is installed, every committed full forward
+also hands the tap the chosen layers' states of every fed token (an EAGLE drafter reads the
+target's features from the verification pass), and is told when a sequence is freed.
 Ignores: which chunks to run (scheduler) and what to do with the logits (sampler, verifier).
 """
 from __future__ import annotations
