@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto",
                    help="where the target and the head run: auto (the first CUDA device where torch sees one, else "
                         "the CPU), cpu, cuda or cuda:N; a stopped run may resume on another device")
+    p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size,
+                   help="sequences the target generates together (larger on a GPU); a run may resume with another "
+                        "(samples already made are kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                           if args.self_prompt_openers.strip() else (),
                           self_prompt_temperature=args.self_prompt_temperature,
                           prompts=str(args.prompts.resolve()) if args.prompts else None, corpus=not args.no_corpus,
-                          max_prompt_tokens=args.max_prompt_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
                           init_from=str(args.init_from) if args.init_from else None)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None

@@ -73,7 +73,7 @@ class TrainConfig:
     self_prompt_temperature: float = 1.0  # what the requests are sampled at
     prompts: str | None = None  # an operator's prompt file (or directory), taken in turn with the others
     corpus: bool = True  # the built-in prompt corpus (False: --prompts and / or --self-prompts only)
-    gen_batch_size: int = 16
+    gen_batch_size: int = 16  # sequences generated together (free on resume: the samples made are kept)
     checkpoint_every_s: float = 120.0
     seed: int = 0
     init_from: str | None = None  # a head directory to start from (its weights and draft vocabulary)
@@ -99,6 +99,8 @@ class TrainConfig:
             raise ValueError(f"self_prompt_temperature must be > 0, got {self.self_prompt_temperature}")
         if not (self.corpus or self.prompts or self.self_prompts):
             raise ValueError("without the corpus, give prompts (--prompts) or self-written ones (--self-prompts)")
+        if self.gen_batch_size < 1:
+            raise ValueError(f"gen_batch_size must be >= 1, got {self.gen_batch_size}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.heldout_every < 2:
@@ -531,7 +533,8 @@ class Trainer:
             raise EagleTargetMismatch(
                 f"{self.out} holds a checkpoint for another target (fingerprint {ckpt['target']['fingerprint']}, "
                 f"this one {self.identity.fingerprint}); use another --out")
-        free = ("checkpoint_every_s", "epochs")  # more epochs: train a finished head further
+        # more epochs: train a finished head further; another generation batch: the samples made are kept
+        free = ("checkpoint_every_s", "epochs", "gen_batch_size")
         recipe = {k: v for k, v in ckpt["config"].items() if k not in free}
         mine = {k: v for k, v in asdict(self.cfg).items() if k not in free}
         defaults = asdict(TrainConfig())  # a key an older run lacks: the default, what it did before the option

@@ -63,8 +63,9 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert "at the steps of a greedy engine drafting 3 tokens" in cap.out
     print(f"tiny model, α by position after {steps1} steps: {alphas}")
 
-    # resume: a finished run trains one more epoch from its checkpoint (head + optimizer + step)
-    assert train(tiny_llama_dir, out, "--epochs", "2") == 0
+    # resume: a finished run trains one more epoch from its checkpoint (head + optimizer + step);
+    # another generation batch is not another recipe (the samples do not depend on it)
+    assert train(tiny_llama_dir, out, "--epochs", "2", "--gen-batch-size", "5") == 0
     cap = capsys.readouterr()
     assert f"resumed at step {steps1}" in cap.err
     step2 = json.loads((out / CONFIG_FILE).read_text())["training"]["step"]
@@ -152,6 +153,8 @@ def test_bad_options_are_one_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert "a self-prompt opener must have words in it" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--self-prompts", "4", "--self-prompt-temperature", "0") == 2
     assert "self_prompt_temperature must be > 0" in capsys.readouterr().err
+    assert train(tiny_llama_dir, tmp_path / "x", "--gen-batch-size", "0") == 2
+    assert "gen_batch_size must be >= 1" in capsys.readouterr().err
     assert train(tiny_llama_dir, tmp_path / "x", "--device", "tpu") == 2
     assert "device 'tpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     if not torch.cuda.is_available():
