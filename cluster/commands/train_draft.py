@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         requests = write_requests(args.out / REQUESTS, target.runner.model, tok, target.eos_token_ids,
                                   count=cfg.self_prompts, seed=cfg.seed, workloads=workloads, deadline=deadline,
                                   openers=cfg.self_prompt_openers, temperature=cfg.self_prompt_temperature,
+                                  batch_size=max(32, cfg.gen_batch_size),
                                   progress=lambda line: print(line, file=sys.stderr, flush=True))
         if len(requests) < cfg.self_prompts and time.monotonic() >= deadline:
             print("self-written requests: stopped by --minutes; run the same command again to continue",
