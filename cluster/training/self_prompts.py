@@ -91,14 +91,14 @@ def write_requests(path: Path, model, tokenizer, eos_ids: frozenset[int], *, cou
     starts = list(openers) or [""]
     prefixes = [user_turn_prefix(tokenizer, o) for o in starts]
     rows = read_requests(path)
-    if rows and rows[0].get("seed") != seed:
-        raise InvalidRequestError(f"{path} holds requests written with seed {rows[0].get('seed')}, not {seed}")
-    if rows and rows[0].get("openers", []) != list(openers):
-        raise InvalidRequestError(f"{path} holds requests written with the openers {rows[0].get('openers', [])}, "
-                                  f"not {list(openers)}")
-    if rows and rows[0].get("temperature", 1.0) != temperature:
-        raise InvalidRequestError(f"{path} holds requests written at temperature {rows[0].get('temperature', 1.0)}, "
-                                  f"not {temperature}")
+    # how the file's requests were written (a file from before openers and temperature were kept
+    # had none, at 1.0); another way would write other requests on resume
+    wanted = {"seed": seed, "openers": list(openers), "temperature": temperature}
+    before = {"seed": None, "openers": [], "temperature": 1.0}
+    for key, want in wanted.items():
+        have = rows[0].get(key, before[key]) if rows else want
+        if have != want:
+            raise InvalidRequestError(f"{path} holds requests written with {key} {have}, not {want}")
     seen: set[str] = set()
     kept: list[str] = []
 
