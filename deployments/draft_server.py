@@ -42,15 +42,19 @@ def build_proposer(app: AppConfig):
 
         return NgramProposer(), 0
     if choice.kind is DrafterKind.SUFFIX:  # learns from the segments of every caller (one target model)
+        from cluster.speculative.proposer import COLD_SUFFIX
         from cluster.speculative.suffix import SuffixProposer
 
+        if choice.model not in (None, COLD_SUFFIX):  # AppConfig refuses it first
+            raise ValueError(f"drafter {app.drafter!r}: the DraftServer does not load the target a suffix "
+                             "corpus is checked against; it serves 'suffix' from traffic only")
         return SuffixProposer(), 0
     if choice.kind is DrafterKind.PORTFOLIO:
         if choice.model:  # AppConfig refuses it first; a head needs the target's features
             raise ValueError(f"drafter {app.drafter!r}: the DraftServer serves the model-free portfolio only")
         from cluster.speculative.portfolio import default_portfolio
 
-        return default_portfolio(), 0
+        return default_portfolio(), 0  # its suffix member from traffic only (no target to check a corpus by)
     # Model drafters: an independent draft model (vocabulary checked against the target's
     # tokenizer), or the target's first L layers as a draft model with this replica's own KV.
     from cluster.kvsync.drafters import build_remote_proposer

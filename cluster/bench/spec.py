@@ -40,10 +40,11 @@ from cluster.common.prompt_rows import read_prompt_rows
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
-DRAFTER_KINDS = ("ngram", "self", "draft", "suffix", "portfolio")
+DRAFTER_KINDS = ("ngram", "self", "draft", "suffix", "suffix:cold", "portfolio")
 DEFAULT_DRAFTERS = ("ngram", "self", "draft")
 SELF_CANDIDATES = (4, 8, 15, 22)
 LEARNING_DRAFTERS = ("suffix", "portfolio")  # they learn every finished request of a segment
+LEARNING_ROWS = ("suffix", "suffix:cold", "portfolio")  # suffix:cold: no suffix corpus, traffic only
 
 
 def runs_per_prompt(method: str, repeats: int) -> int:
@@ -64,9 +65,18 @@ def method_order(names: list[str], prompt_index: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-# the portfolio's choosing settings ``--compare-portfolio`` may change (cluster/speculative/portfolio.py)
+def _cold(value: str) -> str:
+    if value != "cold":
+        raise ValueError(value)
+    return value
+
+
+_cold.__name__ = "'cold' (its suffix member without a corpus)"
+# the portfolio's choosing settings ``--compare-portfolio`` may change (cluster/speculative/portfolio.py),
+# and ``suffix_corpus=cold``: its suffix member drafting from traffic only
 PORTFOLIO_KNOBS = {"explore_every": int, "probe_z": float, "probe_memory": float, "probe_budget": float,
-                   "min_gain": float, "catch_up_steps": int, "verify_slope": float, "prior_alpha": float}
+                   "min_gain": float, "catch_up_steps": int, "verify_slope": float, "prior_alpha": float,
+                   "suffix_corpus": _cold}
 
 
 def portfolio_variant(text: str) -> dict:
@@ -85,7 +95,8 @@ def portfolio_variant(text: str) -> dict:
             raise ValueError(f"{part!r}: {field_name} takes a {PORTFOLIO_KNOBS[field_name].__name__}") from None
     if not changes:
         raise ValueError(f"{text!r}: no FIELD=VALUE")
-    PortfolioProposer([Member("check", None)], **changes)  # the portfolio's own checks of the values
+    PortfolioProposer([Member("check", None)], **{k: v for k, v in changes.items()  # its own checks of the values
+                                                  if k != "suffix_corpus"})
     return changes
 
 
@@ -201,7 +212,7 @@ class Drafters:
         if "ngram" in kinds:
             methods[f"ngram/k{self.ngram_k}"] = (engine_for(target, spec(drafter="ngram", num_draft_tokens=self.ngram_k)), self.ngram_k)
             methods["ngram/auto"] = (engine_for(target, spec(drafter="ngram", num_draft_tokens="auto")), "auto")
-        for name in LEARNING_DRAFTERS:  # model-free, learning from the prompts run before
+        for name in LEARNING_ROWS:  # model-free, learning from the prompts run before
             if name in kinds:
                 methods[f"{name}/auto"] = (engine_for(target, spec(drafter=name, num_draft_tokens="auto")), "auto")
         for drafter, name in portfolio_head_rows(kinds).items():  # the portfolio holding another head
@@ -229,7 +240,10 @@ class Drafters:
         for changes in self.portfolio_variants:  # the portfolio row with its choosing settings changed
             engine = engine_for(target, spec(drafter="portfolio", num_draft_tokens="auto"))
             for name, value in changes.items():
-                setattr(engine.spec.proposer, name, value)
+                if name == "suffix_corpus":  # the suffix member without its corpus
+                    next(m.proposer for m in engine.spec.proposer.members if m.name == "suffix").corpus = None
+                else:
+                    setattr(engine.spec.proposer, name, value)
             methods[variant_name(changes)] = (engine, "auto")
         return methods
 

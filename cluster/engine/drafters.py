@@ -5,7 +5,8 @@ each sequence drafts with its segment's drafter, segments without one with the g
 ``portfolio`` segment chooses among the portfolio's members, each member built once and shared
 with the segments that name it alone — a target runner feeds one EAGLE head).
 
-Owns: drafter string -> ``Proposer`` (n-gram, suffix, portfolio — with the shipped EAGLE head as a
+Owns: drafter string -> ``Proposer`` (n-gram, suffix — with the shipped suffix corpus where it
+fits the target, ``suffix:FILE``'s, or none —, portfolio — with the shipped EAGLE head as a
 member when it fits the target, or ``portfolio:DIR``'s head —, eagle, layer skip, draft model with
 its vocabulary check), the per-segment union (each distinct member drafter built once, a failure naming the segments that
 asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
@@ -78,7 +79,7 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
     if choice.kind is DrafterKind.SUFFIX:
         from cluster.speculative.suffix import SuffixProposer
 
-        return SuffixProposer()
+        return SuffixProposer(corpus=suffix_corpus_for(model, choice.model))
     if choice.kind is DrafterKind.PORTFOLIO:
         return build_portfolio(spec_cfg, model, choice.model)
     if choice.kind is DrafterKind.EAGLE:
@@ -109,20 +110,46 @@ def build_portfolio(spec_cfg: SpecConfig, model, head_dir: str | None = None) ->
 
         eagle = EagleProposer.from_dir(head_dir or SHIPPED_EAGLE_HEAD, model.runner)
         extra.append(Member("eagle", eagle, member_cost(eagle, model.runner)))
-    return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra)
+    return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra,
+                             suffix_corpus=suffix_corpus_for(model, None))
+
+
+def suffix_corpus_for(model, corpus: str | None):
+    """The suffix drafter's corpus on ``model`` (a loaded target): None (``suffix``) -> the corpus
+    shipped for the default model where it was written by this target, else none; ``cold`` ->
+    none; a file -> its corpus, refused (``SuffixCorpusMismatch``) when another target wrote it.
+    Loaded once per process and file (read-only: engines share it)."""
+    from cluster.speculative.proposer import COLD_SUFFIX
+    from cluster.speculative.suffix_corpus import SHIPPED_SUFFIX_CORPUS, cached_corpus, corpus_target
+
+    if corpus == COLD_SUFFIX:
+        return None
+    identity = _native_identity(model)
+    if corpus is None:
+        fits = identity is not None and corpus_target(SHIPPED_SUFFIX_CORPUS) == identity
+        return cached_corpus(SHIPPED_SUFFIX_CORPUS, identity) if fits else None
+    return cached_corpus(corpus, identity)
+
+
+def _native_identity(model):
+    from cluster.models.runner import ModelRunner
+    from cluster.speculative.eagle_head import target_identity
+
+    runner = getattr(model, "runner", None)
+    return target_identity(runner.model) if isinstance(runner, ModelRunner) else None
 
 
 def shipped_head_fits(model) -> bool:
     """Whether the shipped EAGLE head was trained for ``model`` (a loaded target) and it runs natively."""
     import json
 
-    from cluster.models.runner import ModelRunner
-    from cluster.speculative.eagle_head import CONFIG_FILE, EagleConfig, target_identity
+    from cluster.speculative.eagle_head import CONFIG_FILE, EagleConfig
 
     path = SHIPPED_EAGLE_HEAD / CONFIG_FILE
-    if not isinstance(getattr(model, "runner", None), ModelRunner) or not path.is_file():
+    identity = _native_identity(model)
+    if identity is None or not path.is_file():
         return False
-    return EagleConfig.from_json(json.loads(path.read_text())).target == target_identity(model.runner.model)
+    return EagleConfig.from_json(json.loads(path.read_text())).target == identity
 
 
 def build_draft_model_proposer(draft_source: str, spec_cfg: SpecConfig, config: EngineConfig,

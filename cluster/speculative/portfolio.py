@@ -503,11 +503,12 @@ class PortfolioProposer:
 
 
 def default_portfolio(ngram_min: int = 1, ngram_max: int = 4, horizon: int = 6,
-                      extra: list[Member] | tuple[Member, ...] = ()) -> PortfolioProposer:
-    """``--draft portfolio``: n-gram prompt lookup and suffix drafting, then ``extra`` members (the
-    engine adds an EAGLE head trained for its target: ``cluster.engine.drafters.build_portfolio``)."""
+                      extra: list[Member] | tuple[Member, ...] = (), suffix_corpus=None) -> PortfolioProposer:
+    """``--draft portfolio``: n-gram prompt lookup and suffix drafting (over ``suffix_corpus`` too,
+    when given), then ``extra`` members (the engine adds an EAGLE head trained for its target and
+    the suffix corpus written by it: ``cluster.engine.drafters.build_portfolio``)."""
     from cluster.speculative.ngram import NgramProposer
     from cluster.speculative.suffix import SuffixProposer
 
     return PortfolioProposer([Member("ngram", NgramProposer(ngram_min, ngram_max)),
-                              Member("suffix", SuffixProposer()), *extra], horizon=horizon)
+                              Member("suffix", SuffixProposer(corpus=suffix_corpus)), *extra], horizon=horizon)

@@ -151,7 +151,8 @@ class DrafterChoice:
     kind: DrafterKind
     self_layers: int | None = None  # SELF only; None lets the engine pick a default depth
     # DRAFT_MODEL / REMOTE: a model source (path or hub id); EAGLE: the head's directory; PORTFOLIO:
-    # the directory of the head it holds as its ``eagle`` member (None: the shipped head when it fits)
+    # the directory of the head it holds as its ``eagle`` member (None: the shipped head when it fits);
+    # SUFFIX: its corpus file, or COLD_SUFFIX (None: the shipped corpus when it fits)
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +170,9 @@ class DrafterChoice:
 SHIPPED_EAGLE_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-instruct"
 
 
+COLD_SUFFIX = "cold"  # ``suffix:cold``: the suffix drafter without a corpus (a file named so: ``suffix:./cold``)
+
+
 def is_eagle_choice(s: str | None) -> bool:
     low = (s or "").strip().lower()
     return low == "eagle" or low.startswith("eagle:")
@@ -178,7 +182,9 @@ MODEL_FREE = (DrafterKind.NGRAM, DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)  # v
 
 
 def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
-    """"ngram" | "suffix" | "portfolio" | "portfolio:DIR" (its EAGLE member the head in DIR) | "self" |
+    """"ngram" | "suffix" (with the suffix corpus shipped for the default model where it fits the
+    target) | "suffix:FILE" (with the corpus in FILE) | "suffix:cold" (no corpus: traffic only) |
+    "portfolio" | "portfolio:DIR" (its EAGLE member the head in DIR) | "self" |
     "self:L" | "eagle" (the head shipped for the default model) | "eagle:DIR" (a head made by
     ``specserve train-draft``) | "none" / "" (no speculation) | anything else: a draft model.
 
@@ -193,6 +199,12 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
         return DrafterChoice(DrafterKind.NGRAM)
     if low == "suffix":
         return DrafterChoice(DrafterKind.SUFFIX)
+    if low.startswith("suffix:"):
+        corpus = text[len("suffix:"):].strip()
+        if not corpus:
+            raise ValueError("drafter 'suffix:FILE' needs a suffix corpus file (made by `specserve suffix-corpus`), "
+                             f"or 'suffix:{COLD_SUFFIX}' for none")
+        return DrafterChoice(DrafterKind.SUFFIX, model=corpus)
     if low == "portfolio":
         return DrafterChoice(DrafterKind.PORTFOLIO)
     if low.startswith("portfolio:"):

@@ -83,9 +83,12 @@ def test_spec_bench_refuses_portfolio_settings_it_cannot_run(tmp_path, capsys):
     assert bench_spec.variant_name({"explore_every": 64, "probe_budget": 0.005}) == \
         "portfolio[explore_every=64,probe_budget=0.005]/auto"
     assert bench_spec.variant_name({"explore_every": 1000000}) == "portfolio[explore_every=1000000]/auto"
+    assert bench_spec.portfolio_variant("suffix_corpus=cold") == {"suffix_corpus": "cold"}
+    assert bench_spec.variant_name({"suffix_corpus": "cold"}) == "portfolio[suffix_corpus=cold]/auto"
     for args, needle in ((["--compare-portfolio", "members=1"], "FIELD one of explore_every"),
                          (["--compare-portfolio", "explore_every"], "expected FIELD=VALUE"),
                          (["--compare-portfolio", "explore_every=1.5"], "explore_every takes a int"),
+                         (["--compare-portfolio", "suffix_corpus=warm"], "suffix_corpus takes a 'cold'"),
                          (["--compare-portfolio", "probe_budget=0"], "probe_budget in (0, 1]"),
                          (["--compare-portfolio", ","], "no FIELD=VALUE"),
                          (["--drafters", "ngram", "--compare-portfolio", "explore_every=64"], "ask for portfolio"),
@@ -146,12 +149,14 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
     """The portfolio row of a segment carries each member's counts on that segment (warm-up and
     other segments excluded): the members of the default model's portfolio, steps adding up to
     the row's drafting steps. Beside it, the same portfolio without the draft confidence floor,
-    one with a choosing setting changed (its engines' portfolios hold the setting), and one holding
+    one with a choosing setting changed (its engines' portfolios hold the setting), one whose suffix
+    member has no corpus (``suffix_corpus=cold``), the suffix rows with and without it, and one holding
     the head of another directory (``portfolio:DIR``, here a copy of the shipped head)."""
     import shutil
 
     from cluster.speculative.portfolio import PortfolioProposer
     from cluster.speculative.proposer import SHIPPED_EAGLE_HEAD
+    from cluster.speculative.suffix import SuffixProposer
 
     built = []
     real = bench_spec.engine_for
@@ -165,21 +170,31 @@ def test_spec_bench_portfolio_rows_show_what_each_member_drafted(tmp_path, defau
     head = shutil.copytree(SHIPPED_EAGLE_HEAD, tmp_path / "v4")
     assert _bench(["--model", "default", "--workloads", str(WORKLOADS), "--json", str(out),
                   "--segments", "summarize,chat", "--prompts-per-segment", "1", "--max-tokens", "16",
-                  "--drafters", f"portfolio,portfolio:{head}", "--no-hf", "--threads", "2", "--compare-stop-confidence", "0",
-                  "--compare-portfolio", "explore_every=1000"]) == 0
+                  "--drafters", f"portfolio,portfolio:{head},suffix,suffix:cold", "--no-hf", "--threads", "2",
+                  "--compare-stop-confidence", "0", "--compare-portfolio", "explore_every=1000",
+                  "--compare-portfolio", "suffix_corpus=cold"]) == 0
     report = json.loads(out.read_text())
     segments = report["segments"]
     assert report["config"]["draft_stop_confidence"] == 0.2 and report["config"]["compare_stop_confidence"] == 0
-    assert report["config"]["compare_portfolio"] == [{"explore_every": 1000}]
+    assert report["config"]["compare_portfolio"] == [{"explore_every": 1000}, {"suffix_corpus": "cold"}]
     portfolios = [e.spec.proposer for e in built if e.spec is not None and isinstance(e.spec.proposer, PortfolioProposer)]
-    assert sorted(p.explore_every for p in portfolios) == [16, 16, 16, 1000]  # the four rows
+    assert sorted(p.explore_every for p in portfolios) == [16, 16, 16, 16, 1000]  # the five rows
+    # every portfolio's suffix member drafts from the corpus shipped for the default model but the
+    # suffix_corpus=cold row's; the suffix rows likewise
+    corpora = [next(m for m in p.members if m.name == "suffix").proposer.corpus for p in portfolios]
+    assert sum(c is None for c in corpora) == 1
+    suffixes = [e.spec.proposer for e in built if e.spec is not None and isinstance(e.spec.proposer, SuffixProposer)]
+    assert sorted(p.corpus is None for p in suffixes) == [False, True]
     heads = {str(next(m for m in p.members if m.name == "eagle").proposer.head_dir) for p in portfolios}
     assert heads == {str(SHIPPED_EAGLE_HEAD), str(head)}  # portfolio:DIR holds DIR's head
     for seg in ("summarize", "chat"):
         # the same portfolio beside it with a head that drafts the K planned (no confidence floor)
         assert set(segments[seg]) == {"portfolio/auto", "portfolio@stop0/auto", "portfolio[explore_every=1000]/auto",
-                                      "portfolio:v4/auto"}
-        for other in ("portfolio@stop0/auto", "portfolio[explore_every=1000]/auto", "portfolio:v4/auto"):
+                                      "portfolio[suffix_corpus=cold]/auto", "portfolio:v4/auto", "suffix/auto",
+                                      "suffix:cold/auto"}
+        assert segments[seg]["suffix/auto"]["outputs_equal_plain"] == segments[seg]["suffix:cold/auto"]["outputs_equal_plain"] == 1
+        for other in ("portfolio@stop0/auto", "portfolio[explore_every=1000]/auto", "portfolio[suffix_corpus=cold]/auto",
+                      "portfolio:v4/auto"):
             assert segments[seg][other]["outputs_equal_plain"] == 1
             assert set(segments[seg][other]["members"]) == {"ngram", "suffix", "eagle"}
         row = segments[seg]["portfolio/auto"]

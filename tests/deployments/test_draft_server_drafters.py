@@ -8,10 +8,26 @@ from deployments.draft_server import build_proposer
 
 
 @pytest.mark.parametrize("drafter,kind", [("ngram", DrafterKind.NGRAM), ("suffix", DrafterKind.SUFFIX),
-                                          ("portfolio", DrafterKind.PORTFOLIO)])
+                                          ("suffix:cold", DrafterKind.SUFFIX), ("portfolio", DrafterKind.PORTFOLIO)])
 def test_model_free_drafters_are_vocabulary_agnostic(drafter, kind):
     proposer, vocab = build_proposer(AppConfig(drafter=drafter, placement="separate"))
     assert proposer.kind is kind and vocab == 0
+    suffix = proposer if kind is DrafterKind.SUFFIX else {m.name: m.proposer for m in getattr(proposer, "members", [])}.get("suffix")
+    assert suffix is None or suffix.corpus is None  # no target here to check a corpus by: traffic only
+
+
+def test_a_suffix_corpus_is_refused_by_the_draft_server():
+    """``suffix:FILE`` is checked against the target that wrote it, which the DraftServer does not
+    load: AppConfig refuses it for placement separate, and the factory too if handed one."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="does not load"):
+        AppConfig(drafter="suffix:/corpora/x.npz", placement="separate")
+    assert AppConfig(drafter="suffix:/corpora/x.npz", placement="shared").drafter == "suffix:/corpora/x.npz"
+    app = AppConfig(drafter="suffix", placement="separate")
+    object.__setattr__(app, "drafter", "suffix:/corpora/x.npz")  # past the config's own check
+    with pytest.raises(ValueError, match="traffic only"):
+        build_proposer(app)
 
 
 def test_a_portfolio_holding_a_head_is_refused_by_the_draft_server():

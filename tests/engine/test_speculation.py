@@ -1,5 +1,5 @@
 """Speculative decoding through the engine on the real default model: every drafter (the shipped
-EAGLE head and the portfolio holding it among them) is lossless
+EAGLE head, the shipped suffix corpus, and the portfolio holding both among them) is lossless
 against Hugging Face generate of the target alone (concurrent batch of workload prompts, mixed
 K including K=0 in the same step), draft == target gives α = 1, frequent rejections stay exact,
 seeded sampling is reproducible, and a vocabulary mismatch is refused."""
@@ -39,7 +39,8 @@ def draft_proposer(default_model):
 
 
 @pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto"),
-                                       ("suffix", 4), ("portfolio", "auto"), ("eagle", 3), ("eagle", "auto")])
+                                       ("suffix", 4), ("suffix:cold", 4), ("portfolio", "auto"), ("eagle", 3),
+                                       ("eagle", "auto")])
 def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k):
     proposer = draft_proposer if drafter == "draft-model" else None
     eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
@@ -62,6 +63,8 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
     assert (0.0 < break_even <= 1.0) if k == "auto" else break_even is None
     if k == "auto" and drafter in ("ngram", "suffix"):  # free drafts: some α always pays
         assert break_even < 1.0
+    if drafter.startswith("suffix"):  # `suffix` drafts from the corpus shipped for this model too
+        assert (eng.spec.proposer.corpus_drafts > 0) == (drafter == "suffix")
     if k == "auto" and drafter == "ngram":  # acceptance learnt per match length, all state freed
         keys = set(eng.spec.adaptive.estimator.to_dict())
         assert keys and all("|n" in key for key in keys), keys
@@ -69,6 +72,8 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
     if drafter == "portfolio":  # every step's drafts named by the member that made them, the shipped head among them
         members = eng.stats().drafter_steps
         assert set(members) == {"ngram", "suffix", "eagle"} and sum(m["draft_tokens"] for m in members.values()) == drafted
+        suffix = next(m.proposer for m in eng.spec.proposer.members if m.name == "suffix")
+        assert suffix.corpus is not None and suffix.corpus_drafts > 0
         assert not eng.spec.proposer._pending
     if drafter == "eagle" and k == 3:  # the shipped head was trained for this target: an untrained one
         # is accepted ~never; this one ~0.2-0.5 at position 1 by segment (docs/measurements.md)

@@ -242,11 +242,29 @@ def _remote(core):
                                   budget=DraftBudget(floor_s=30.0, cap_s=30.0))
 
 
-@pytest.mark.parametrize("placement", ["shared", "separate"])
-@pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
-def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placement):
+def _tiny_corpus(tiny_llama_dir, path, prompt):
+    """A suffix corpus written by the tiny target: the prompt and its greedy continuation."""
+    from cluster.common.config import EngineConfig
+    from cluster.common.request import GenerationRequest
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.models.load import load_model
+    from cluster.speculative.eagle_head import target_identity
+    from cluster.speculative.suffix_corpus import build_corpus, save_corpus
+    from tests.engine.helpers import run_to_completion
+
+    config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory_mb=32)
+    target = load_model(str(tiny_llama_dir), config)
+    greedy = run_to_completion(LLMEngine(config, target), [GenerationRequest("g", list(prompt), GREEDY)])["g"]["ids"]
+    save_corpus(build_corpus([list(prompt) + greedy], target_identity(target.runner.model), 1000), path)
+
+
+@pytest.mark.parametrize("placement,drafter", [("shared", "suffix"), ("shared", "portfolio"), ("shared", "corpus"),
+                                               ("separate", "suffix"), ("separate", "portfolio")])
+def test_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path, drafter, placement):
     """Unseeded sampling, requests of one segment in waves: later waves draft what earlier ones
-    sampled (the index learns their outputs), so drafts are accepted and rejected."""
+    sampled (the index learns their outputs), so drafts are accepted and rejected. ``corpus``: the
+    suffix drafter over a corpus the tiny target wrote (its greedy continuation of the prompt),
+    which drafts from the first wave on."""
     from cluster.common.config import EngineConfig, SpecConfig
     from cluster.engine.llm_engine import LLMEngine
     from cluster.common.request import GenerationRequest
@@ -257,7 +275,11 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placeme
     from tests.engine.helpers import run_to_completion
     from tests.kvsync.test_client_distribution import BATCH, N, PARAMS, PROMPT, assert_target_pair_distribution
 
-    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
+    name = drafter
+    if drafter == "corpus":
+        _tiny_corpus(tiny_llama_dir, tmp_path / "tiny.npz", PROMPT)
+        name = f"suffix:{tmp_path / 'tiny.npz'}"
+    config = EngineConfig(model=str(tiny_llama_dir), spec=SpecConfig(drafter=name, num_draft_tokens=2),
                           kv_cache_memory_mb=32, max_num_seqs=BATCH)
     server = remote = None
     proposer = None
@@ -278,6 +300,8 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, drafter, placeme
                 drafted += r["spec"].draft_tokens
                 accepted += r["spec"].accepted_tokens
         assert engine.stats().draft_fallbacks == 0
+        if drafter == "corpus":
+            assert engine.spec.proposer.corpus_drafts >= BATCH  # the first wave drafted from it
     finally:
         if remote is not None:
             remote.close()
