@@ -95,18 +95,26 @@ def test_the_drafter_continues_from_the_corpus_and_names_its_context():
 def test_the_sequences_own_history_is_not_outvoted_by_the_corpus():
     """The same two-token match in the sequence's own history (once, continuing with 9) and in the
     corpus (twenty times, continuing with 4): pooled, the corpus' occurrences would decide the
-    first token; apart, the corpus draft wins only by a higher score."""
+    first token; apart, the corpus draft wins only by a higher score at its weight."""
     c = build_corpus([[2, 3, 4, 50 + i] for i in range(20)], ME, 1000)
     p = SuffixProposer(corpus=c)
     own = [2, 3, 9, 9, 9, 9, 7, 7, 2, 3]
     d = p.proposal("a", own, "s")
     assert not d.from_corpus and d.tokens == [9, 9, 9, 9, 7] and p.draft_context("a", own, "s") == "m2"
     assert p.proposal("b", [1, 2, 3], "s").tokens == [4]  # nothing of its own: the corpus'
-    # a sure five-token continuation in the corpus (score 5) beats the own one of three (9 2 3)
-    sure = SuffixProposer(corpus=build_corpus([[2, 3, 4, 5, 6, 7, 8, 60 + i] for i in range(20)], ME, 1000))
-    d2 = sure.proposal("c", [2, 3, 9, 2, 3], "s")
+    # a sure five-token continuation in the corpus (score 5) beats the own one of three (9 2 3) at
+    # full weight, not at the default corpus_weight (0.4 x 5 = 2)
+    sure = build_corpus([[2, 3, 4, 5, 6, 7, 8, 60 + i] for i in range(20)], ME, 1000)
+    d2 = SuffixProposer(corpus=sure, corpus_weight=1.0).proposal("c", [2, 3, 9, 2, 3], "s")
     assert d2.from_corpus and d2.tokens == [4, 5, 6, 7, 8]
+    assert SuffixProposer(corpus=sure).proposal("c", [2, 3, 9, 2, 3], "s").tokens == [9, 2, 3]
     assert SuffixProposer().proposal("c", [2, 3, 9, 2, 3], "s").tokens == [9, 2, 3]
+    # a four-token corpus match, sure for nine tokens (0.4 x 9 = 3.6), beats the own one of three
+    long = build_corpus([list(range(1, 14)) + [60 + i] for i in range(20)], ME, 1000)
+    d3 = SuffixProposer(corpus=long).proposal("d", [4, 9, 1, 2, 3, 4], "s")
+    assert d3.from_corpus and d3.tokens == list(range(5, 14)) and d3.match_len == 4
+    with pytest.raises(ValueError):
+        SuffixProposer(corpus_weight=0)
 
 
 @pytest.mark.skipif(not SHIPPED_SUFFIX_CORPUS.is_file(), reason="shipped corpus missing")
