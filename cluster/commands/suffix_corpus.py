@@ -36,7 +36,9 @@ def command_line(args: argparse.Namespace) -> str:
     words = ["specserve", "suffix-corpus", "--model", args.model]
     for src in args.sources:
         words += ["--from", str(src)]
-    words += ["--out", str(args.out), "--max-tokens", str(args.max_tokens)] + (["--greedy-only"] if args.greedy_only else [])
+    words += ["--out", str(args.out), "--max-tokens", str(args.max_tokens)]
+    if args.greedy_only:
+        words.append("--greedy-only")
     return " ".join(shlex.quote(w) for w in words)
 
 

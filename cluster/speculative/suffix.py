@@ -24,8 +24,8 @@ tokens and more, and its draft replaces the one above only where its score times
 occurrences would outvote the sequence's single one at the same match length (on edit, where the
 prompt is the thing to copy, that cost 5% of accepted tokens in a replay), and at full weight
 the corpus displaced drafts its segment had learnt (json: −1% tokens per unit cost in a replay,
-−8% on wall-clock; at 0.4 +1% in the replay). Its walks stop at ``corpus_min_token_prob``; its drafts' contexts are
-"c<m>" and, below ``CORPUS_WEAK_PROB`` on the first token, "c<m>w".
+−8% on wall-clock; at 0.4 +1% in the replay). Its walks stop at ``corpus_min_token_prob``; its
+drafts' contexts are "c<m>" and, below ``CORPUS_WEAK_PROB`` on the first token, "c<m>w".
 
 Ignores: which model the tokens came from — one proposer serves one target model (an engine's,
 or the one DraftServer app's), so an index never crosses models; tenants (no isolation needed:
@@ -48,7 +48,6 @@ from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.suffix_corpus import SEPARATOR, SuffixCorpus
 from cluster.speculative.token_history import TokenHistory
 from cluster.speculative.types import DraftProposal, ProposeInput
-
 
 
 @dataclass(slots=True)

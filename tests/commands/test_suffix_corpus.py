@@ -42,7 +42,8 @@ def test_a_corpus_from_a_train_draft_run(tiny_llama_dir, run_dir, tmp_path, caps
     identity = target_identity(load_model(str(tiny_llama_dir), EngineConfig(model=str(tiny_llama_dir))).runner.model)
     c = load_corpus(out, identity)
     assert c.documents == len(distinct) and c.num_tokens == sum(map(len, distinct))
-    assert c.made_by == f"specserve suffix-corpus --model {tiny_llama_dir} --from {run_dir} --out {out} --max-tokens 2000000"
+    assert c.made_by == (f"specserve suffix-corpus --model {tiny_llama_dir} --from {run_dir} --out {out} "
+                         "--max-tokens 2000000")
 
     greedy = tmp_path / "greedy.npz"
     assert corpus(tiny_llama_dir, "--from", str(run_dir), "--out", str(greedy), "--greedy-only",

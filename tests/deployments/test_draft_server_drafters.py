@@ -12,7 +12,8 @@ from deployments.draft_server import build_proposer
 def test_model_free_drafters_are_vocabulary_agnostic(drafter, kind):
     proposer, vocab = build_proposer(AppConfig(drafter=drafter, placement="separate"))
     assert proposer.kind is kind and vocab == 0
-    suffix = proposer if kind is DrafterKind.SUFFIX else {m.name: m.proposer for m in getattr(proposer, "members", [])}.get("suffix")
+    members = {m.name: m.proposer for m in getattr(proposer, "members", [])}
+    suffix = proposer if kind is DrafterKind.SUFFIX else members.get("suffix")
     assert suffix is None or suffix.corpus is None  # no target here to check a corpus by: traffic only
 
 
