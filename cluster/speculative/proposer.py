@@ -204,7 +204,7 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
         if not corpus:
             raise ValueError("drafter 'suffix:FILE' needs a suffix corpus file (made by `specserve suffix-corpus`), "
                              f"or 'suffix:{COLD_SUFFIX}' for none")
-        return DrafterChoice(DrafterKind.SUFFIX, model=corpus)
+        return DrafterChoice(DrafterKind.SUFFIX, model=COLD_SUFFIX if corpus.lower() == COLD_SUFFIX else corpus)
     if low == "portfolio":
         return DrafterChoice(DrafterKind.PORTFOLIO)
     if low.startswith("portfolio:"):

@@ -30,6 +30,11 @@ def learn(p, seq_id, tokens, segment="s"):
 
 def test_spec_strings_select_suffix_and_portfolio():
     assert parse_drafter_choice("suffix").kind is DrafterKind.SUFFIX
+    assert parse_drafter_choice("suffix").model is None  # the shipped corpus where it fits
+    assert parse_drafter_choice(" suffix:Cold ").model == "cold"
+    assert parse_drafter_choice("suffix:/c/My.npz").model == "/c/My.npz"
+    with pytest.raises(ValueError, match="suffix:FILE"):
+        parse_drafter_choice("suffix: ")
     assert parse_drafter_choice(" Portfolio ").kind is DrafterKind.PORTFOLIO
     assert SuffixProposer().kind is DrafterKind.SUFFIX
 
