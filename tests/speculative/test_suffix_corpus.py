@@ -117,7 +117,6 @@ def test_the_sequences_own_history_is_not_outvoted_by_the_corpus():
         SuffixProposer(corpus_weight=0)
 
 
-@pytest.mark.skipif(not SHIPPED_SUFFIX_CORPUS.is_file(), reason="shipped corpus missing")
 def test_the_shipped_corpus_was_written_by_the_default_model(default_model):
     from cluster.engine.drafters import suffix_corpus_for
     from cluster.speculative.eagle_head import target_identity
