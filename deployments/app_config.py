@@ -219,8 +219,10 @@ class AppConfig(_Strict):
             raise ValueError(f"drafter {self.drafter!r}: a portfolio holding an EAGLE head drafts beside the "
                              "target (placement 'shared'); the DraftServer of placement 'separate' serves the "
                              "model-free 'portfolio' or the head alone ('eagle:DIR')")
-        low = self.drafter.strip().lower()
-        if self.placement is Placement.SEPARATE and low.startswith("suffix:") and low != "suffix:cold":
+        from cluster.speculative.proposer import parse_drafter_choice
+
+        choice = parse_drafter_choice(self.drafter)
+        if self.placement is Placement.SEPARATE and choice is not None and choice.names_suffix_corpus:
             raise ValueError(f"drafter {self.drafter!r}: a suffix corpus is checked against the target that "
                              "wrote it, which the DraftServer of placement 'separate' does not load; use it "
                              "in placement 'shared', or 'suffix' (traffic only there)")

@@ -42,10 +42,9 @@ def build_proposer(app: AppConfig):
 
         return NgramProposer(), 0
     if choice.kind is DrafterKind.SUFFIX:  # learns from the segments of every caller (one target model)
-        from cluster.speculative.proposer import COLD_SUFFIX
         from cluster.speculative.suffix import SuffixProposer
 
-        if choice.model not in (None, COLD_SUFFIX):  # AppConfig refuses it first
+        if choice.names_suffix_corpus:  # AppConfig refuses it first
             raise ValueError(f"drafter {app.drafter!r}: the DraftServer does not load the target a suffix "
                              "corpus is checked against; it serves 'suffix' from traffic only")
         return SuffixProposer(), 0

@@ -155,6 +155,11 @@ class DrafterChoice:
     # SUFFIX: its corpus file, or COLD_SUFFIX (None: the shipped corpus when it fits)
     model: str | None = None
 
+    @property
+    def names_suffix_corpus(self) -> bool:
+        """A suffix drafter over a corpus file (``suffix:FILE``): checked against the target that wrote it."""
+        return self.kind is DrafterKind.SUFFIX and self.model not in (None, COLD_SUFFIX)
+
     def __post_init__(self) -> None:
         if self.self_layers is not None:
             if self.kind is not DrafterKind.SELF:

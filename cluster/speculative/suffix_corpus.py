@@ -136,14 +136,7 @@ def load_corpus(path: Path | str, target: TargetIdentity | None) -> SuffixCorpus
         raise ModelLoadError(f"suffix corpus {path}: format {meta.get('format')!r} with {lengths.sum()} tokens "
                              f"by its lengths and {real.size} stored; expected {FORMAT!r}, the two equal")
     wrote = TargetIdentity(meta["model_type"], meta["fingerprint"])
-    if target is None:
-        raise SuffixCorpusMismatch(f"suffix corpus {path} was written by a {wrote.model_type} target "
-                                   f"({wrote.fingerprint}); this target cannot be identified (not loaded natively)")
-    if wrote != target:
-        raise SuffixCorpusMismatch(f"suffix corpus {path} was written by another target ({wrote.model_type} "
-                                   f"{wrote.fingerprint}, this one is {target.model_type} {target.fingerprint}): "
-                                   "its token ids would not mean the same; make one for this target with "
-                                   "`specserve suffix-corpus`")
+    check_target(path, wrote, target)
     ends = np.cumsum(lengths)
     flat = np.empty(real.size + lengths.size, dtype=np.int32)
     seps = ends + np.arange(lengths.size)  # each separator's position in the joined buffer
@@ -152,6 +145,19 @@ def load_corpus(path: Path | str, target: TargetIdentity | None) -> SuffixCorpus
     flat[mask] = real
     flat[seps] = SEPARATOR
     return SuffixCorpus(flat, wrote, int(lengths.size), meta.get("made_by", ""))
+
+
+def check_target(path: Path, wrote: TargetIdentity, target: TargetIdentity | None) -> None:
+    """Refuses (``SuffixCorpusMismatch``) the corpus in ``path``, written by ``wrote``, for
+    ``target`` when they differ or ``target`` has no identity (None: not a natively loaded model)."""
+    if target is None:
+        raise SuffixCorpusMismatch(f"suffix corpus {path} was written by a {wrote.model_type} target "
+                                   f"({wrote.fingerprint}); this target cannot be identified (not loaded natively)")
+    if wrote != target:
+        raise SuffixCorpusMismatch(f"suffix corpus {path} was written by another target ({wrote.model_type} "
+                                   f"{wrote.fingerprint}, this one is {target.model_type} {target.fingerprint}): "
+                                   "its token ids would not mean the same; make one for this target with "
+                                   "`specserve suffix-corpus`")
 
 
 def corpus_target(path: Path | str) -> TargetIdentity | None:
@@ -179,6 +185,6 @@ def cached_corpus(path: Path | str, target: TargetIdentity | None) -> SuffixCorp
     corpus = _LOADED.get(key)
     if corpus is None:
         corpus = _LOADED[key] = load_corpus(path, target)
-    elif corpus.target != target:
-        load_corpus(path, target)  # refuses, naming both targets
+    else:
+        check_target(path, corpus.target, target)
     return corpus

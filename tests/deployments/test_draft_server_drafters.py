@@ -25,6 +25,7 @@ def test_a_suffix_corpus_is_refused_by_the_draft_server():
     with pytest.raises(ValidationError, match="does not load"):
         AppConfig(drafter="suffix:/corpora/x.npz", placement="separate")
     assert AppConfig(drafter="suffix:/corpora/x.npz", placement="shared").drafter == "suffix:/corpora/x.npz"
+    assert build_proposer(AppConfig(drafter="suffix: Cold", placement="separate"))[0].corpus is None  # as parsed
     app = AppConfig(drafter="suffix", placement="separate")
     object.__setattr__(app, "drafter", "suffix:/corpora/x.npz")  # past the config's own check
     with pytest.raises(ValueError, match="traffic only"):
