@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.api.requests import Limits
-from cluster.common.config import MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig
+from cluster.common.config import COLD_SUFFIX, MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig
 from cluster.routing.policy import RouterConfig
 
 
@@ -193,6 +193,9 @@ class AppConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | eagle:DIR | a draft model source | none
     num_draft_tokens: int | Literal["auto"] = "auto"
+    # the corpus of ``suffix`` and of the portfolio's suffix member: a file made by ``specserve
+    # suffix-corpus`` (placement shared), "cold" for none; unset: the one shipped for the default model
+    suffix_corpus: str | None = Field(None, min_length=1)
     force_vocab_mismatch: bool = False  # run a draft model whose tokenizer differs (α ~ 0; testing)
     placement: Placement = Placement.SHARED
     torch_threads: int = Field(1, ge=1)
@@ -226,6 +229,13 @@ class AppConfig(_Strict):
             raise ValueError(f"drafter {self.drafter!r}: a suffix corpus is checked against the target that "
                              "wrote it, which the DraftServer of placement 'separate' does not load; use it "
                              "in placement 'shared', or 'suffix' (traffic only there)")
+        if self.suffix_corpus is not None and not self.speculative:
+            raise ValueError(f"suffix_corpus {self.suffix_corpus!r}: no SpecEngine runs (drafter 'none'), so no "
+                             "suffix drafter would read it")
+        if self.placement is Placement.SEPARATE and self.names_suffix_corpus_file:
+            raise ValueError(f"suffix_corpus {self.suffix_corpus!r}: a suffix corpus is checked against the target "
+                             "that wrote it, which the DraftServer of placement 'separate' does not load; use it "
+                             "in placement 'shared' (the DraftServer's suffix drafter learns from traffic only)")
         self._check_segment_engine_settings()
         return self
 
@@ -252,6 +262,11 @@ class AppConfig(_Strict):
                     f"over KVSync, which serves the global drafter {self.drafter!r} only; use placement "
                     "'shared' for per-segment drafters, or drop this segment's drafter (its "
                     "num_draft_tokens still applies)")
+
+    @property
+    def names_suffix_corpus_file(self) -> bool:
+        """``suffix_corpus`` names a file (checked against the target that wrote it)."""
+        return self.suffix_corpus is not None and self.suffix_corpus.strip().lower() != COLD_SUFFIX
 
     @property
     def speculative(self) -> bool:
@@ -282,7 +297,7 @@ class AppConfig(_Strict):
         if not self.speculative:
             return None
         return SpecConfig(drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
-                          force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
+                          suffix_corpus=self.suffix_corpus, force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
                           moe_min_draft_tokens=self.moe.min_draft_tokens,
                           moe_alpha_threshold=self.moe.alpha_threshold,
                           segments={name: SegmentSpeculation(own.drafter, own.num_draft_tokens)

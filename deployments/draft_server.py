@@ -37,6 +37,9 @@ def build_proposer(app: AppConfig):
     choice = parse_drafter_choice(app.drafter)
     if choice is None:
         raise ValueError("DraftServer needs a drafter")
+    if app.names_suffix_corpus_file:  # AppConfig refuses it first
+        raise ValueError(f"suffix_corpus {app.suffix_corpus!r}: the DraftServer does not load the target a suffix "
+                         "corpus is checked against; its suffix drafters learn from traffic only")
     if choice.kind is DrafterKind.NGRAM:
         from cluster.speculative.ngram import NgramProposer
 

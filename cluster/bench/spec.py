@@ -2,8 +2,8 @@
 against our own plain decoding and against Hugging Face's assisted generation on the same prompts.
 
 Owns: the methods (``Drafters``: engines sharing one loaded target — plain; ngram, self:L, draft
-model and an EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix and
-portfolio with ``auto`` K, on request — one engine per method for a round, so they learn from
+model and an EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix (over the
+shipped corpus, none: ``suffix:cold``, or another: ``suffix:FILE``) and portfolio with ``auto`` K, on request — one engine per method for a round, so they learn from
 the segment's earlier prompts as a service would), deriving the draft model (first L target
 layers, see ``cluster.models.derive``), picking L by a quick measurement, the HF peers
 (``HfPeers``: plain ``generate``, ``prompt_lookup_num_tokens``, ``assistant_model``,
@@ -35,7 +35,7 @@ from cluster.bench.spec_goals import format_table, goals
 from cluster.bench.spec_rows import (alpha_of, median_of, member_counts, member_delta, pooled_by_round,
                                      predicted_speedup, rounded, summarize_row)
 from cluster.bench.timed_run import Run, engine_for, request_for, run_hf, run_ours
-from cluster.common.config import DRAFT_STOP_CONFIDENCE
+from cluster.common.config import COLD_SUFFIX, DRAFT_STOP_CONFIDENCE
 from cluster.common.prompt_rows import read_prompt_rows
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
@@ -65,18 +65,22 @@ def method_order(names: list[str], prompt_index: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def _cold(value: str) -> str:
-    if value != "cold":
+def _corpus(value: str) -> str:
+    value = value.strip()
+    if value.lower() == COLD_SUFFIX:
+        return COLD_SUFFIX
+    if not Path(value).is_file():
         raise ValueError(value)
     return value
 
 
-_cold.__name__ = "'cold' (its suffix member without a corpus)"
+_corpus.__name__ = "'cold' (its suffix member without a corpus) or a corpus file that exists"
 # the portfolio's choosing settings ``--compare-portfolio`` may change (cluster/speculative/portfolio.py),
-# and ``suffix_corpus=cold``: its suffix member drafting from traffic only
+# and ``suffix_corpus=cold|FILE``: its suffix member's corpus (SpecConfig.suffix_corpus)
 PORTFOLIO_KNOBS = {"explore_every": int, "probe_z": float, "probe_memory": float, "probe_budget": float,
                    "min_gain": float, "catch_up_steps": int, "verify_slope": float, "prior_alpha": float,
-                   "suffix_corpus": _cold}
+                   "suffix_corpus": _corpus}
+SPEC_KNOBS = ("suffix_corpus",)  # of those, the ones set in the engine's SpecConfig, not on the portfolio
 
 
 def portfolio_variant(text: str) -> dict:
@@ -96,13 +100,17 @@ def portfolio_variant(text: str) -> dict:
     if not changes:
         raise ValueError(f"{text!r}: no FIELD=VALUE")
     PortfolioProposer([Member("check", None)], **{k: v for k, v in changes.items()  # its own checks of the values
-                                                  if k != "suffix_corpus"})
+                                                  if k not in SPEC_KNOBS})
     return changes
 
 
 def variant_name(changes: dict) -> str:
-    return "portfolio[" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in changes.items()) + "]/auto"
+    def shown(k, v) -> str:
+        if isinstance(v, float):
+            return f"{v:g}"
+        return Path(v).stem if k == "suffix_corpus" and v.lower() != COLD_SUFFIX else str(v)
+
+    return "portfolio[" + ",".join(f"{k}={shown(k, v)}" for k, v in changes.items()) + "]/auto"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: ngram, self, draft, suffix, portfolio (suffix and portfolio: adaptive K rows), "
                         "eagle (the head shipped for the default model), eagle:DIR (a trained head; several heads "
                         "run side by side: the first's rows are eagle/..., the others' eagle:<dir name>/...), "
-                        "portfolio:DIR (the portfolio holding the head in DIR; row portfolio:<dir name>/auto)")
+                        "portfolio:DIR (the portfolio holding the head in DIR; row portfolio:<dir name>/auto), "
+                        "suffix:cold (no corpus), suffix:FILE (over the corpus in FILE; row suffix:<file stem>/auto)")
     p.add_argument("--prompts-per-segment", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each row's max_tokens")
     p.add_argument("--ngram-k", type=int, default=4, help="fixed K of the ngram rows")
@@ -215,6 +224,8 @@ class Drafters:
         for name in LEARNING_ROWS:  # model-free, learning from the prompts run before
             if name in kinds:
                 methods[f"{name}/auto"] = (engine_for(target, spec(drafter=name, num_draft_tokens="auto")), "auto")
+        for drafter, name in suffix_corpus_rows(kinds).items():  # the suffix drafter over another corpus
+            methods[f"{name}/auto"] = (engine_for(target, spec(drafter=drafter, num_draft_tokens="auto")), "auto")
         for drafter, name in portfolio_head_rows(kinds).items():  # the portfolio holding another head
             methods[f"{name}/auto"] = (engine_for(target, spec(drafter=drafter, num_draft_tokens="auto")), "auto")
         for head, name in head_rows([d for d in kinds if is_eagle_choice(d)]).items():  # shipped or trained heads
@@ -238,11 +249,10 @@ class Drafters:
                 methods[f"{name}@stop{self.compare_stop:g}/auto"] = (engine_for(target, spec(
                     drafter=drafter, num_draft_tokens="auto", draft_stop_confidence=self.compare_stop)), "auto")
         for changes in self.portfolio_variants:  # the portfolio row with its choosing settings changed
-            engine = engine_for(target, spec(drafter="portfolio", num_draft_tokens="auto"))
+            engine = engine_for(target, spec(drafter="portfolio", num_draft_tokens="auto",
+                                             **{k: v for k, v in changes.items() if k in SPEC_KNOBS}))
             for name, value in changes.items():
-                if name == "suffix_corpus":  # the suffix member without its corpus
-                    next(m.proposer for m in engine.spec.proposer.members if m.name == "suffix").corpus = None
-                else:
+                if name not in SPEC_KNOBS:
                     setattr(engine.spec.proposer, name, value)
             methods[variant_name(changes)] = (engine, "auto")
         return methods
@@ -414,6 +424,12 @@ def head_rows(heads: list[str]) -> dict[str, str]:
             for i, h in enumerate(heads)}
 
 
+def suffix_corpus_rows(kinds: list[str]) -> dict[str, str]:
+    """``suffix:FILE`` drafter choices -> their rows' name, ``suffix:<file stem>``."""
+    return {d: f"suffix:{Path(d.split(':', 1)[1].strip()).stem}" for d in kinds
+            if d.lower().startswith("suffix:") and d not in DRAFTER_KINDS}
+
+
 def portfolio_head_rows(kinds: list[str]) -> dict[str, str]:
     """``portfolio:DIR`` drafter choices -> their rows' name, ``portfolio:<directory name>``."""
     return {d: f"portfolio:{Path(d.split(':', 1)[1].strip()).name}" for d in kinds
@@ -424,14 +440,21 @@ def _refusal(args: argparse.Namespace, kinds: list[str]) -> str | None:
     """Why the arguments cannot run (before the model loads), else None."""
     from cluster.speculative.proposer import is_eagle_choice
 
-    portfolios = portfolio_head_rows(kinds)
-    bad = [d for d in kinds if d not in DRAFTER_KINDS and not is_eagle_choice(d) and d not in portfolios]
+    portfolios, corpora = portfolio_head_rows(kinds), suffix_corpus_rows(kinds)
+    bad = [d for d in kinds if d not in DRAFTER_KINDS and not is_eagle_choice(d) and d not in portfolios
+           and d not in corpora]
     if bad:
-        return f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle, eagle:DIR or portfolio:DIR"
+        return (f"unknown drafters {bad}; expected some of {DRAFTER_KINDS}, eagle, eagle:DIR, portfolio:DIR "
+                "or suffix:FILE")
     if any(not name.split(":", 1)[1] for name in portfolios.values()):
         return f"portfolio:DIR needs the head's directory, got {list(portfolios)}"
     if len(set(portfolios.values())) < len(portfolios):
         return f"portfolios side by side need heads in distinct directory names, got {list(portfolios)}"
+    missing = [d for d in corpora if not Path(d.split(":", 1)[1].strip()).is_file()]
+    if missing:
+        return f"suffix:FILE needs a corpus file that exists (made by `specserve suffix-corpus`), got {missing}"
+    if len(set(corpora.values())) < len(corpora):
+        return f"suffix drafters side by side need corpora with distinct file names, got {list(corpora)}"
     if args.rounds < 1:
         return f"--rounds must be >= 1, got {args.rounds}"
     heads = [d for d in kinds if is_eagle_choice(d)]

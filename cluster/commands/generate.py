@@ -66,7 +66,8 @@ def run_rows(engine, rows: list[dict], args: argparse.Namespace) -> list[dict]:
         rid = str(row["id"])
         engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", "default")),
                                              arrival_time=t0))
-        by_id[rid] = {"id": rid, "segment": row.get("segment"), "prompt_token_ids": ids,
+        by_id[rid] = {"id": rid, "segment": row.get("segment"), "prompt": row["prompt"], "chat": bool(row.get("chat")),
+                      "prompt_token_ids": ids,
                       "output_token_ids": [], "text": "", "finish_reason": None,
                       "timing": {}, "_first": None}
     while engine.has_work():

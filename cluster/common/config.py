@@ -37,6 +37,14 @@ def _k_policy(value: int | str, where: str) -> int | str:
 
 
 DRAFT_STOP_CONFIDENCE = 0.2  # SpecConfig.draft_stop_confidence's default
+COLD_SUFFIX = "cold"  # a suffix drafter without a corpus (``suffix:cold``, ``suffix_corpus: cold``; a file named so: ./cold)
+
+
+def holds_suffix_corpus(drafter: str) -> bool:
+    """Does this drafter string draft with ``SpecConfig.suffix_corpus``: ``suffix`` (not
+    ``suffix:FILE``, which names its own) and the portfolio's suffix member."""
+    low = drafter.strip().lower()
+    return low == "suffix" or low == "portfolio" or low.startswith("portfolio:")
 
 
 @dataclass(slots=True)
@@ -74,6 +82,10 @@ class SpecConfig:
     moe_min_draft_tokens: int = 256
     moe_alpha_threshold: float | str = AUTO_K
     segments: dict[str, SegmentSpeculation] = field(default_factory=dict)
+    # the corpus of ``suffix`` and of the portfolio's suffix member (cluster/speculative/suffix_corpus.py):
+    # None: the one shipped for the default model where it fits the target, else none; "cold": none
+    # (traffic only); a file made by ``specserve suffix-corpus``. ``suffix:FILE`` names its own.
+    suffix_corpus: str | None = None
 
     def __post_init__(self) -> None:
         if not self.drafter:
@@ -102,6 +114,21 @@ class SpecConfig:
         if self.moe_alpha_threshold != AUTO_K and (isinstance(self.moe_alpha_threshold, (str, bool))
                                                    or not 0.0 <= self.moe_alpha_threshold <= 1.0):
             raise ValueError(f"moe_alpha_threshold must be 'auto' or in [0, 1], got {self.moe_alpha_threshold!r}")
+        self._check_suffix_corpus()
+
+    def _check_suffix_corpus(self) -> None:
+        if self.suffix_corpus is None:
+            return
+        corpus = self.suffix_corpus.strip() if isinstance(self.suffix_corpus, str) else ""
+        if not corpus:
+            raise ValueError(f"suffix_corpus must be a corpus file (made by `specserve suffix-corpus`) or "
+                             f"'{COLD_SUFFIX}', got {self.suffix_corpus!r}")
+        self.suffix_corpus = COLD_SUFFIX if corpus.lower() == COLD_SUFFIX else corpus
+        named = [self.drafter, *(own.drafter for own in self.segments.values() if own.drafter is not None)]
+        if not any(holds_suffix_corpus(d) for d in named):
+            raise ValueError(f"suffix_corpus {self.suffix_corpus!r}: no drafter configured drafts with it "
+                             f"(it is the corpus of 'suffix' and of the portfolio's suffix member; drafters: "
+                             f"{', '.join(repr(d) for d in dict.fromkeys(named))})")
 
     @property
     def adaptive(self) -> bool:

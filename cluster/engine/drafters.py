@@ -5,9 +5,9 @@ each sequence drafts with its segment's drafter, segments without one with the g
 ``portfolio`` segment chooses among the portfolio's members, each member built once and shared
 with the segments that name it alone — a target runner feeds one EAGLE head).
 
-Owns: drafter string -> ``Proposer`` (n-gram, suffix — with the shipped suffix corpus where it
-fits the target, ``suffix:FILE``'s, or none —, portfolio — with the shipped EAGLE head as a
-member when it fits the target, or ``portfolio:DIR``'s head —, eagle, layer skip, draft model with
+Owns: drafter string -> ``Proposer`` (n-gram, suffix — with ``SpecConfig.suffix_corpus``, by
+default the shipped suffix corpus where it fits the target, ``suffix:FILE``'s, or none —,
+portfolio — with the shipped EAGLE head as a member when it fits the target, or ``portfolio:DIR``'s head —, eagle, layer skip, draft model with
 its vocabulary check), the per-segment union (each distinct member drafter built once, a failure naming the segments that
 asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
 any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment
@@ -15,7 +15,7 @@ drafters are refused there by the app config), K, verification.
 """
 from __future__ import annotations
 
-from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.config import COLD_SUFFIX, EngineConfig, SpecConfig
 from cluster.common.errors import ModelLoadError
 from cluster.speculative.proposer import (
     MODEL_FREE, SHIPPED_EAGLE_HEAD, DrafterKind, DrafterChoice, LocalModelProposer, Proposer, parse_drafter_choice,
@@ -79,7 +79,8 @@ def build_proposer(choice: DrafterChoice, spec_cfg: SpecConfig, config: EngineCo
     if choice.kind is DrafterKind.SUFFIX:
         from cluster.speculative.suffix import SuffixProposer
 
-        return SuffixProposer(corpus=suffix_corpus_for(model, choice.model))
+        return SuffixProposer(corpus=suffix_corpus_for(model, choice.model if choice.model is not None
+                                                       else spec_cfg.suffix_corpus))
     if choice.kind is DrafterKind.PORTFOLIO:
         return build_portfolio(spec_cfg, model, choice.model)
     if choice.kind is DrafterKind.EAGLE:
@@ -111,15 +112,14 @@ def build_portfolio(spec_cfg: SpecConfig, model, head_dir: str | None = None) ->
         eagle = EagleProposer.from_dir(head_dir or SHIPPED_EAGLE_HEAD, model.runner)
         extra.append(Member("eagle", eagle, member_cost(eagle, model.runner)))
     return default_portfolio(spec_cfg.ngram_min, spec_cfg.ngram_max, spec_cfg.max_draft_tokens, extra=extra,
-                             suffix_corpus=suffix_corpus_for(model, None))
+                             suffix_corpus=suffix_corpus_for(model, spec_cfg.suffix_corpus))
 
 
 def suffix_corpus_for(model, corpus: str | None):
-    """The suffix drafter's corpus on ``model`` (a loaded target): None (``suffix``) -> the corpus
-    shipped for the default model where it was written by this target, else none; ``cold`` ->
-    none; a file -> its corpus, refused (``SuffixCorpusMismatch``) when another target wrote it.
-    Loaded once per process and file (read-only: engines share it)."""
-    from cluster.speculative.proposer import COLD_SUFFIX
+    """The suffix drafter's corpus on ``model`` (a loaded target): None (``suffix`` with no
+    ``suffix_corpus`` set) -> the corpus shipped for the default model where it was written by this
+    target, else none; ``cold`` -> none; a file -> its corpus, refused (``SuffixCorpusMismatch``)
+    when another target wrote it. Loaded once per process and file (read-only: engines share it)."""
     from cluster.speculative.suffix_corpus import SHIPPED_SUFFIX_CORPUS, cached_corpus, corpus_target
 
     if corpus == COLD_SUFFIX:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from cluster.common.config import COLD_SUFFIX
+
 if TYPE_CHECKING:  # annotations only: the protocols load without torch (the fake engine reads them)
     from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -175,7 +177,6 @@ class DrafterChoice:
 SHIPPED_EAGLE_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-instruct"
 
 
-COLD_SUFFIX = "cold"  # ``suffix:cold``: the suffix drafter without a corpus (a file named so: ``suffix:./cold``)
 
 
 def is_eagle_choice(s: str | None) -> bool:

@@ -5,7 +5,8 @@ answers and code from the first request on).
 
 Owns: ``SuffixCorpus`` (documents joined by SEPARATOR, the target they were written by, and an
 index of where each pair of consecutive tokens occurs), ``build_corpus`` (documents -> corpus,
-duplicates dropped, bounded), the file (``save_corpus`` / ``load_corpus``: compressed ``.npz``
+duplicates dropped, bounded; ``corpus_documents`` the other way), the file (``save_corpus`` /
+``load_corpus``: compressed ``.npz``
 holding the documents' tokens and lengths, the target's identity and how the corpus was made),
 and ``SuffixCorpusMismatch`` (a corpus written by another target is refused, as a head is: an
 index never crosses models), ``SHIPPED_SUFFIX_CORPUS`` (the default model's).
@@ -18,7 +19,8 @@ Memory: the tokens (int32, 4 bytes a token) and the index (positions int32 and k
 bytes a token): 16 bytes a token, 20.8 MB for the shipped 1.30M tokens.
 
 Ignores: matching and walking (``cluster.speculative.suffix``), where the documents came from
-(``specserve suffix-corpus`` reads ``train-draft`` run directories: ``cluster.commands.suffix_corpus``).
+(``specserve suffix-corpus`` reads ``train-draft`` run directories, files of outputs and other
+corpora: ``cluster.commands.suffix_corpus``).
 """
 from __future__ import annotations
 
@@ -103,6 +105,13 @@ def build_corpus(documents, target: TargetIdentity, max_tokens: int, made_by: st
     sep = np.array([SEPARATOR], dtype=np.int32)
     flat = np.concatenate([x for p in parts for x in (p, sep)]) if parts else np.empty(0, dtype=np.int32)
     return SuffixCorpus(flat, target, len(parts), made_by)
+
+
+def corpus_documents(corpus: SuffixCorpus) -> list[list[int]]:
+    """The corpus' documents, in order (to build a larger corpus from it)."""
+    ends = np.flatnonzero(corpus.tokens == SEPARATOR)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    return [corpus.tokens[a:b].tolist() for a, b in zip(starts, ends)]
 
 
 def save_corpus(corpus: SuffixCorpus, path: Path) -> None:

@@ -9,6 +9,7 @@ import json
 import math
 
 from cluster.bench import spec as bench_spec
+from cluster.speculative.suffix_corpus import SHIPPED_SUFFIX_CORPUS
 from tests.reference import WORKLOADS
 
 ROW_FIELDS = ("acceptance_rate", "mean_acceptance_length", "speedup", "predicted_speedup", "hf_speedup",
@@ -85,10 +86,21 @@ def test_spec_bench_refuses_portfolio_settings_it_cannot_run(tmp_path, capsys):
     assert bench_spec.variant_name({"explore_every": 1000000}) == "portfolio[explore_every=1000000]/auto"
     assert bench_spec.portfolio_variant("suffix_corpus=cold") == {"suffix_corpus": "cold"}
     assert bench_spec.variant_name({"suffix_corpus": "cold"}) == "portfolio[suffix_corpus=cold]/auto"
+    shipped = str(SHIPPED_SUFFIX_CORPUS)
+    assert bench_spec.portfolio_variant(f"suffix_corpus={shipped}") == {"suffix_corpus": shipped}
+    assert bench_spec.variant_name({"suffix_corpus": shipped}) == "portfolio[suffix_corpus=smollm2-135m-instruct]/auto"
+    assert bench_spec.suffix_corpus_rows(["suffix", "suffix:cold", f"suffix:{shipped}"]) == {
+        f"suffix:{shipped}": "suffix:smollm2-135m-instruct"}
+    twins = [tmp_path / "a" / "c.npz", tmp_path / "b" / "c.npz"]  # two corpus files of one name
+    for twin in twins:
+        twin.parent.mkdir()
+        twin.write_bytes(SHIPPED_SUFFIX_CORPUS.read_bytes())
     for args, needle in ((["--compare-portfolio", "members=1"], "FIELD one of explore_every"),
                          (["--compare-portfolio", "explore_every"], "expected FIELD=VALUE"),
                          (["--compare-portfolio", "explore_every=1.5"], "explore_every takes a int"),
                          (["--compare-portfolio", "suffix_corpus=warm"], "suffix_corpus takes a 'cold'"),
+                         (["--drafters", "suffix:/no/such.npz"], "suffix:FILE needs a corpus file that exists"),
+                         (["--drafters", f"suffix:{twins[0]},suffix:{twins[1]}"], "corpora with distinct file names"),
                          (["--compare-portfolio", "probe_budget=0"], "probe_budget in (0, 1]"),
                          (["--compare-portfolio", ","], "no FIELD=VALUE"),
                          (["--drafters", "ngram", "--compare-portfolio", "explore_every=64"], "ask for portfolio"),

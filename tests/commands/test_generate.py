@@ -21,12 +21,13 @@ def test_prompts_file_to_jsonl_with_spec_stats(tmp_path, capsys):
     got = [json.loads(l) for l in out.read_text().splitlines()]
     assert [g["id"] for g in got] == ["a", "b", "c"]
     for g in got:
-        assert {"id", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "timing", "spec"} <= set(g)
+        assert {"id", "prompt", "chat", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "timing", "spec"} <= set(g)
         assert 1 <= len(g["output_token_ids"]) <= 8 and g["finish_reason"] in ("length", "eos", "stop")
         assert g["timing"]["e2e_s"] > 0 and g["timing"]["ttft_s"] <= g["timing"]["e2e_s"]
         assert {"draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"} <= set(g["spec"])
     # the chat row was wrapped in the chat template (im_start marker id 1 first)
     assert got[1]["prompt_token_ids"][0] == 1 and got[0]["prompt_token_ids"][0] != 1
+    assert [(g["prompt"], g["chat"]) for g in got] == [(r["prompt"], r["chat"]) for r in rows]  # what was asked
 
 
 def test_single_prompt_prints_text_and_bad_model_is_one_line(capsys):
@@ -35,3 +36,15 @@ def test_single_prompt_prints_text_and_bad_model_is_one_line(capsys):
     assert main(["generate", "--model", "/nonexistent/model", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("specserve: error:") and "unknown model" in err[0]
+
+
+def test_engine_settings_the_configs_refuse_are_one_line(capsys):
+    """A K, drafter or suffix corpus the engine configs refuse is one clear error line, before any
+    model loads — not a traceback; a suffix corpus no drafter would read is refused, not ignored."""
+    for args, needle in ((["--draft", "ngram", "--num-draft-tokens", "x"], "num_draft_tokens must be an integer"),
+                         (["--suffix-corpus", "cold"], "--suffix-corpus is the corpus of a suffix drafter"),
+                         (["--draft", "ngram", "--suffix-corpus", "cold"], "no drafter configured drafts with it"),
+                         (["--draft", "suffix", "--suffix-corpus", "/no/such.npz"], "no such file")):
+        assert main(["generate", "--model", "default", "hi", "--max-tokens", "2", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("specserve: error:") and needle in err[0], (args, err)

@@ -4,6 +4,8 @@ directories of another target or without samples refused, and the corpus draftin
 through the engine (`suffix:FILE`), its drafts taken from the first request on."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cluster.cli import main
@@ -13,7 +15,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.speculation import build_spec_controller
 from cluster.models.load import load_model
 from cluster.speculative.eagle_head import target_identity
-from cluster.speculative.suffix_corpus import SuffixCorpusMismatch, load_corpus
+from cluster.speculative.suffix_corpus import SuffixCorpusMismatch, corpus_documents, load_corpus
 from cluster.training.eagle_trainer import SAMPLES
 from cluster.training.self_distill import read_samples
 from tests.commands.test_train_draft import train
@@ -69,7 +71,11 @@ def test_refusals(tiny_llama_dir, default_model_dir, run_dir, tmp_path, capsys):
         build_spec_controller(config, target)
 
 
-def test_the_corpus_drafts_losslessly_from_the_first_request(tiny_llama_dir, run_dir, tmp_path):
+@pytest.mark.parametrize("named", ["suffix:FILE", "suffix_corpus", "portfolio"])
+def test_the_corpus_drafts_losslessly_from_the_first_request(tiny_llama_dir, run_dir, tmp_path, named):
+    """However the corpus is named — ``suffix:FILE``, or ``suffix`` / ``portfolio`` with
+    ``suffix_corpus: FILE`` (the portfolio's suffix member reads it) — it drafts from the first
+    request, and the output is the target's own."""
     path = tmp_path / "tiny.npz"
     assert corpus(tiny_llama_dir, "--from", str(run_dir), "--out", str(path), "--greedy-only") == 0
     samples = [s for s in read_samples(run_dir / SAMPLES) if s.greedy][:6]
@@ -84,9 +90,79 @@ def test_the_corpus_drafts_losslessly_from_the_first_request(tiny_llama_dir, run
         return eng, run_to_completion(eng, reqs)
 
     _, plain = run(None)
-    eng, drafted = run(SpecConfig(drafter=f"suffix:{path}", num_draft_tokens=3))
+    spec = {"suffix:FILE": SpecConfig(drafter=f"suffix:{path}", num_draft_tokens=3),
+            "suffix_corpus": SpecConfig(drafter="suffix", num_draft_tokens=3, suffix_corpus=str(path)),
+            "portfolio": SpecConfig(drafter="portfolio", num_draft_tokens=3, suffix_corpus=str(path))}[named]
+    eng, drafted = run(spec)
     assert {k: v["ids"] for k, v in drafted.items()} == {k: v["ids"] for k, v in plain.items()}
+    suffix = eng.spec.proposer if named != "portfolio" else \
+        next(m.proposer for m in eng.spec.proposer.members if m.name == "suffix")
+    assert suffix.corpus is not None and suffix.corpus.num_tokens == load_corpus(path, suffix.corpus.target).num_tokens
     # the prompts' own greedy continuations are in the corpus: drafted and accepted from it
-    assert eng.spec.proposer.corpus_drafts > 0
+    assert suffix.corpus_drafts > 0
     assert sum(v["spec"].accepted_tokens for v in drafted.values()) > 0
 
+
+
+def test_a_corpus_from_outputs_and_other_corpora_in_the_order_given(tiny_llama_dir, run_dir, tmp_path, capsys):
+    """``--from-outputs``: the rows ``generate --prompts`` writes (what was asked, in the chat
+    template where ``chat`` is set, then the output text), tokenized by this target; a row with
+    ``messages`` or no prompt at all; ``--from-corpus``: another corpus' documents; the sources in
+    the order given, each counted, the command kept in the file."""
+    from cluster.models.tokenizer import chat_token_ids, prompt_token_ids
+
+    asked = tmp_path / "asked.jsonl"
+    rows = [{"id": "a", "prompt": "def add(a, b):", "chat": False}, {"id": "b", "prompt": "Say hello.", "chat": True}]
+    asked.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outputs = tmp_path / "outputs.jsonl"
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompts", str(asked), "--out", str(outputs),
+                 "--max-tokens", "12"]) == 0
+    written = [json.loads(line) for line in outputs.read_text().splitlines()]
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi there"}], "text": "Hello! How can I help?"})
+                    + "\n\n" + json.dumps({"text": "no prompt, only what was answered"}) + "\n")
+    runs = tmp_path / "runs.npz"
+    assert corpus(tiny_llama_dir, "--from", str(run_dir), "--out", str(runs)) == 0
+    target = load_model(str(tiny_llama_dir), EngineConfig(model=str(tiny_llama_dir)))
+    identity, tok = target_identity(target.runner.model), target.tokenizer
+    capsys.readouterr()
+
+    out = tmp_path / "traffic.npz"
+    assert corpus(tiny_llama_dir, "--from-outputs", str(outputs), "--from-outputs", str(logs),
+                  "--from-corpus", str(runs), "--out", str(out)) == 0
+    said = capsys.readouterr().out
+    assert f"{outputs}: 2 rows" in said and f"{logs}: 2 rows" in said and f"{runs}: {load_corpus(runs, identity).documents} documents" in said
+
+    def text_ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    expected = [prompt_token_ids(tok, rows[i]) + text_ids(w["text"]) for i, w in enumerate(written)]
+    expected += [chat_token_ids(tok, [{"role": "user", "content": "Hi there"}]) + text_ids("Hello! How can I help?"),
+                 text_ids("no prompt, only what was answered")]
+    got = load_corpus(out, identity)
+    docs = corpus_documents(got)
+    assert docs[:4] == expected  # the outputs first, as given, then the other corpus' documents
+    assert docs[4:] == corpus_documents(load_corpus(runs, identity))
+    assert got.made_by == (f"specserve suffix-corpus --model {tiny_llama_dir} --from-outputs {outputs} "
+                           f"--from-outputs {logs} --from-corpus {runs} --out {out} --max-tokens 2000000")
+
+
+def test_sources_it_cannot_read_are_refused_naming_what_is_wrong(tiny_llama_dir, default_model_dir, run_dir,
+                                                                 tmp_path, capsys):
+    out = tmp_path / "x.npz"
+    bad = tmp_path / "bad.jsonl"
+    for lines, needle in (([json.dumps({"text": "fine"}), "{not json"], f"{bad}:2: not JSON"),
+                          ([json.dumps({"prompt": "no output"})], f"{bad}:1: each row needs the output as a string 'text'"),
+                          ([json.dumps({"prompt": 3, "text": "x"})], f"{bad}:1: 'prompt' must be a string"),
+                          ([json.dumps({"messages": [{"role": "judge", "content": "x"}], "text": "x"})],
+                           f"{bad}:1: unknown message role")):
+        bad.write_text("\n".join(lines) + "\n")
+        assert corpus(tiny_llama_dir, "--from-outputs", str(bad), "--out", str(out)) == 2
+        assert needle in capsys.readouterr().err
+    for args, needle in (([], "give at least one source"),
+                         (["--from-outputs", str(bad), "--greedy-only"], "--greedy-only picks among the samples"),
+                         (["--from-outputs", str(tmp_path / "none.jsonl")], "no such file"),
+                         (["--from-corpus", "shipped"], "written by another target")):  # the default model's
+        assert corpus(tiny_llama_dir, *args, "--out", str(out)) == 2, args
+        assert needle in capsys.readouterr().err
+    assert not out.exists()

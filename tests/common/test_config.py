@@ -56,3 +56,18 @@ def test_draft_stop_confidence_is_a_probability_below_one():
     for bad in (1.0, -0.1, float("nan"), True):
         with pytest.raises(ValueError, match="draft_stop_confidence must be in"):
             SpecConfig(draft_stop_confidence=bad)
+
+
+def test_the_suffix_corpus_is_refused_where_no_drafter_reads_it():
+    """``suffix_corpus`` is the corpus of ``suffix`` and of the portfolio's suffix member: named
+    where neither is configured, it would be ignored, so it is refused; 'cold' in any case is cold."""
+    assert SpecConfig(drafter="suffix", suffix_corpus=" COLD ").suffix_corpus == "cold"
+    assert SpecConfig(drafter="portfolio:/heads/v4", suffix_corpus="c.npz").suffix_corpus == "c.npz"
+    assert SpecConfig(drafter="ngram", suffix_corpus="c.npz",
+                      segments={"chat": {"drafter": "portfolio"}}).suffix_corpus == "c.npz"
+    for drafter in ("ngram", "eagle", "suffix:own.npz", "suffix:cold"):  # suffix:X names its own corpus
+        with pytest.raises(ValueError, match="no drafter configured drafts with it"):
+            SpecConfig(drafter=drafter, suffix_corpus="c.npz")
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match="suffix_corpus must be a corpus file"):
+            SpecConfig(drafter="suffix", suffix_corpus=bad)

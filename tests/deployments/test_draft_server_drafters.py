@@ -32,6 +32,27 @@ def test_a_suffix_corpus_is_refused_by_the_draft_server():
         build_proposer(app)
 
 
+def test_a_suffix_corpus_setting_is_refused_by_the_draft_server_and_passed_on_in_shared():
+    """``suffix_corpus: FILE`` (the corpus of ``suffix`` and the portfolio's suffix member) is
+    refused for placement separate as ``suffix:FILE`` is; ``cold`` is what the DraftServer does
+    anyway; with no SpecEngine it would be read by nothing: refused."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="does not load"):
+        AppConfig(drafter="portfolio", placement="separate", suffix_corpus="/corpora/x.npz")
+    assert build_proposer(AppConfig(drafter="suffix", placement="separate", suffix_corpus="Cold"))[0].corpus is None
+    shared = AppConfig(drafter="portfolio", placement="shared", suffix_corpus="/corpora/x.npz")
+    assert shared.spec_config().suffix_corpus == "/corpora/x.npz"
+    with pytest.raises(ValidationError, match="no SpecEngine runs"):
+        AppConfig(drafter="none", suffix_corpus="cold")
+    with pytest.raises(ValidationError, match="no drafter configured drafts with it"):
+        AppConfig(drafter="ngram", suffix_corpus="/corpora/x.npz")
+    app = AppConfig(drafter="suffix", placement="separate")
+    object.__setattr__(app, "suffix_corpus", "/corpora/x.npz")  # past the config's own check
+    with pytest.raises(ValueError, match="learn from traffic only"):
+        build_proposer(app)
+
+
 def test_a_portfolio_holding_a_head_is_refused_by_the_draft_server():
     """``portfolio:DIR`` drafts beside the target; AppConfig refuses it for placement separate, and
     the factory too if handed one (its portfolio is model-free)."""

@@ -96,6 +96,7 @@ endpoint (the app refuses enabled=true without one).
   "dtype" $a.dtype
   "drafter" $a.drafter
   "num_draft_tokens" $a.num_draft_tokens
+  "suffix_corpus" $a.suffix_corpus
   "force_vocab_mismatch" (default false $a.force_vocab_mismatch)
   "placement" $a.placement
   "torch_threads" $a.torch_threads
