@@ -1,7 +1,10 @@
 """`specserve suffix-corpus` end to end on a tiny random model: a corpus from a train-draft run's
-samples (all, or the greedy ones), the file written for this target and refused by another, run
-directories of another target or without samples refused, and the corpus drafting losslessly
-through the engine (`suffix:FILE`), its drafts taken from the first request on."""
+samples (all, or the greedy ones), from files of outputs (what `generate --prompts` writes, or
+logs with `messages` or no prompt) and other corpora in the order given, the file written for this
+target and refused by another, run directories of another target, sources without samples and bad
+rows refused naming what is wrong, and the corpus drafting losslessly through the engine
+(`suffix:FILE`, or `suffix` / `portfolio` with `suffix_corpus`), its drafts taken from the first
+request on."""
 from __future__ import annotations
 
 import json

@@ -130,3 +130,27 @@ def test_the_shipped_head_is_built_once_for_a_portfolio_and_an_eagle_segment(def
     assert union.routes.candidates("code") == ("ngram", "suffix", "eagle")
     assert m.runner.feature_tap is union.members[2].proposer
     assert 0.0 < union.members[2].cost < 0.5  # its share of a decode step, before any round is timed
+
+
+def test_suffix_corpus_names_the_corpus_of_suffix_and_of_the_portfolios_suffix_member(default_model):
+    """On the default model ``suffix`` and the portfolio's suffix member hold the shipped corpus
+    unless ``suffix_corpus`` says otherwise: ``cold`` none, a file its corpus; ``suffix:FILE``
+    keeps its own beside it (a segment naming it)."""
+    from cluster.speculative.suffix_corpus import SHIPPED_SUFFIX_CORPUS
+
+    def suffix_members(**spec):
+        config = EngineConfig(spec=SpecConfig(num_draft_tokens="auto", **spec), kv_cache_memory_mb=64)
+        proposer = build_spec_controller(config, default_model.with_fresh_kv(config)).proposer
+        members = getattr(proposer, "members", None)
+        return {m.name: m.proposer.corpus for m in members if m.name.startswith("suffix")} if members \
+            else {"suffix": proposer.corpus}
+
+    shipped = suffix_members(drafter="suffix")["suffix"]
+    assert shipped is not None and shipped.documents == 5074
+    assert suffix_members(drafter="portfolio")["suffix"] is shipped  # one per process: shared
+    assert suffix_members(drafter="suffix", suffix_corpus="cold") == {"suffix": None}
+    assert suffix_members(drafter="portfolio", suffix_corpus="cold")["suffix"] is None
+    assert suffix_members(drafter="portfolio", suffix_corpus=str(SHIPPED_SUFFIX_CORPUS))["suffix"] is shipped
+    union = suffix_members(drafter="portfolio", suffix_corpus="cold", segments={"code": {"drafter": "suffix:"
+                                                                                 f"{SHIPPED_SUFFIX_CORPUS}"}})
+    assert union["suffix"] is None and union[f"suffix:{SHIPPED_SUFFIX_CORPUS}"] is shipped
