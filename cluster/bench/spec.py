@@ -75,21 +75,11 @@ def _corpus(value: str) -> str:
 
 
 _corpus.__name__ = "'cold' (its suffix member without a corpus) or a corpus file that exists"
-
-
-def _bool(value: str) -> bool:
-    low = value.strip().lower()
-    if low not in ("true", "false"):
-        raise ValueError(value)
-    return low == "true"
-
-
-_bool.__name__ = "true or false"
 # the portfolio's choosing settings ``--compare-portfolio`` may change (cluster/speculative/portfolio.py),
 # and ``suffix_corpus=cold|FILE``: its suffix member's corpus (SpecConfig.suffix_corpus)
 PORTFOLIO_KNOBS = {"explore_every": int, "probe_z": float, "probe_memory": float, "probe_budget": float,
                    "min_gain": float, "catch_up_steps": int, "verify_slope": float, "prior_alpha": float,
-                   "plan_free_members": _bool, "suffix_corpus": _corpus}
+                   "suffix_corpus": _corpus}
 SPEC_KNOBS = ("suffix_corpus",)  # of those, the ones set in the engine's SpecConfig, not on the portfolio
 
 

@@ -176,9 +176,6 @@ class PortfolioProposer:
     min_gain: float = 0.05  # a member must beat plain decoding by this much (adaptive K's margin)
     catch_up_steps: int = 2  # a costly member's catch-up is charged to this many of its drafts
     probe_budget: float = 0.02  # probes' catch-ups take at most this share of a segment's decode time
-    # K of a cost-0 member's draft planned with the rates it was chosen by (True), or with adaptive
-    # K's own estimate for its draft context, as when that member drafts alone (False)
-    plan_free_members: bool = True
     routes: SegmentRoutes | None = None  # set: each sequence drafts with its segment's members only
     kind: DrafterKind = field(default=DrafterKind.PORTFOLIO, init=False)
     last_choice: dict[str, str] = field(default_factory=dict, init=False)  # seq_id -> member, last propose
@@ -296,11 +293,7 @@ class PortfolioProposer:
         rate and its ordinary later rate (what a probe asks is the first token). None:
         no choice was made (nothing to draft, or the segment's one routed member)."""
         pending = self._pending.get(seq_id)
-        if pending is None or pending.chosen is None:
-            return None
-        if not self.plan_free_members and not pending.probe and self._member(pending.chosen).cost == 0:
-            return None
-        return pending.rates
+        return None if pending is None or pending.chosen is None else pending.rates
 
     def member_cost_priors(self) -> dict[str, float]:
         """member -> its prior cost per draft round, in target decode steps."""
