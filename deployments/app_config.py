@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.api.requests import Limits
-from cluster.common.config import COLD_SUFFIX, MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig
+from cluster.common.config import (
+    COLD_SUFFIX, MAX_DRAFT_TOKENS, EngineConfig, SegmentSpeculation, SpecConfig, suffix_corpus_name,
+)
 from cluster.routing.policy import RouterConfig
 
 
@@ -266,7 +268,7 @@ class AppConfig(_Strict):
     @property
     def names_suffix_corpus_file(self) -> bool:
         """``suffix_corpus`` names a file (checked against the target that wrote it)."""
-        return self.suffix_corpus is not None and self.suffix_corpus.strip().lower() != COLD_SUFFIX
+        return self.suffix_corpus is not None and suffix_corpus_name(self.suffix_corpus) != COLD_SUFFIX
 
     @property
     def speculative(self) -> bool:

@@ -35,7 +35,7 @@ from cluster.bench.spec_goals import format_table, goals
 from cluster.bench.spec_rows import (alpha_of, median_of, member_counts, member_delta, pooled_by_round,
                                      predicted_speedup, rounded, summarize_row)
 from cluster.bench.timed_run import Run, engine_for, request_for, run_hf, run_ours
-from cluster.common.config import COLD_SUFFIX, DRAFT_STOP_CONFIDENCE
+from cluster.common.config import COLD_SUFFIX, DRAFT_STOP_CONFIDENCE, suffix_corpus_name
 from cluster.common.prompt_rows import read_prompt_rows
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
@@ -66,10 +66,8 @@ def method_order(names: list[str], prompt_index: int) -> list[str]:
 
 
 def _corpus(value: str) -> str:
-    value = value.strip()
-    if value.lower() == COLD_SUFFIX:
-        return COLD_SUFFIX
-    if not Path(value).is_file():
+    value = suffix_corpus_name(value)
+    if value != COLD_SUFFIX and not Path(value).is_file():
         raise ValueError(value)
     return value
 
@@ -108,7 +106,7 @@ def variant_name(changes: dict) -> str:
     def shown(k, v) -> str:
         if isinstance(v, float):
             return f"{v:g}"
-        return Path(v).stem if k == "suffix_corpus" and v.lower() != COLD_SUFFIX else str(v)
+        return Path(v).stem if k == "suffix_corpus" and v != COLD_SUFFIX else str(v)  # as _corpus read it
 
     return "portfolio[" + ",".join(f"{k}={shown(k, v)}" for k, v in changes.items()) + "]/auto"
 

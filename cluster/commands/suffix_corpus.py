@@ -129,7 +129,7 @@ def output_documents(path: Path, tokenizer) -> list[list[int]]:
     """Each row's prompt (``prompt``, in the chat template where ``chat`` is set, or ``messages``;
     none where the row has neither) and output ``text``, tokenized by this target; a row that is not
     JSON or has no string ``text`` stops the command naming its file and line."""
-    from cluster.models.tokenizer import chat_token_ids, prompt_token_ids
+    from cluster.models.tokenizer import row_token_ids
 
     if not path.is_file():
         raise InvalidRequestError(f"--from-outputs {path}: no such file")
@@ -145,15 +145,11 @@ def output_documents(path: Path, tokenizer) -> list[list[int]]:
                 raise InvalidRequestError(f"{where}: not JSON: {exc}") from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise InvalidRequestError(f"{where}: each row needs the output as a string 'text'")
+            prompt = row.get("prompt")
             try:
-                if "messages" in row:
-                    asked = chat_token_ids(tokenizer, row["messages"])
-                elif isinstance(row.get("prompt"), str):
-                    asked = prompt_token_ids(tokenizer, row)
-                elif row.get("prompt") is None:
-                    asked = []
-                else:
+                if "messages" not in row and prompt is not None and not isinstance(prompt, str):
                     raise InvalidRequestError("'prompt' must be a string")
+                asked = row_token_ids(tokenizer, row) if "messages" in row or prompt is not None else []
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"{where}: {exc}") from None
             documents.append(asked + [int(t) for t in tokenizer(row["text"], add_special_tokens=False)["input_ids"]])

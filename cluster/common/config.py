@@ -40,6 +40,13 @@ DRAFT_STOP_CONFIDENCE = 0.2  # SpecConfig.draft_stop_confidence's default
 COLD_SUFFIX = "cold"  # a suffix drafter without a corpus (``suffix:cold``, ``suffix_corpus: cold``; a file named so: ./cold)
 
 
+def suffix_corpus_name(text: str) -> str:
+    """A suffix corpus as a setting names it (``suffix:X``, ``suffix_corpus``, bench variants):
+    COLD_SUFFIX in any case, else the file, without surrounding spaces."""
+    text = text.strip()
+    return COLD_SUFFIX if text.lower() == COLD_SUFFIX else text
+
+
 def holds_suffix_corpus(drafter: str) -> bool:
     """Does this drafter string draft with ``SpecConfig.suffix_corpus``: ``suffix`` (not
     ``suffix:FILE``, which names its own) and the portfolio's suffix member."""
@@ -119,11 +126,11 @@ class SpecConfig:
     def _check_suffix_corpus(self) -> None:
         if self.suffix_corpus is None:
             return
-        corpus = self.suffix_corpus.strip() if isinstance(self.suffix_corpus, str) else ""
+        corpus = suffix_corpus_name(self.suffix_corpus) if isinstance(self.suffix_corpus, str) else ""
         if not corpus:
             raise ValueError(f"suffix_corpus must be a corpus file (made by `specserve suffix-corpus`) or "
                              f"'{COLD_SUFFIX}', got {self.suffix_corpus!r}")
-        self.suffix_corpus = COLD_SUFFIX if corpus.lower() == COLD_SUFFIX else corpus
+        self.suffix_corpus = corpus
         named = [self.drafter, *(own.drafter for own in self.segments.values() if own.drafter is not None)]
         if not any(holds_suffix_corpus(d) for d in named):
             raise ValueError(f"suffix_corpus {self.suffix_corpus!r}: no drafter configured drafts with it "

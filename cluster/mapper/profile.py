@@ -57,11 +57,9 @@ class _RealEngines:
                 self.errors[d] = f"{type(exc).__name__}: {exc}"
 
     def ids(self, row: dict) -> list[int]:
-        from cluster.models.tokenizer import prompt_token_ids, chat_token_ids
+        from cluster.models.tokenizer import row_token_ids
 
-        if "messages" in row:
-            return chat_token_ids(self.tokenizer, row["messages"])
-        return prompt_token_ids(self.tokenizer, row)
+        return row_token_ids(self.tokenizer, row)
 
     def run(self, drafter: str | None, rid: str, ids: list[int], params, segment: str) -> Run:
         from cluster.bench.timed_run import run_ours

@@ -49,6 +49,14 @@ def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in ids]
 
 
+def row_token_ids(tokenizer, row: dict) -> list[int]:
+    """A row's ids where it may carry ``messages`` (``specserve map``'s traffic, ``train-draft
+    --prompts``, files of outputs): the chat of its messages, else ``prompt_token_ids``."""
+    if "messages" in row:
+        return chat_token_ids(tokenizer, row["messages"])
+    return prompt_token_ids(tokenizer, row)
+
+
 def prompt_token_ids(tokenizer, row: dict) -> list[int]:
     """A prompt row's ids: its prompt wrapped in the chat template when ``chat`` is set."""
     if row.get("chat"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cluster.common.config import COLD_SUFFIX
+from cluster.common.config import COLD_SUFFIX, suffix_corpus_name
 
 if TYPE_CHECKING:  # annotations only: the protocols load without torch (the fake engine reads them)
     from cluster.speculative.types import DraftProposal, ProposeInput
@@ -210,7 +210,7 @@ def parse_drafter_choice(s: str | None) -> DrafterChoice | None:
         if not corpus:
             raise ValueError("drafter 'suffix:FILE' needs a suffix corpus file (made by `specserve suffix-corpus`), "
                              f"or 'suffix:{COLD_SUFFIX}' for none")
-        return DrafterChoice(DrafterKind.SUFFIX, model=COLD_SUFFIX if corpus.lower() == COLD_SUFFIX else corpus)
+        return DrafterChoice(DrafterKind.SUFFIX, model=suffix_corpus_name(corpus))
     if low == "portfolio":
         return DrafterChoice(DrafterKind.PORTFOLIO)
     if low.startswith("portfolio:"):

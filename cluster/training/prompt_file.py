@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cluster.common.errors import InvalidRequestError, UserFacingError
 from cluster.common.prompt_rows import read_checked_rows
-from cluster.models.tokenizer import chat_token_ids, prompt_token_ids
+from cluster.models.tokenizer import row_token_ids
 from cluster.training.prompt_corpus import workload_overlap
 
 SOURCE_PREFIX = "prompts:"
@@ -71,8 +71,7 @@ def read_prompt_file(path: Path, tokenizer, workloads: Path | None) -> PromptFil
             out.skipped["overlapping a benchmark workload prompt"] += 1
             continue
         try:
-            ids = (chat_token_ids(tokenizer, row["messages"]) if "messages" in row
-                   else prompt_token_ids(tokenizer, row))
+            ids = row_token_ids(tokenizer, row)
         except InvalidRequestError as exc:
             out.skipped[f"not encodable ({exc})"] += 1
             continue
