@@ -150,16 +150,94 @@ def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
             "accepted": last.spec.accepted_tokens if last else 0}
 
 
+def wave_rows(rows: list[dict], offset: int, n: int, concurrency: int) -> list[dict]:
+    """The rows of one wave: ``max(n, concurrency)`` from ``offset`` on, cycling."""
+    return [rows[(offset + i) % len(rows)] for i in range(max(n, concurrency))]
+
+
 def run_requests(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n: int,
                  max_tokens: int, offset: int = 0, one=None) -> tuple[list[dict], float]:
-    """n requests (rows from ``offset`` on, cycling) with ``concurrency`` in flight -> (results,
-    wall); ``one(row, mode, max_tokens)`` sends one (default: a gRPC stream)."""
-    jobs = [rows[(offset + i) % len(rows)] for i in range(max(n, concurrency))]
+    """n requests (rows from ``offset`` on, cycling: ``wave_rows``) with ``concurrency`` in flight
+    -> (results in row order, wall); ``one(row, mode, max_tokens)`` sends one (default: a gRPC
+    stream)."""
+    jobs = wave_rows(rows, offset, n, concurrency)
     one = one or (lambda row, m, k: _one(stub, pb2, md, row, m, k))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda r: one(r, mode, max_tokens), jobs))
     return results, time.perf_counter() - t0
+
+
+def row_key(row: dict) -> str:
+    """What a drafter that learns from traffic recognises again: the request's text."""
+    return json.dumps([row.get("segment"), bool(row.get("chat")), row.get("prompt"), row.get("messages")])
+
+
+class SpecAnswers:
+    """The rows the service's speculative path has answered so far in this run. A drafter that
+    learns from traffic (``suffix``, ``portfolio``: ``DrafterChoice.learns_from_traffic``) drafts a
+    repeated greedy request from its own earlier answer (α near 1), so a speculative request that
+    repeats a row measures that memory, not new traffic. Levels take fresh rows where the
+    workload has enough (``level_start``), but the policies of one level share theirs (fixed-spec
+    and routed answer each row once each) and a short workload cycles: ``wave`` counts what
+    repeats, per cell (``repeated_rows``) and in all (``summary``)."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.speculative = 0  # speculative-path requests seen
+        self.repeated = 0  # of them, repeats of a row the speculative path had answered
+
+    def wave(self, rows: list[dict], results: list[dict], forced_speculative: bool = False) -> int:
+        """Record one wave (``results`` in ``rows``' order) -> how many of its speculative-path
+        requests repeat a row answered on that path before (one earlier in the same wave counts:
+        it may have finished first). A result without a ``path`` (unary calls) took the
+        speculative path when the request forced it (``forced_speculative``)."""
+        repeated = 0
+        for row, r in zip(rows, results):
+            if r.get("error") is not None:
+                continue
+            if not (r["path"] == "speculative" if "path" in r else forced_speculative):
+                continue
+            key = row_key(row)
+            repeated += key in self.keys
+            self.keys.add(key)
+            self.speculative += 1
+        self.repeated += repeated
+        return repeated
+
+    def summary(self, drafter: str | None) -> dict:
+        """``drafter``: the service's (None: unknown, a running service without ``--config``)."""
+        learns = None
+        if drafter is not None:
+            from cluster.speculative.proposer import parse_drafter_choice
+
+            choice = parse_drafter_choice(drafter)
+            learns = bool(choice and choice.learns_from_traffic)
+        return {"speculative_requests": self.speculative, "repeated": self.repeated,
+                "drafter": drafter, "drafter_learns_from_traffic": learns}
+
+
+def level_start(start: int, rounds: int, per_round: int) -> int:
+    """Where the next level's rows start: after the ``rounds`` × ``per_round`` rows this level sent
+    (fresh rows for each level where the workload has enough; cycling where it has not)."""
+    return start + rounds * per_round
+
+
+def format_repeats(rep: dict | None) -> list[str]:
+    """The report's lines on repeated rows (none when nothing repeated)."""
+    if not rep or not rep["repeated"]:
+        return []
+    share = f"{rep['repeated']} of {rep['speculative_requests']} speculative-path requests"
+    if rep["drafter_learns_from_traffic"] is False:
+        return ["", f"{share} repeated a row the speculative path had answered before in this run; "
+                    f"drafter {rep['drafter']!r} does not learn across requests: no effect"]
+    who = f"drafter {rep['drafter']!r} learns" if rep["drafter_learns_from_traffic"] else \
+        "if the service's drafter learns (suffix, portfolio; pass --config to know),"
+    return ["", f"WARNING: {share} repeated a row the speculative path had answered before in this "
+                f"run (`repeated_rows` per cell); {who} from traffic and drafts a repeat from its own "
+                "earlier answer, so those cells' α and latencies overstate new traffic. More rows "
+                "(bench serve: --workloads; map: --rows-per-segment), fewer requests per cell, "
+                "levels or speculative policies repeat less."]
 
 
 def cell_stats(results: list[dict], wall: float) -> dict:
@@ -203,14 +281,16 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
 
 
 def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
-                        pairs: int, door=None) -> dict:
+                        pairs: int, door=None, answers: SpecAnswers | None = None) -> dict:
     """Per path (speculative / plain): the same requests through an engine stepping in this
     process — ``AsyncEngine`` with the engine config the service's replicas build (the configured
     ``engine_impl`` itself when it is not an ``AsyncEngine``, e.g. FakeEngine) — and through gRPC,
     as ``GenerateStream`` (key ``<path>``) and as unary ``Generate`` (key ``<path>/unary``), the
     three in ``round_order``, after one warm-up round. With ``door`` (an ``OpenAIDoor``) a fourth
     side, the OpenAI HTTP stream (key ``<path>/openai``). With placement ``separate`` the in-process
-    spec engine drafts locally (no DraftServer in this process)."""
+    spec engine drafts locally (no DraftServer in this process). ``answers`` records the
+    service's speculative requests (each pair sends a row through the service two or three ways:
+    ``repeated_rows`` in the result)."""
     from cluster.common.request import SpecMode
     from cluster.engine.async_engine import AsyncEngine
     from deployments.app_config import AppConfig
@@ -223,7 +303,8 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
         [("plain", False, 2, SpecMode.PLAIN)]
     out: dict = {"concurrency": 1, "pairs": pairs, "goal_ratio": FRONT_DOOR_GOAL,
                  "engine": f"{engine_cls.__module__}:{engine_cls.__name__}",
-                 "service_engine": app.engine_impl.cls, "placement": app.placement.value, "paths": {}}
+                 "service_engine": app.engine_impl.cls, "placement": app.placement.value, "paths": {},
+                 "repeated_rows": 0}
     loop = asyncio.new_event_loop()
     try:
         for name, speculative, proto_mode, mode in paths:
@@ -241,6 +322,10 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                 for i in range(pairs + 1):  # round 0 warms all three up and is not counted
                     row = rows[i % len(rows)]
                     res = {side: calls[side](row, i) for side in round_order(list(calls), i)}
+                    if answers is not None and speculative:
+                        for side, r in res.items():  # in the order they ran
+                            if side != "direct":
+                                out["repeated_rows"] += answers.wave([row], [r], forced_speculative=True)
                     if i and all(r.get("error") is None for r in res.values()):
                         for side, r in res.items():
                             got[side].append(r)
@@ -353,8 +438,9 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
     t_start = time.perf_counter()
     with grpc.insecure_channel(addr) as channel:
         stub = stubs.generation_grpc().GenerationStub(channel)
-        seg_rows = {s: load_prompts(args.workloads, s, limit=max(max(plan["levels"]), plan["requests"]))
-                    for s in plan["segments"]}
+        seg_rows = {s: load_prompts(args.workloads, s, limit=None) for s in plan["segments"]}
+        answers = SpecAnswers()
+        start = dict.fromkeys(seg_rows, 0)  # where each segment's next level takes its rows
         overhead = None
         if plan["overhead_requests"] > 0 and app_args is not None:
             # first, while the service's engines are as fresh as the in-process one: adaptive K
@@ -362,12 +448,15 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
             # from a new one, which would be measured as front-door cost
             rows = [r for rs in seg_rows.values() for r in rs]
             overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
-                                           plan["overhead_requests"], door)
+                                           plan["overhead_requests"], door, answers)
+            sent = {id(r) for r in rows[: plan["overhead_requests"] + 1]}  # the levels start after those
+            start = {s: sum(id(r) in sent for r in rs) for s, rs in seg_rows.items()}
         for segment, rows in seg_rows.items():
             for c in plan["levels"]:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
                 # stretch of a noisy machine hits every policy alike; every policy gets the same rows
-                per = {(p, api): ([], 0.0) for p in plan["policies"] for api in plan["apis"]}
+                # (each level fresh ones where the workload has enough: SpecAnswers)
+                per = {(p, api): ([], 0.0, 0) for p in plan["policies"] for api in plan["apis"]}
                 rounds, n_round = round_plan(plan["requests"], c, plan["rounds"])
                 for r in range(rounds):
                     for policy in round_order(plan["policies"], r):
@@ -376,23 +465,37 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
                             # sat idle (its weights out of cache) while another policy ran on the other
                             _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
                             one = (lambda row, mode, n: door.one(row, mode, n)) if api == "openai" else None
+                            offset = start[segment] + r * n_round
                             res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
-                                                     plan["max_tokens"], offset=r * n_round, one=one)
-                            per[policy, api] = (per[policy, api][0] + res, per[policy, api][1] + wall)
+                                                     plan["max_tokens"], offset=offset, one=one)
+                            repeated = answers.wave(wave_rows(rows, offset, n_round, c), res,
+                                                    forced_speculative=policy == "fixed_spec")
+                            got = per[policy, api]
+                            per[policy, api] = (got[0] + res, got[1] + wall, got[2] + repeated)
+                start[segment] = level_start(start[segment], rounds, n_round)
                 measured = router_latency(stub, pb2, md, segment)
-                for (policy, api), got in per.items():
-                    cell = cell_stats(*got)
-                    cell.update(segment=segment, concurrency=c, policy=policy, api=api)
+                for (policy, api), (res, wall, repeated) in per.items():
+                    cell = cell_stats(res, wall)
+                    cell.update(segment=segment, concurrency=c, policy=policy, api=api, repeated_rows=repeated)
                     if policy == "routed":
                         cell["router_latency"] = measured
                     cells.append(cell)
                     print(f"{segment:>12} c={c:<3} {policy:<11} {api:<6} e2e_p50={cell['e2e_p50']}s "
                           f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
                           file=sys.stderr, flush=True)
+    drafter = None if app_args is None else service_drafter(app_args)
     return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
             "cells": cells, "summary": summarize([c for c in cells if c["api"] == "grpc"]),
+            "repeated_rows": answers.summary(drafter),
             "front_door": overhead, **_api_report(cells, plan, door)}
+
+
+def service_drafter(app_args: dict) -> str:
+    """The drafter a service with these app args runs (the app config's default when unset)."""
+    from deployments.app_config import AppConfig
+
+    return AppConfig(**app_args).drafter
 
 
 def _api_report(cells: list[dict], plan: dict, door) -> dict:
@@ -506,6 +609,7 @@ def format_report(report: dict) -> str:
                      if s.get("paired_ratio") else "")
                   + f"(best fixed: {s['best_fixed']}){'' if s['meets_goal'] else '  MISSES GOAL'}"
                   for s in report["summary"]]
+    lines += format_repeats(report.get("repeated_rows"))
     fd = report.get("front_door")
     if fd:
         lines += ["", f"front-door overhead at concurrency 1, {fd['pairs']} request pairs "

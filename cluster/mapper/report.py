@@ -6,6 +6,8 @@ what was skipped or cut short). Ignores: computing anything (``decide``) and dra
 """
 from __future__ import annotations
 
+from cluster.bench.serve import format_repeats
+
 
 def _f(x, nd: int = 2) -> str:
     if x is None:
@@ -102,6 +104,7 @@ def render(state: dict, decision: dict, plots: dict) -> str:
         early = state["sweep"].get("stopped_early") or {}
         if early:
             lines += ["", "Stopped early (plain won clearly): " + ", ".join(f"{s} at {c}" for s, c in early.items())]
+        lines += format_repeats(state["sweep"].get("repeated_rows"))
         lines.append("")
     titles = {"latency.png": "End-to-end latency per path (crossover dotted, its 90% interval shaded)",
               "throughput.png": "Throughput per path", "speedup_heatmap.png": "Speedup by segment and concurrency",

@@ -128,7 +128,7 @@ def map_workload(plan: MapPlan) -> dict:
             state["sweep"]["stopped"] = "skipped: the time budget was spent in phase 1"
         elif plan.addr:
             run_sweep(plan.addr, plan.app_name, sample, plan.levels, plan.requests, cap, budget,
-                      state["sweep"], plan.token)
+                      state["sweep"], plan.token, app.drafter)
         else:
             cfg = _local_config(argparse.Namespace(config=plan.config, addr=None))
             from deployments.local import local_service
@@ -140,7 +140,7 @@ def map_workload(plan: MapPlan) -> dict:
             try:
                 with local_service(cfg) as (addr, name):
                     run_sweep(addr, name, sample, plan.levels, plan.requests, cap, budget, state["sweep"],
-                              plan.token)
+                              plan.token, app.drafter)
             finally:
                 for key in quiet:
                     os.environ.pop(key, None)

@@ -30,9 +30,13 @@ def plain_wins_clearly(spec_e2e: list[float], plain_e2e: list[float], spec_p50: 
 
 
 def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], requests: int,
-              max_tokens: int, budget: Budget, result: dict, token: str | None = None) -> dict:
+              max_tokens: int, budget: Budget, result: dict, token: str | None = None,
+              drafter: str | None = None) -> dict:
     """Fill ``result['cells']`` (one dict per segment, level and path, ``bench serve``'s cell
-    format) as cells complete; ``result['stopped_early']``: segment -> the level plain won at."""
+    format) as cells complete; ``result['stopped_early']``: segment -> the level plain won at;
+    ``result['repeated_rows']``: how many speculative requests repeated a row answered before
+    (``bench serve``'s ``SpecAnswers``; each level takes fresh rows while the sample lasts;
+    ``drafter``: the service's, to say whether a repeat matters)."""
     import grpc
 
     from cluster.api import stubs
@@ -42,28 +46,34 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
     cells = result.setdefault("cells", [])
     early = result.setdefault("stopped_early", {})
     result.update(levels=list(levels), requests_per_cell=requests, max_tokens=max_tokens, addr=addr)
+    answers = bench.SpecAnswers()
     t0 = time.perf_counter()
     total = len(traffic.segments) * len(levels) * len(PATHS)
     try:
         with grpc.insecure_channel(addr) as channel, budget.phase("phase 2/3 sweep", total) as bar:
             stub = stubs.generation_grpc().GenerationStub(channel)
             for segment, rows in traffic.segments.items():
+                start = 0  # each level's rows: fresh ones while the sample lasts
                 for i, c in enumerate(levels):
                     budget.check()
-                    per = {p: ([], 0.0) for p in PATHS}
+                    per = {p: ([], 0.0, 0) for p in PATHS}
                     rounds, n_round = bench.round_plan(requests, c, 0)
                     for r in range(rounds):
                         budget.check()  # a half-measured cell is dropped, not recorded
                         for path in bench.round_order(list(PATHS), r):
                             # untimed: the engine may have sat idle while the other path ran
                             bench._one(stub, pb2, md, bench.WARM_UP_ROW, bench.POLICIES[path], 1)
+                            offset = start + r * n_round
                             res, wall = bench.run_requests(stub, pb2, md, rows, bench.POLICIES[path], c,
-                                                           n_round, max_tokens, offset=r * n_round)
-                            per[path] = (per[path][0] + res, per[path][1] + wall)
+                                                           n_round, max_tokens, offset=offset)
+                            repeated = answers.wave(bench.wave_rows(rows, offset, n_round, c), res,
+                                                    forced_speculative=path == "fixed_spec")
+                            per[path] = (per[path][0] + res, per[path][1] + wall, per[path][2] + repeated)
+                    start = bench.level_start(start, rounds, n_round)
                     got = {}
                     for path in PATHS:
-                        cell = bench.cell_stats(*per[path])
-                        cell.update(segment=segment, concurrency=c, policy=path)
+                        cell = bench.cell_stats(*per[path][:2])
+                        cell.update(segment=segment, concurrency=c, policy=path, repeated_rows=per[path][2])
                         cells.append(cell)
                         got[path] = cell
                     bar.update(len(PATHS))
@@ -76,4 +86,5 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
         result["stopped"] = str(exc)
     finally:
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        result["repeated_rows"] = answers.summary(drafter)
     return result

@@ -158,6 +158,13 @@ class DrafterChoice:
     model: str | None = None
 
     @property
+    def learns_from_traffic(self) -> bool:
+        """Drafts from earlier requests' outputs (``suffix``, the portfolio's suffix member): a
+        request repeating an earlier greedy one is drafted from that answer (α near 1), so a
+        benchmark that repeats its rows measures memory, not new traffic (``bench serve``)."""
+        return self.kind in (DrafterKind.SUFFIX, DrafterKind.PORTFOLIO)
+
+    @property
     def names_suffix_corpus(self) -> bool:
         """A suffix drafter over a corpus file (``suffix:FILE``): checked against the target that wrote it."""
         return self.kind is DrafterKind.SUFFIX and self.model not in (None, COLD_SUFFIX)

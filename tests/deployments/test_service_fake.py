@@ -370,6 +370,18 @@ def test_bench_serve_quick(addr, tmp_path):
     for path in fd["paths"].values():  # same tokens both ways; the front door costs something
         assert path["requests"] == 2 and path["same_token_counts"] and path["e2e_ratio"] > 0.5
         assert path["e2e_ratio_paired"] > 0.5 and len(path["pairs_e2e_s"]) == 2
+    # repeated rows: the front door sends each of its 3 rows (warm-up pair included) through the
+    # speculative path twice (stream and unary); the levels then take fresh rows, which fixed-spec
+    # and routed share; plain requests never count (no drafter)
+    rep = report["repeated_rows"]
+    assert fd["repeated_rows"] == 3
+    assert all(cells[("fixed_plain", c)]["repeated_rows"] == 0 for c in (1, 4, 16))
+    assert rep["repeated"] == 3 + sum(c["repeated_rows"] for c in cells.values())
+    for c in (1, 4, 16):  # the second policy to send a row down the speculative path repeats it
+        on_spec = sum(n for k, n in cells[("routed", c)]["route_mix"].items() if k.startswith("speculative:"))
+        assert cells[("fixed_spec", c)]["repeated_rows"] + cells[("routed", c)]["repeated_rows"] == on_spec
+    assert rep["drafter"] == "ngram" and rep["drafter_learns_from_traffic"] is False
+    assert "does not learn across requests: no effect" in bench.format_report(report)
 
 
 def test_engine_access_log_has_requests_not_polls(main):
