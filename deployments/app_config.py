@@ -193,7 +193,10 @@ class EngineImpl(_Strict):
 class AppConfig(_Strict):
     model: str = "default"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    drafter: str = "ngram"  # ngram | suffix | portfolio | self | self:L | eagle:DIR | a draft model source | none
+    # ngram | suffix | portfolio | self | self:L | eagle | eagle:DIR | a draft model source | none;
+    # portfolio: per sequence and step the best of n-gram, suffix (+ corpus) and, on the default
+    # model, its shipped EAGLE head (docs/service.md#drafters: measured against n-gram)
+    drafter: str = "portfolio"
     num_draft_tokens: int | Literal["auto"] = "auto"
     # the corpus of ``suffix`` and of the portfolio's suffix member: a file made by ``specserve
     # suffix-corpus`` (placement shared), "cold" for none; unset: the one shipped for the default model

@@ -235,9 +235,11 @@ def format_repeats(rep: dict | None) -> list[str]:
         "if the service's drafter learns (suffix, portfolio; pass --config to know),"
     return ["", f"WARNING: {share} repeated a row the speculative path had answered before in this "
                 f"run (`repeated_rows` per cell); {who} from traffic and drafts a repeat from its own "
-                "earlier answer, so those cells' α and latencies overstate new traffic. More rows "
-                "(bench serve: --workloads; map: --rows-per-segment), fewer requests per cell, "
-                "levels or speculative policies repeat less."]
+                "earlier answer, so those cells' α and latencies overstate new traffic (routed "
+                "against fixed-spec and the front door's speculative pairs are not judged). For new "
+                "traffic only: one speculative policy per run (bench serve --policies "
+                "fixed_spec,fixed_plain, then routed,fixed_plain; --overhead-requests 0) and more "
+                "rows than a run sends (bench serve: --workloads; map: --rows-per-segment)."]
 
 
 def cell_stats(results: list[dict], wall: float) -> dict:
@@ -483,11 +485,13 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
                     print(f"{segment:>12} c={c:<3} {policy:<11} {api:<6} e2e_p50={cell['e2e_p50']}s "
                           f"tok/s={cell['tokens_per_s']:.1f} mix={cell['route_mix']}",
                           file=sys.stderr, flush=True)
-    drafter = None if app_args is None else service_drafter(app_args)
+    repeats = answers.summary(None if app_args is None else service_drafter(app_args))
+    if overhead and overhead["repeated_rows"] and repeats["drafter_learns_from_traffic"]:
+        overhead["meets_goal"] = None  # the second gRPC call of a pair drafted from the first's answer
     return {"addr": addr, "app": app, "quick": bool(args.quick), "plan": plan,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "app_args": app_args,
-            "cells": cells, "summary": summarize([c for c in cells if c["api"] == "grpc"]),
-            "repeated_rows": answers.summary(drafter),
+            "cells": cells, "repeated_rows": repeats,
+            "summary": summarize([c for c in cells if c["api"] == "grpc"], repeats["drafter_learns_from_traffic"]),
             "front_door": overhead, **_api_report(cells, plan, door)}
 
 
@@ -556,10 +560,13 @@ def paired_ratio(routed: list[float], fixed: list[float], resamples: int = 2000,
     return round(statistics.median(ratios), 4), list(ci)
 
 
-def summarize(cells: list[dict]) -> list[dict]:
+def summarize(cells: list[dict], learns: bool | None = None) -> list[dict]:
     """Per (segment, concurrency): routed p50 e2e over the better fixed policy (goal <= 1.05),
     with its 90% bootstrap interval over requests (``ci90``), and beside it the paired estimate
-    (``paired_ratio``, ``paired_ci90``: per-row ratios, same prompt and round)."""
+    (``paired_ratio``, ``paired_ci90``: per-row ratios, same prompt and round). Where either cell
+    repeated rows (``repeated_rows``: routed and fixed-spec answer the same rows) and the service's
+    drafter learns from traffic (``learns``), the one that ran second drafted from the other's
+    answer: ``meets_goal`` is None (not judged)."""
     out = []
     keys = sorted({(c["segment"], c["concurrency"]) for c in cells})
     for seg, conc in keys:
@@ -573,11 +580,17 @@ def summarize(cells: list[dict]) -> list[dict]:
             aligned = not by["routed"].get("errors") and not by[best].get("errors")
             paired = paired_ratio(by["routed"].get("e2e_s") or [], by[best].get("e2e_s") or []) \
                 if aligned else None
-            out.append({"segment": seg, "concurrency": conc, "best_fixed": best,
-                        "routed_over_best_fixed": ratio, "meets_goal": ratio <= ROUTED_GOAL,
-                        "ci90": list(ci) if ci else None,
-                        "paired_ratio": paired[0] if paired else None,
-                        "paired_ci90": paired[1] if paired else None})
+            row = {"segment": seg, "concurrency": conc, "best_fixed": best,
+                   "routed_over_best_fixed": ratio, "meets_goal": ratio <= ROUTED_GOAL,
+                   "ci90": list(ci) if ci else None,
+                   "paired_ratio": paired[0] if paired else None,
+                   "paired_ci90": paired[1] if paired else None}
+            repeated = {p: by[p].get("repeated_rows", 0) for p in ("routed", best)}
+            if any(repeated.values()):
+                row["repeated_rows"] = repeated
+                if learns:
+                    row["meets_goal"] = None
+            out.append(row)
     return out
 
 
@@ -607,7 +620,9 @@ def format_report(report: dict) -> str:
                   + (f"[90% {s['ci90'][0]:.2f}-{s['ci90'][1]:.2f}] " if s.get("ci90") else "")
                   + (f"paired {s['paired_ratio']:.3f} [{s['paired_ci90'][0]:.2f}-{s['paired_ci90'][1]:.2f}] "
                      if s.get("paired_ratio") else "")
-                  + f"(best fixed: {s['best_fixed']}){'' if s['meets_goal'] else '  MISSES GOAL'}"
+                  + f"(best fixed: {s['best_fixed']})"
+                  + {True: "", False: "  MISSES GOAL",
+                     None: "  NOT JUDGED (repeated rows drafted from memory)"}[s["meets_goal"]]
                   for s in report["summary"]]
     lines += format_repeats(report.get("repeated_rows"))
     fd = report.get("front_door")
@@ -616,6 +631,9 @@ def format_report(report: dict) -> str:
                       f"(gRPC / in-process AsyncEngine, goal <= {FRONT_DOOR_GOAL}; "
                       "<path>: GenerateStream, <path>/unary: Generate, <path>/openai: the OpenAI "
                       "HTTP stream over the same in-process side):"]
+        if fd.get("meets_goal") is None and fd.get("repeated_rows"):
+            lines.append(f"  NOT JUDGED: {fd['repeated_rows']} speculative gRPC calls repeated their pair's row "
+                         "(a drafter that learns from traffic drafted them from memory)")
         for name, p in fd["paths"].items():
             door = "openai" if "openai_e2e_p50" in p else "grpc"
             lines.append(f"  {name:<17} e2e p50 {_f(p['direct_e2e_p50'], 1e3)} -> {_f(p[door + '_e2e_p50'], 1e3)} ms "

@@ -152,7 +152,7 @@ def test_time_budget_spent_leaves_a_partial_map(tmp_path):
 def test_ctrl_c_or_a_failed_sweep_leaves_the_partial_map(tmp_path, monkeypatch, exc, rc, key):
     from cluster.mapper import sweep
 
-    def interrupted(addr, app, traffic, levels, requests, max_tokens, budget, result, token=None):
+    def interrupted(addr, app, traffic, levels, requests, max_tokens, budget, result, token=None, drafter=None):
         result.setdefault("cells", [])
         raise exc
 
