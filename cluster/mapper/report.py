@@ -6,7 +6,7 @@ what was skipped or cut short). Ignores: computing anything (``decide``) and dra
 """
 from __future__ import annotations
 
-from cluster.bench.serve import format_repeats
+from cluster.bench.repeats import format_repeats
 
 
 def _f(x, nd: int = 2) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from cluster.bench import serve as bench
+from cluster.bench.repeats import SpecAnswers, level_start
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic
 
@@ -35,7 +36,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
     """Fill ``result['cells']`` (one dict per segment, level and path, ``bench serve``'s cell
     format) as cells complete; ``result['stopped_early']``: segment -> the level plain won at;
     ``result['repeated_rows']``: how many speculative requests repeated a row answered before
-    (``bench serve``'s ``SpecAnswers``; each level takes fresh rows while the sample lasts;
+    (``cluster.bench.repeats``; each level takes fresh rows while the sample lasts;
     ``drafter``: the service's, to say whether a repeat matters)."""
     import grpc
 
@@ -46,7 +47,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
     cells = result.setdefault("cells", [])
     early = result.setdefault("stopped_early", {})
     result.update(levels=list(levels), requests_per_cell=requests, max_tokens=max_tokens, addr=addr)
-    answers = bench.SpecAnswers()
+    answers = SpecAnswers()
     t0 = time.perf_counter()
     total = len(traffic.segments) * len(levels) * len(PATHS)
     try:
@@ -69,7 +70,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
                             repeated = answers.wave(bench.wave_rows(rows, offset, n_round, c), res,
                                                     forced_speculative=path == "fixed_spec")
                             per[path] = (per[path][0] + res, per[path][1] + wall, per[path][2] + repeated)
-                    start = bench.level_start(start, rounds, n_round)
+                    start = level_start(start, rounds, n_round)
                     got = {}
                     for path in PATHS:
                         cell = bench.cell_stats(*per[path][:2])
