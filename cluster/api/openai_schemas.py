@@ -64,6 +64,7 @@ class _Common(_Body):
     top_k: int | None = None
     mode: str | None = None  # auto | speculative | plain
     segment: str | None = None
+    draft_scope: str | None = None
     regex: str | None = None
     ignore_eos: bool | None = None
 
@@ -183,7 +184,8 @@ def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-                mode=_mode(body.mode), segment=body.segment or "", ignore_eos=bool(body.ignore_eos))
+                mode=_mode(body.mode), segment=body.segment or "", ignore_eos=bool(body.ignore_eos),
+                draft_scope=body.draft_scope or "")
 
 
 def _content(i: int, content: str | list[TextPart] | None) -> str:

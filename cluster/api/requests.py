@@ -72,6 +72,7 @@ class ValidatedRequest:
     constrained: bool
     label: str = ""  # the client's request_id metadata: echoed back and logged, never an id
     constraint: Constraint | None = None  # what the engine enforces on the output (constrained)
+    draft_scope: str = ""  # whose answers a drafter that learns from traffic may draft it from
 
     @property
     def echo_id(self) -> str:
@@ -171,6 +172,7 @@ class RequestFields:
     json_schema: str = ""
     regex: str = ""
     ignore_eos: bool = False
+    draft_scope: str = ""
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -194,7 +196,7 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.HasField("top_p") else None,
         top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
-        ignore_eos=bool(pb.ignore_eos))
+        ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope)
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -265,9 +267,14 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
         raise invalid("segment must be at most 64 characters")
     if not _SEGMENT.fullmatch(segment):  # it becomes a metric tag and a stats key: keep it plain
         raise invalid(f"segment must be ASCII letters, digits and . _ : / - only, got {segment[:64]!r}")
+    scope = f.draft_scope
+    if len(scope) > 64:
+        raise invalid("draft_scope must be at most 64 characters")
+    if scope and not _SEGMENT.fullmatch(scope):  # a key of the drafter's memory, sent over KVSync
+        raise invalid(f"draft_scope must be ASCII letters, digits and . _ : / - only, got {scope[:64]!r}")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
                             segment=segment, constrained=bool(f.json_schema or f.regex), label=label,
-                            constraint=_constraint(f.json_schema, f.regex))
+                            constraint=_constraint(f.json_schema, f.regex), draft_scope=scope)
 
 
 def _constraint(json_schema: str, regex: str) -> Constraint | None:
@@ -298,4 +305,4 @@ def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_s
             f"prompt too long: {len(ids)} tokens, limit is {limits.max_prompt_tokens}")
     return GenerationRequest(request_id=req.request_id, prompt_token_ids=ids, params=req.params,
                              segment=req.segment, mode=req.mode, arrival_time=arrival_time,
-                             constraint=req.constraint)
+                             constraint=req.constraint, draft_scope=req.draft_scope)

@@ -6,6 +6,8 @@ service's drafter learns from traffic, and the report's lines on it. A drafter t
 traffic (``suffix``, ``portfolio``: ``DrafterChoice.learns_from_traffic``) drafts a repeated greedy
 request from its own earlier answer (α near 1: measured 0.93-0.99, docs/measurements.md,
 "Comparing drafters through the service"), so such a request measures memory, not new traffic.
+It does so within a request's draft scope only: ``bench serve`` gives each policy its own, so a
+repeat is the same row sent again in the same scope (a workload shorter than the run).
 Ignores: sending requests and timing them (``cluster.bench.serve``).
 """
 from __future__ import annotations
@@ -14,8 +16,10 @@ import json
 
 
 def row_key(row: dict) -> str:
-    """What a drafter that learns from traffic recognises again: the request's text."""
-    return json.dumps([row.get("segment"), bool(row.get("chat")), row.get("prompt"), row.get("messages")])
+    """What a drafter that learns from traffic recognises again: the request's text, in its draft
+    scope (it drafts only from answers of the same scope)."""
+    return json.dumps([row.get("segment"), bool(row.get("chat")), row.get("prompt"), row.get("messages"),
+                       row.get("draft_scope", "")])
 
 
 class SpecAnswers:
@@ -23,9 +27,10 @@ class SpecAnswers:
     learns from traffic (``suffix``, ``portfolio``: ``DrafterChoice.learns_from_traffic``) drafts a
     repeated greedy request from its own earlier answer (α near 1), so a speculative request that
     repeats a row measures that memory, not new traffic. Levels take fresh rows where the
-    workload has enough (``level_start``), but the policies of one level share theirs (fixed-spec
-    and routed answer each row once each) and a short workload cycles: ``wave`` counts what
-    repeats, per cell (``repeated_rows``) and in all (``summary``)."""
+    workload has enough (``level_start``); the policies of one level share theirs (fixed-spec and
+    routed answer each row once each), each in its own draft scope where the bench gives one, and a
+    short workload cycles: ``wave`` counts what repeats, per cell (``repeated_rows``) and in all
+    (``summary``)."""
 
     def __init__(self) -> None:
         self.keys: set[str] = set()
@@ -79,9 +84,8 @@ def format_repeats(rep: dict | None) -> list[str]:
     who = f"drafter {rep['drafter']!r} learns" if rep["drafter_learns_from_traffic"] else \
         "if the service's drafter learns (suffix, portfolio; pass --config to know),"
     return ["", f"WARNING: {share} repeated a row the speculative path had answered before in this "
-                f"run (`repeated_rows` per cell); {who} from traffic and drafts a repeat from its own "
-                "earlier answer, so those cells' α and latencies overstate new traffic (routed "
-                "against fixed-spec and the front door's speculative pairs are not judged). For new "
-                "traffic only: one speculative policy per run (bench serve --policies "
-                "fixed_spec,fixed_plain, then routed,fixed_plain; --overhead-requests 0) and more "
-                "rows than a run sends (bench serve: --workloads; map: --rows-per-segment)."]
+                f"run in the same draft scope (`repeated_rows` per cell); {who} from traffic and "
+                "drafts a repeat from its own earlier answer, so those cells' α and latencies "
+                "overstate new traffic (routed against fixed-spec and the front door's speculative "
+                "pairs are not judged where they repeated). For new traffic only: more rows than a "
+                "run sends (bench serve: --workloads, or fewer --requests; map: --rows-per-segment)."]

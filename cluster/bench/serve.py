@@ -10,8 +10,12 @@ front-door overhead at concurrency 1: the same requests straight through an in-p
 and through gRPC (proxy -> Router -> engine replica), interleaved request by request; the ratio of
 medians per path (goal <= 1.10). ``--api openai`` adds the OpenAI-compatible HTTP front door
 beside gRPC in every cell and in the overhead (``cluster.bench.serve_openai``). ``--quick`` is a
-smoke run for a loaded 2-core machine. Each level takes fresh rows while the workload lasts; what
-a speculative request repeats, and which ratios that leaves unjudged, is ``cluster.bench.repeats``.
+smoke run for a loaded 2-core machine. Each level takes fresh rows while the workload lasts, and
+each policy (and each side of the front door's pairs) sends its requests in a draft scope of its own
+(``bench-<run>/<policy>/<api>``), so a drafter that learns from traffic (suffix, portfolio) never
+drafts one policy's request from another's answer to the same row; what a speculative request still
+repeats (a workload shorter than the run), and which ratios that leaves unjudged, is
+``cluster.bench.repeats``.
 Ignores: engine-internal timing (``bench spec``/``bench decode``), plots.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import gc
 import json
+import secrets
 import signal
 import statistics
 import sys
@@ -95,7 +100,7 @@ def _request(pb2, row: dict, mode: int, max_tokens: int):
     """A GenerateRequest from a prompt row (``generate --prompts`` format): ``prompt`` (+ ``chat``)
     or ``messages``, and when present the constraint and sampling keys of ``specserve map`` rows."""
     req = pb2.GenerateRequest(max_tokens=_max_tokens(row, max_tokens), mode=mode,
-                              segment=row.get("segment", ""))
+                              segment=row.get("segment", ""), draft_scope=row.get("draft_scope", ""))
     if "messages" in row:
         for m in row["messages"]:
             req.messages.append(pb2.ChatMessage(role=m["role"], content=m["content"]))
@@ -199,7 +204,8 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
         else:
             ids = engine.tokenize(row["prompt"])
         req = GenerationRequest(rid, ids, SamplingParams(max_tokens=_max_tokens(row, max_tokens)),
-                                segment=row.get("segment", "default"), mode=mode)
+                                segment=row.get("segment", "default"), mode=mode,
+                                draft_scope=row.get("draft_scope", ""))
         ttft, ntok = None, 0
         async for out in engine.generate(req):
             if out.new_token_ids and ttft is None:
@@ -210,8 +216,19 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
     return loop.run_until_complete(go())
 
 
+def scoped(rows: list[dict], scope: str) -> list[dict]:
+    """``rows`` sent in draft scope ``scope`` (a drafter that learns from traffic drafts them from
+    that scope's earlier answers only)."""
+    return [dict(r, draft_scope=scope) for r in rows]
+
+
+def run_scope() -> str:
+    """This run's draft-scope prefix: no earlier run's answers (nor live traffic's) are drafted from."""
+    return f"bench-{secrets.token_hex(4)}"
+
+
 def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
-                        pairs: int, door=None, answers: SpecAnswers | None = None) -> dict:
+                        pairs: int, door=None, answers: SpecAnswers | None = None, scope: str = "") -> dict:
     """Per path (speculative / plain): the same requests through an engine stepping in this
     process — ``AsyncEngine`` with the engine config the service's replicas build (the configured
     ``engine_impl`` itself when it is not an ``AsyncEngine``, e.g. FakeEngine) — and through gRPC,
@@ -219,8 +236,9 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
     three in ``round_order``, after one warm-up round. With ``door`` (an ``OpenAIDoor``) a fourth
     side, the OpenAI HTTP stream (key ``<path>/openai``). With placement ``separate`` the in-process
     spec engine drafts locally (no DraftServer in this process). ``answers`` records the
-    service's speculative requests (each pair sends a row through the service two or three ways:
-    ``repeated_rows`` in the result)."""
+    service's speculative requests (``repeated_rows`` in the result). Each side sends in a draft
+    scope of its own (``<scope>/door/<side>``; the in-process engine is a new one per path): the
+    service's second call of a pair never drafts from the first's answer."""
     from cluster.common.request import SpecMode
     from cluster.engine.async_engine import AsyncEngine
     from deployments.app_config import AppConfig
@@ -250,12 +268,13 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                     got["openai"] = []
                     calls["openai"] = lambda row, i: door.one(row, proto_mode, max_tokens)
                 for i in range(pairs + 1):  # round 0 warms all three up and is not counted
-                    row = rows[i % len(rows)]
-                    res = {side: calls[side](row, i) for side in round_order(list(calls), i)}
+                    row = {side: dict(rows[i % len(rows)], draft_scope=f"{scope}/door/{side}") if scope
+                           else rows[i % len(rows)] for side in calls}
+                    res = {side: calls[side](row[side], i) for side in round_order(list(calls), i)}
                     if answers is not None and speculative:
                         for side, r in res.items():  # in the order they ran
                             if side != "direct":
-                                out["repeated_rows"] += answers.wave([row], [r], forced_speculative=True)
+                                out["repeated_rows"] += answers.wave([row[side]], [r], forced_speculative=True)
                     if i and all(r.get("error") is None for r in res.values()):
                         for side, r in res.items():
                             got[side].append(r)
@@ -370,6 +389,7 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
         stub = stubs.generation_grpc().GenerationStub(channel)
         seg_rows = {s: load_prompts(args.workloads, s, limit=None) for s in plan["segments"]}
         answers = SpecAnswers()
+        scope = run_scope()
         start = dict.fromkeys(seg_rows, 0)  # where each segment's next level takes its rows
         overhead = None
         if plan["overhead_requests"] > 0 and app_args is not None:
@@ -378,10 +398,13 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
             # from a new one, which would be measured as front-door cost
             rows = [r for rs in seg_rows.values() for r in rs]
             overhead = front_door_overhead(stub, pb2, md, app_args, rows, plan["max_tokens"],
-                                           plan["overhead_requests"], door, answers)
+                                           plan["overhead_requests"], door, answers, scope)
             sent = {id(r) for r in rows[: plan["overhead_requests"] + 1]}  # the levels start after those
             start = {s: sum(id(r) in sent for r in rs) for s, rs in seg_rows.items()}
-        for segment, rows in seg_rows.items():
+        for segment, all_rows in seg_rows.items():
+            # each policy and front door in a draft scope of its own: routed and fixed-spec answer
+            # the same rows, and neither drafts from the other's answers
+            by_policy = {(p, api): scoped(all_rows, f"{scope}/{p}/{api}") for p in plan["policies"] for api in plan["apis"]}
             for c in plan["levels"]:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
                 # stretch of a noisy machine hits every policy alike; every policy gets the same rows
@@ -396,6 +419,7 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
                             _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
                             one = (lambda row, mode, n: door.one(row, mode, n)) if api == "openai" else None
                             offset = start[segment] + r * n_round
+                            rows = by_policy[policy, api]
                             res, wall = run_requests(stub, pb2, md, rows, POLICIES[policy], c, n_round,
                                                      plan["max_tokens"], offset=offset, one=one)
                             repeated = answers.wave(wave_rows(rows, offset, n_round, c), res,

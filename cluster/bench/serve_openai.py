@@ -37,8 +37,9 @@ class OpenAIDoor:
                 "temperature": float(row.get("temperature") or 0.0), "stream": True,
                 "stream_options": {"include_usage": True}}
         extra = {"mode": MODE_NAMES[mode]}
-        if row.get("segment"):
-            extra["segment"] = row["segment"]
+        for key in ("segment", "draft_scope"):
+            if row.get(key):
+                extra[key] = row[key]
         for key in ("top_k", "regex"):
             if row.get(key):
                 extra[key] = row[key]

@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--segment", default="")
+    p.add_argument("--draft-scope", default="", help="draft only from answers of requests with this scope "
+                   "(e.g. a tenant id; a drafter that learns from traffic: suffix, portfolio)")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
@@ -35,7 +37,7 @@ def build_request(args):
     pb2 = stubs.generation_pb2()
     req = pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
                               mode=_MODES[args.mode], segment=args.segment,
-                              json_schema=args.json_schema)
+                              json_schema=args.json_schema, draft_scope=args.draft_scope)
     if args.chat:
         req.messages.append(pb2.ChatMessage(role="user", content=args.prompt))
     else:

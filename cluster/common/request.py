@@ -205,6 +205,9 @@ class GenerationRequest:
     # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.
     trace_carrier: dict[str, str] = field(default_factory=dict)
     constraint: Constraint | None = None  # json_schema / regex the output must match
+    # a drafter that learns from traffic (suffix, portfolio) drafts this request only from answers
+    # of requests with the same segment and draft_scope ("": the shared scope)
+    draft_scope: str = ""
 
 
 @dataclass(slots=True)

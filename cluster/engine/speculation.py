@@ -204,7 +204,7 @@ class SpecController:
             return eligible, [(s.seq_id, s.request.segment) for s in eligible], None
         kept, keys, contexts = [], [], []
         for s in eligible:
-            ctx = context(s.seq_id, self._context(s), s.request.segment)
+            ctx = context(s.seq_id, self._context(s), s.request.segment, s.request.draft_scope)
             if ctx is None:
                 continue
             sub_id = with_context(s.seq_id, ctx)
@@ -256,7 +256,7 @@ class SpecController:
         stop = self.config.draft_stop_confidence  # adaptive K's sequences only: a fixed K drafts K
         inputs = [ProposeInput(s.seq.seq_id, self._context(s.seq), s.num_draft_tokens - len(forced[s.seq.seq_id]),
                                s.seq.request.params, segment=s.seq.request.segment,
-                               grammar=cursors.get(s.seq.seq_id),
+                               draft_scope=s.seq.request.draft_scope, grammar=cursors.get(s.seq.seq_id),
                                stop_confidence=stop if s.seq.seq_id in self._keys else 0.0) for s in drafting]
         t0 = time.perf_counter()
         try:

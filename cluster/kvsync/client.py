@@ -20,7 +20,9 @@ head) it checks the head's target and width against this engine's target, has it
 and sends with each sequence's tokens the features of the committed positions the server lacks
 (all of them on a resync); a sequence without features from position 0 (prefilled before the
 server named its layers: Info is asked on attach and on a new address, not only at the first
-propose) is not drafted.
+propose) is not drafted. A server older than ``SCOPES_VERSION`` would draft a sequence with a
+draft scope from every scope's traffic: such sequences only sync their state there (no drafts,
+logged once).
 Ignores: verification, adaptive K, which drafter the server runs.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ from cluster.api.auth import bearer_metadata
 from cluster.common.errors import VocabularyMismatchError
 from cluster.kvsync.budget import DraftBudget
 from cluster.kvsync.limits import KVSyncLimits
-from cluster.kvsync.server import CALLER_METADATA, PROTOCOL_VERSION
+from cluster.kvsync.server import CALLER_METADATA, PROTOCOL_VERSION, SCOPES_VERSION
 from cluster.kvsync.tls import KVSyncTLS
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, DraftUnavailableError, ProposeInput
@@ -85,6 +87,8 @@ class RemoteProposer:
         self._channel: grpc.Channel | None = None
         self._stub = None
         self._confirmed = False  # Info answered on this channel (epoch and vocabulary known)
+        self._server_version = PROTOCOL_VERSION  # the server's KVSync version, from its Info
+        self._unscoped_logged = False  # a scoped sequence went undrafted on an older server (logged once)
         self._epoch = 0
         self._sent: dict[str, list[int]] = {}  # seq id -> committed tokens the server holds
         self._lost: set[str] = set()  # tracked when the server's epoch changed: resent in full next
@@ -235,6 +239,7 @@ class RemoteProposer:
             self._channel.close()
             self._new_channel()
         self._set_epoch(info.epoch)
+        self._server_version = info.protocol_version or 1
         self._confirmed = True
         self._refused = ""
 
@@ -289,9 +294,16 @@ class RemoteProposer:
         params = pb2.DraftSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         if p.seed is not None:
             params.seed = p.seed
-        seq = pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new,
-                             num_draft_tokens=min(inp.num_draft_tokens, self.limits.max_draft_tokens),
-                             params=params, segment=inp.segment, stop_confidence=inp.stop_confidence)
+        k = min(inp.num_draft_tokens, self.limits.max_draft_tokens)
+        if inp.draft_scope and self._server_version < SCOPES_VERSION and k:
+            k = 0  # it would draft from every scope's answers: sync only
+            if not self._unscoped_logged:
+                self._unscoped_logged = True
+                log.warning("draft server %s speaks KVSync %d (draft scopes need %d): requests with a "
+                            "draft_scope get no drafts from it", self._address, self._server_version, SCOPES_VERSION)
+        seq = pb2.ProposeSeq(seq_id=inp.seq_id, base_len=base, new_tokens=new, num_draft_tokens=k,
+                             params=params, segment=inp.segment, stop_confidence=inp.stop_confidence,
+                             draft_scope=inp.draft_scope)
         # features the server lacks: it holds [0, base - 1) (sent with the tokens it holds), and
         # the last committed token's has not been computed yet
         start, end = max(base - 1, 0), len(tokens) - 1

@@ -48,8 +48,9 @@ from cluster.telemetry.tracing import add_event
 log = logging.getLogger(__name__)
 
 CALLER_METADATA = "kvsync-caller"  # a caller's stable name (RemoteProposer: one per instance)
-PROTOCOL_VERSION = 2  # 1: tokens only; 2: + target features (protos/specserve/v1/kvsync.proto)
+PROTOCOL_VERSION = 3  # 1: tokens only; 2: + target features; 3: + draft scopes (protos/specserve/v1/kvsync.proto)
 FEATURES_VERSION = 2  # the first version that carries target features
+SCOPES_VERSION = 3  # the first version whose server drafts a sequence from its draft scope only
 _DRAFT_SEED_SALT = b"specserve/kvsync/draft"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -167,8 +168,12 @@ class DraftServerCore:
         for s in request.seqs:
             if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
                 raise ServiceError(_INVALID, f"seq_id must be 1-{MAX_SEQ_ID_CHARS} characters")
-            if len(s.segment) > MAX_SEQ_ID_CHARS:
-                raise ServiceError(_INVALID, f"segment must be at most {MAX_SEQ_ID_CHARS} characters")
+            for name in ("segment", "draft_scope"):
+                value = getattr(s, name)
+                if len(value) > MAX_SEQ_ID_CHARS:
+                    raise ServiceError(_INVALID, f"{name} must be at most {MAX_SEQ_ID_CHARS} characters")
+                if not value.isprintable():  # keeps memory_key(segment, draft_scope) one-to-one
+                    raise ServiceError(_INVALID, f"{name} of {s.seq_id!r} has a control character")
             if s.num_draft_tokens > lim.max_draft_tokens:
                 raise ServiceError(_INVALID, f"num_draft_tokens {s.num_draft_tokens} for {s.seq_id!r} "
                                              f"exceeds this server's limit of {lim.max_draft_tokens}")
@@ -316,7 +321,7 @@ class DraftServerCore:
                     inputs.append(ProposeInput(seq_id=key, token_ids=list(held),
                                                num_draft_tokens=int(s.num_draft_tokens), params=p,
                                                generator=self._generator(key, p), segment=s.segment,
-                                               stop_confidence=s.stop_confidence))
+                                               draft_scope=s.draft_scope, stop_confidence=s.stop_confidence))
                     rows.append(i)
             if inputs:
                 self._busy_since = time.monotonic()

@@ -91,7 +91,8 @@ class NgramProposer:
             drafts.append(continuation(tokens, match, inp.num_draft_tokens))
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
-    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
+                      draft_scope: str = "") -> str | None:
         """What this sequence's next draft would rest on: "n<size>" of the suffix match (a longer
         match is accepted far more often — on chat a 1-token match was right 12–14% of the time, a
         2-token one 38–47%), or None when nothing matches and there is nothing to

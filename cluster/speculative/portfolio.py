@@ -122,6 +122,7 @@ class _Pending:
 
     length: int  # committed tokens when drafted
     segment: str = ""
+    draft_scope: str = ""  # passed to members that learn from traffic (suffix)
     drafts: dict[str, tuple[list[int], str]] = field(default_factory=dict)  # member -> (draft, context)
     chosen: str | None = None  # the member expected to commit most per cost (None: no candidate)
     sent: bool = False  # the chosen member's draft was returned by ``propose``
@@ -213,8 +214,9 @@ class PortfolioProposer:
         self._stats = {m.name: MemberStats() for m in self.members}
 
     # -- Proposer ---------------------------------------------------------------------------------
-    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
-        pending = self._prepare(seq_id, token_ids, segment)
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
+                      draft_scope: str = "") -> str | None:
+        pending = self._prepare(seq_id, token_ids, segment, draft_scope)
         if pending.chosen is None:
             return None
         return f"{pending.chosen}:{pending.drafts[pending.chosen][1]}"
@@ -227,7 +229,7 @@ class PortfolioProposer:
         for row, inp in enumerate(inputs):
             if inp.num_draft_tokens <= 0:
                 continue
-            pending = self._prepare(inp.seq_id, inp.token_ids, inp.segment)
+            pending = self._prepare(inp.seq_id, inp.token_ids, inp.segment, inp.draft_scope)
             if pending.chosen is None:
                 continue
             if self._member(pending.chosen).cost > 0:
@@ -363,7 +365,7 @@ class PortfolioProposer:
     def _member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)
 
-    def _prepare(self, seq_id: str, token_ids: list[int], segment: str) -> _Pending:
+    def _prepare(self, seq_id: str, token_ids: list[int], segment: str, draft_scope: str = "") -> _Pending:
         """Learn from the tokens committed since the sequence's last drafts, then draft with the
         cost-0 members and choose; cached until the sequence's tokens change."""
         pending = self._pending.get(seq_id)
@@ -371,21 +373,21 @@ class PortfolioProposer:
             return pending
         if pending is not None and pending.length < len(token_ids):
             self._learn(seq_id, pending, token_ids[pending.length:])
-        pending = self._pending[seq_id] = _Pending(len(token_ids), segment)
+        pending = self._pending[seq_id] = _Pending(len(token_ids), segment, draft_scope)
         best, best_value = None, 1.0 + self.min_gain  # a candidate must beat plain decoding
         candidates = [self._member(n) for n in self.routes_of(segment)]
         routed = self.routes is not None and len(candidates) == 1  # the segment's one drafter: no choice
         found: list[tuple[Member, int]] = []  # members with something to draft, the draft's length
         for m in candidates:
             context_of = getattr(m.proposer, "draft_context", None)
-            ctx = context_of(seq_id, token_ids, segment) if context_of is not None else ""
+            ctx = context_of(seq_id, token_ids, segment, draft_scope) if context_of is not None else ""
             if ctx is None:
                 continue
             if m.cost > 0:
                 draft, k = [], self.horizon
                 pending.catch_up[m.name] = self._positions_behind(seq_id, m.name, len(token_ids))
             else:
-                inp = ProposeInput(seq_id, token_ids, self.horizon, _GREEDY, segment=segment)
+                inp = ProposeInput(seq_id, token_ids, self.horizon, _GREEDY, segment=segment, draft_scope=draft_scope)
                 draft = list(m.proposer.propose([inp]).draft_token_ids[0])
                 k = len(draft)
                 if not k:

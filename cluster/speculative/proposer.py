@@ -62,8 +62,10 @@ class ContextualProposer(Protocol):
     """A drafter that labels what its next draft would rest on (n-gram: the match length), so
     that adaptive K estimates acceptance per label."""
 
-    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
-        """The label of the next draft for this sequence (of ``segment``); None: nothing to draft now."""
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
+                      draft_scope: str = "") -> str | None:
+        """The label of the next draft for this sequence (of ``segment`` and ``draft_scope``, see
+        ``ProposeInput``); None: nothing to draft now."""
 
 
 @runtime_checkable

@@ -27,9 +27,17 @@ the corpus displaced drafts its segment had learnt (json: −1% tokens per unit 
 −8% on wall-clock; at 0.4 +1% in the replay). Its walks stop at ``corpus_min_token_prob``; its
 drafts' contexts are "c<m>" and, below ``CORPUS_WEAK_PROB`` on the first token, "c<m>w".
 
+Draft scopes (``ProposeInput.draft_scope``, the request's ``draft_scope``): the index keeps what
+it learns per segment *and* scope (``memory_key``), and a sequence drafts only from its own key's
+documents. A draft is only a guess — the target verifies every token, so a shared index cannot
+change an answer — but it changes how fast one comes, and responses report accepted drafts: a
+client could tell whether someone else in its segment was recently given a continuation. A tenant
+id as the scope keeps each tenant's answers to itself; ``bench serve`` gives each policy its own,
+so one policy never drafts from another's answers to the same rows. The shipped corpus is the
+target's own outputs on locally built prompts, no one's traffic: every scope reads it.
+
 Ignores: which model the tokens came from — one proposer serves one target model (an engine's,
-or the one DraftServer app's), so an index never crosses models; tenants (no isolation needed:
-a draft is only a guess, the target verifies every token).
+or the one DraftServer app's), so an index never crosses models.
 
 Cost: the index is the token lists themselves (int32, 4 bytes a token) and, for a segment past
 8k tokens, where each token occurs (a stable argsort: 12 bytes a token; the default 1M-token
@@ -126,6 +134,12 @@ class _Segment:
         self.num_tokens -= doc.shape[0]
         self.flat = None
         return doc.shape[0]
+
+
+def memory_key(segment: str, draft_scope: str = "") -> str:
+    """The index key of what a sequence of ``segment`` and ``draft_scope`` learns and drafts from
+    (the segment alone for the shared scope: its key is the segment's name)."""
+    return f"{segment}\x1f{draft_scope}" if draft_scope else segment
 
 
 @dataclass(slots=True)
@@ -350,7 +364,7 @@ def walk_arrays(sources: list[tuple[np.ndarray, np.ndarray]], max_len: int,
 @dataclass(slots=True)
 class _Seen:
     history: TokenHistory  # int32, appended to step by step
-    segment: str
+    memory: str  # its index key: memory_key(segment, draft_scope)
     draft: SuffixDraft | None = None  # the proposal for exactly these tokens, once computed
 
 
@@ -387,18 +401,20 @@ class SuffixProposer:
     def propose(self, inputs: list[ProposeInput]) -> DraftProposal:
         drafts = []
         for inp in inputs:
-            d = self._draft(inp.seq_id, inp.token_ids, inp.segment) if inp.num_draft_tokens > 0 else NO_DRAFT
+            d = self._draft(inp.seq_id, inp.token_ids, memory_key(inp.segment, inp.draft_scope)) \
+                if inp.num_draft_tokens > 0 else NO_DRAFT
             self.corpus_drafts += d.from_corpus and bool(d.tokens)
             drafts.append(d.tokens[: inp.num_draft_tokens])
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
-    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "") -> str | None:
+    def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
+                      draft_scope: str = "") -> str | None:
         """"m<length>" of the match the next draft rests on (4 and longer pooled), or None when
         nothing matches: adaptive K keeps acceptance per context. A match in the corpus is
         "c<length>", and "c<length>w" where its first token's empirical probability is below
         ``CORPUS_WEAK_PROB`` (on the default model's chat such drafts are right 0.15-0.3 of the
         time, the others 0.4-0.6: a portfolio weighs them apart)."""
-        d = self._draft(seq_id, token_ids, segment)
+        d = self._draft(seq_id, token_ids, memory_key(segment, draft_scope))
         if not d.tokens:
             return None
         if d.from_corpus:
@@ -406,27 +422,27 @@ class SuffixProposer:
         return f"m{min(d.match_len, 4)}"
 
     def release(self, seq_id: str) -> None:
-        """The sequence is done (or preempted): learn its last seen tokens into its segment."""
+        """The sequence is done (or preempted): learn its last seen tokens into its segment and scope."""
         seen = self._seen.pop(seq_id, None)
         if seen is not None and seen.history.length > 1:
-            self.index.add(seen.segment, seq_id, seen.history.tokens.copy())  # not the spare capacity
+            self.index.add(seen.memory, seq_id, seen.history.tokens.copy())  # not the spare capacity
 
-    def proposal(self, seq_id: str, token_ids: list[int], segment: str = "") -> SuffixDraft:
+    def proposal(self, seq_id: str, token_ids: list[int], segment: str = "", draft_scope: str = "") -> SuffixDraft:
         """The full draft (up to max_spec_tokens) with its probabilities and match length."""
-        return self._draft(seq_id, token_ids, segment)
+        return self._draft(seq_id, token_ids, memory_key(segment, draft_scope))
 
-    def _draft(self, seq_id: str, token_ids: list[int], segment: str) -> SuffixDraft:
+    def _draft(self, seq_id: str, token_ids: list[int], memory: str) -> SuffixDraft:
         seen = self._seen.get(seq_id)
-        grew = None if seen is None or seen.segment != segment else seen.history.follow(token_ids)
+        grew = None if seen is None or seen.memory != memory else seen.history.follow(token_ids)
         if grew is None:
-            seen = self._seen[seq_id] = _Seen(TokenHistory.of(token_ids, np.int32), segment)
+            seen = self._seen[seq_id] = _Seen(TokenHistory.of(token_ids, np.int32), memory)
         elif grew:
             seen.draft = None
         if seen.draft is None:
-            seen.draft = self._search(seen.history.tokens, segment)
+            seen.draft = self._search(seen.history.tokens, memory)
         return seen.draft
 
-    def _search(self, history: np.ndarray, segment: str) -> SuffixDraft:
+    def _search(self, history: np.ndarray, memory: str) -> SuffixDraft:
         """history [L] int32 -> the best-scoring draft over all match lengths: in the sequence's own
         history and its segment's index together, then in the corpus alone (matches of two tokens
         and more), which wins only where its score times ``corpus_weight`` is higher — its many
@@ -434,10 +450,10 @@ class SuffixProposer:
         if history.shape[0] < 1:
             return NO_DRAFT
         tail = history[-self.max_depth:]
-        learnt = self.index.buffer(segment)
+        learnt = self.index.buffer(memory)
         per_source = [(history, match_starts(history, tail, self.max_depth, own=True))]
         if learnt is not None:
-            last = self.index.positions(segment, int(tail[-1]))
+            last = self.index.positions(memory, int(tail[-1]))
             per_source.insert(0, (learnt, match_starts(learnt, tail, self.max_depth, own=False, last=last)))
         best = self._best(per_source, NO_DRAFT, lowest=1)
         if self.corpus is not None and tail.shape[0] >= 2:

@@ -73,6 +73,8 @@ class ProposeInput:
     for this seq_id holds a prefix of it and must roll back or extend to match exactly.
     segment: the request's traffic segment (a drafter that learns from traffic keeps what it
     learns per segment; the others ignore it).
+    draft_scope: the request's draft scope (such a drafter drafts it only from what sequences of
+    the same segment and scope taught it; "": the shared scope).
     grammar: see ``DraftGrammar`` (model-free drafters ignore it: their drafts are cut by the walk).
     stop_confidence: see the field (model-free drafters ignore it: they size their drafts by their
     matches).
@@ -84,6 +86,7 @@ class ProposeInput:
     params: SamplingParams
     generator: torch.Generator | None = None
     segment: str = ""
+    draft_scope: str = ""
     # a constrained sequence's grammar along the draft, for drafters that run a model in this
     # process (they draft under its mask); None: unconstrained, or a drafter that cannot use it
     grammar: DraftGrammar | None = None

@@ -35,11 +35,13 @@ def refused(fn, match, param=None, code=grpc.StatusCode.INVALID_ARGUMENT, **body
 def test_chat_body_to_fields():
     f = chat(model="m", max_completion_tokens=7, max_tokens=3, temperature=0, top_p=0.5, seed=3, stop="\n",
              top_k=4, mode="PLAIN", segment="code", ignore_eos=True, user="u", future_field={"x": 1},
+             draft_scope="tenant-7",
              messages=[{"role": "system", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert f.messages == (("system", "be brief"), ("user", "ab"))
     assert (f.max_tokens, f.temperature, f.top_p, f.seed, f.stop, f.top_k) == (7, 0, 0.5, 3, ("\n",), 4)
     assert f.mode is SpecMode.PLAIN and f.segment == "code" and f.ignore_eos and f.prompt is None
+    assert f.draft_scope == "tenant-7"
     d = chat()
     assert d.temperature == 1.0 and d.max_tokens is None and d.mode is SpecMode.AUTO  # OpenAI's defaults
 

@@ -60,6 +60,9 @@ def bad(match, **fields):
     (dict(prompt="hi", regex=DEEP_REGEX), "regex is nested too deeply"),
     (dict(prompt="hi", segment="ünïcödé"), "segment must be ASCII letters"),  # a metric tag (fuzz)
     (dict(prompt="hi", segment="a b"), "segment must be ASCII letters"),
+    (dict(prompt="hi", draft_scope="tenant 7"), "draft_scope must be ASCII letters"),
+    (dict(prompt="hi", draft_scope="t\x1f7"), "draft_scope must be ASCII letters"),
+    (dict(prompt="hi", draft_scope="t" * 65), "draft_scope must be at most 64 characters"),
 ])
 def test_invalid_requests(fields, match):
     bad(match, **fields)
@@ -133,6 +136,14 @@ def test_tokenize_and_prompt_length():
         to_generation_request(ids, engine, LIMITS, vocab_size=engine.vocab_size)
     chat = validate_request(pb2.GenerateRequest(messages=[pb2.ChatMessage(role="user", content="q")]), "r", LIMITS)
     assert to_generation_request(chat, engine, LIMITS, 259).prompt_token_ids == engine.tokenize("<user>q\n<assistant>")
+
+
+def test_draft_scope_reaches_the_engine_request():
+    engine = FakeEngine(EngineConfig())
+    for scope in ("", "tenant-7", "bench-1a2b/routed/grpc", "t" * 64):
+        v = validate_request(pb2.GenerateRequest(prompt="abc", draft_scope=scope), "r", LIMITS)
+        assert v.draft_scope == scope
+        assert to_generation_request(v, engine, LIMITS, vocab_size=engine.vocab_size).draft_scope == scope
 
 
 def test_auth():

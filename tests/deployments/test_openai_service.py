@@ -171,6 +171,7 @@ def _status(fn, **kwargs):
     (dict(response_format={"type": "json_object"}, extra_body={"regex": "[a-z]+"}), 400,
      "set at most one of response_format", "response_format"),
     (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
+    (dict(extra_body={"draft_scope": "tenant 7"}), 400, "draft_scope must be ASCII letters", None),  # gRPC's rule
     (dict(logprobs=True), 400, "logprobs is not supported", "logprobs"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role must be one of", None),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,

@@ -149,17 +149,21 @@ def test_sampling_probabilities_round_trip():
         server.stop(0)
 
 
+class Asked(NgramProposer):
+    """An n-gram drafter recording, per sequence asked, (its id without the caller's namespace,
+    ``fields`` of its ProposeInput...)."""
+
+    def __init__(self, *fields):
+        super().__init__()
+        self.fields, self.asked = fields, []
+
+    def propose(self, inputs):
+        self.asked += [(i.seq_id.rsplit("/", 1)[-1], *(getattr(i, f) for f in self.fields)) for i in inputs]
+        return super().propose(inputs)
+
+
 def test_stop_confidence_travels_to_the_server_drafter():
-    class Asked(NgramProposer):
-        def __init__(self):
-            super().__init__()
-            self.asked = []
-
-        def propose(self, inputs):
-            self.asked += [(i.seq_id.rsplit("/", 1)[-1], i.stop_confidence) for i in inputs]
-            return super().propose(inputs)
-
-    drafter = Asked()
+    drafter = Asked("stop_confidence")
     core = DraftServerCore(drafter, vocab_size=100, drafter="ngram", max_sequences=8)
     server, port = start_server(core)
     try:
@@ -170,3 +174,27 @@ def test_stop_confidence_travels_to_the_server_drafter():
         assert sorted(drafter.asked) == [("a", 0.25), ("b", 0.0)]
     finally:
         server.stop(0)
+
+
+def test_draft_scope_travels_and_an_older_server_is_not_asked_to_draft_scoped_sequences(monkeypatch):
+    """A server of KVSync 3 drafts a scoped sequence from that scope only; one older would draft it
+    from every scope's traffic, so the client only syncs such sequences there (K = 0)."""
+    import cluster.kvsync.server as server_mod
+
+    for version, expect in ((server_mod.PROTOCOL_VERSION, [("a", "t1", 3), ("b", "", 3)]), (2, [("b", "", 3)])):
+        monkeypatch.setattr(server_mod, "PROTOCOL_VERSION", version)  # what the server's Info says
+        drafter = Asked("draft_scope", "num_draft_tokens")
+        core = DraftServerCore(drafter, vocab_size=100, drafter="ngram", max_sequences=8)
+        server, port = start_server(core)
+        try:
+            remote = RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=100, release_idle_s=60)
+            a = inp("a", [1, 2, 1])
+            a.draft_scope = "t1"
+            got = remote.propose([a, inp("b", [3, 4, 3])])
+            assert sorted(drafter.asked) == expect, version
+            assert got.draft_token_ids[1] == [4, 3]  # the unscoped one drafts either way
+            if version == 2:
+                assert got.draft_token_ids[0] == [] and core.held("a") == [1, 2, 1]  # synced all the same
+        finally:
+            server.stop(0)
+

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster.api import stubs
-from cluster.kvsync.server import DraftServerCore, start_server
+from cluster.kvsync.server import PROTOCOL_VERSION, DraftServerCore, start_server
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal
 
@@ -170,7 +170,7 @@ def test_feature_reader_announces_its_layers_and_refuses_version_1_callers(featu
     core, reader, stub = feature_served
     info = stub.Info(pb2.InfoRequest(protocol_version=2), timeout=5)
     assert (info.protocol_version, list(info.feature_layers), info.feature_width, info.feature_target) == \
-        (2, [0, 1], 4, "target-a")
+        (PROTOCOL_VERSION, [0, 1], 4, "target-a")
     assert core.limits.feature_width == 4
     with pytest.raises(grpc.RpcError) as err:  # a version-1 client: no protocol_version, no features
         stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[seq("a", 0, [1, 2, 3])]), timeout=5)
@@ -231,3 +231,21 @@ def test_a_drafter_without_features_refuses_feature_rows(served):
         stub.Propose(v2(core.epoch, pb2.ProposeSeq(seq_id="a", base_len=0, new_tokens=[1, 2, 3],
                                                    features=feats(0, 2))), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reads none" in err.value.details()
+
+
+def test_draft_scope_reaches_the_drafter_and_a_control_character_is_refused(served):
+    core, rec, stub = served
+    asked = []
+    inner = rec.propose
+    rec.propose = lambda inputs: asked.extend((i.segment, i.draft_scope) for i in inputs) or inner(inputs)
+    both = [seq("a", 0, [1, 2]), seq("b", 0, [3, 4])]
+    both[0].segment, both[0].draft_scope = "chat", "tenant-7"
+    stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=both), timeout=5)
+    assert asked == [("chat", "tenant-7"), ("", "")]  # "" (unset, an older client): the shared scope
+    for field, bad in (("draft_scope", "t\x1f1"), ("segment", "chat\x1f"), ("draft_scope", "x" * 300)):
+        s = seq("c", 0, [1])
+        setattr(s, field, bad)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[s]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert core.held("c") is None  # refused before anything was held

@@ -27,7 +27,7 @@ class Fixed:
         self.asked: list[str] = []
         self.released: list[str] = []
 
-    def draft_context(self, seq_id, token_ids, segment=""):
+    def draft_context(self, seq_id, token_ids, segment="", draft_scope=""):
         return self.context if self.draft else None
 
     def propose(self, inputs):
@@ -126,6 +126,19 @@ def test_default_portfolio_uses_suffix_after_the_segment_taught_it():
     assert got.draft_token_ids == [[42, 43, 44, 45]] and pf.last_choice["new"] == "suffix"
 
 
+def test_the_suffix_member_drafts_within_the_sequences_draft_scope():
+    pf = default_portfolio()
+    answer = [40, 41, 42, 43, 44, 45]
+    for i in range(3):  # tenant t1's templated answer, three times
+        pf.propose([ProposeInput(f"r{i}", [9, 8, 7] + answer, 3, GREEDY, segment="s", draft_scope="t1")])
+        pf.release(f"r{i}")
+    asks = {scope: ProposeInput(f"new-{scope}", [1, 2, 3, 40, 41], 4, GREEDY, segment="s", draft_scope=scope)
+            for scope in ("t1", "t2", "")}
+    got = pf.propose(list(asks.values()))
+    assert got.draft_token_ids == [[42, 43, 44, 45], [], []]  # another tenant, the shared scope: nothing
+    assert pf.last_choice["new-t1"] == "suffix" and pf.draft_context("new-t2", [1, 2, 3, 40, 41], "s", "t2") is None
+
+
 def test_bad_portfolios_are_refused():
     with pytest.raises(ValueError):
         PortfolioProposer([])
@@ -158,7 +171,7 @@ def test_routed_by_segment_each_sequence_drafts_with_its_segments_member_only():
 class Costly(Fixed):
     kind = DrafterKind.EAGLE
 
-    def draft_context(self, seq_id, token_ids, segment=""):
+    def draft_context(self, seq_id, token_ids, segment="", draft_scope=""):
         return self.context
 
 

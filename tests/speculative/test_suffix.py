@@ -12,8 +12,8 @@ import pytest
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
-from cluster.speculative.suffix import (SEPARATOR, SMALL_WALK, SuffixIndex, SuffixProposer, match_starts, walk,
-                                       walk_arrays, walk_lists)
+from cluster.speculative.suffix import (SEPARATOR, SMALL_WALK, SuffixIndex, SuffixProposer, match_starts,
+                                       memory_key, walk, walk_arrays, walk_lists)
 from cluster.speculative.types import ProposeInput
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -57,6 +57,21 @@ def test_no_proposal_on_a_miss_or_in_another_segment():
     assert p.draft_context("b", [50, 51, 52], "s") is None
     assert ask(p, "c", [50, 11, 12], segment="other") == []  # segments never share an index
     assert ask(p, "d", [50, 11, 12], k=0) == []
+
+
+def test_a_draft_scope_drafts_only_from_what_its_own_scope_taught():
+    p = SuffixProposer()
+    learn(p, "a", [10, 11, 12, 13, 14])  # the shared scope
+    p.propose([ProposeInput("b", [20, 21, 22, 23], 4, GREEDY, segment="s", draft_scope="t1")])
+    p.release("b")
+    assert p.index.segments == ["s", memory_key("s", "t1")] and memory_key("s", "") == "s"
+    scoped = lambda seq, tokens, scope: p.propose(
+        [ProposeInput(seq, tokens, 4, GREEDY, segment="s", draft_scope=scope)]).draft_token_ids[0]
+    assert scoped("c", [9, 21, 22], "t1") == [23]  # its own scope's answer
+    assert scoped("d", [9, 21, 22], "t2") == [] and scoped("e", [9, 11, 12], "t1") == []  # never another's
+    assert ask(p, "f", [9, 11, 12]) == [13, 14] and ask(p, "g", [9, 21, 22]) == []  # nor the shared one
+    assert p.draft_context("h", [9, 21, 22], "s", "t1") == "m2" and p.draft_context("h2", [9, 21, 22], "s") is None
+    assert p.proposal("i", [9, 21, 22], "s", "t1").tokens == [23]
 
 
 def test_own_history_is_matched_before_anything_is_learnt():
@@ -319,8 +334,9 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path, drafte
 
 @pytest.mark.parametrize("drafter", ["suffix", "portfolio"])
 def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, drafter):
-    """Placement separate: the drafter in a DraftServer core behind KVSync; the segment travels
-    with each sequence, and a repeated prompt is drafted from what its first run taught."""
+    """Placement separate: the drafter in a DraftServer core behind KVSync; the segment and the
+    draft scope travel with each sequence, and a repeated prompt is drafted from what its first run
+    taught in the same scope only."""
     from cluster.common.config import EngineConfig, SpecConfig
     from cluster.engine.llm_engine import LLMEngine
     from cluster.common.request import GenerationRequest, SpecMode
@@ -339,19 +355,25 @@ def test_greedy_through_a_draft_server_equals_hf(default_model, hf_reference, dr
         eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
         tok = default_model.tokenizer
         reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=max_tokens),
-                                  segment=r["segment"]) for r in rows]
+                                  segment=r["segment"], draft_scope="t1") for r in rows]
         reqs[0].mode = SpecMode.PLAIN  # a K = 0 row in the same steps
         first = run_to_completion(eng, reqs)
-        again = [GenerationRequest(r.request_id + "-again", r.prompt_token_ids, r.params, segment=r.segment)
-                 for r in reqs]
+        other = [GenerationRequest(r.request_id + "-other", r.prompt_token_ids, r.params, segment=r.segment,
+                                   draft_scope="t2") for r in reqs]
+        third = run_to_completion(eng, other)  # another scope first: it must not draft from t1's answers
+        again = [GenerationRequest(r.request_id + "-again", r.prompt_token_ids, r.params, segment=r.segment,
+                                   draft_scope="t1") for r in reqs]
         second = run_to_completion(eng, again)
-        for r in reqs + again:
-            got = (first | second)[r.request_id]["ids"]
+        for r in reqs + again + other:
+            got = (first | second | third)[r.request_id]["ids"]
             check_greedy_match(got, hf_reference.greedy(r.prompt_token_ids, max_tokens))
         drafted = sum(second[r.request_id]["spec"].draft_tokens for r in again)
         accepted = sum(second[r.request_id]["spec"].accepted_tokens for r in again)
         # the second run repeats outputs the index learnt: most drafts are right
         assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)
+        elsewhere = sum(third[r.request_id]["spec"].accepted_tokens for r in other)
+        print(f"{drafter}: scope t1 again {accepted}/{drafted} accepted; scope t2 {elsewhere}")
+        assert elsewhere < 0.6 * accepted, (elsewhere, accepted)
         assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
     finally:
         remote.close()
