@@ -6,8 +6,10 @@ service's drafter learns from traffic, and the report's lines on it. A drafter t
 traffic (``suffix``, ``portfolio``: ``DrafterChoice.learns_from_traffic``) drafts a repeated greedy
 request from its own earlier answer (α near 1: measured 0.93-0.99, docs/measurements.md,
 "Comparing drafters through the service"), so such a request measures memory, not new traffic.
-It does so within a request's draft scope only: ``bench serve`` gives each policy its own, so a
-repeat is the same row sent again in the same scope (a workload shorter than the run).
+It does so within a request's draft scope only: ``bench serve`` sends each policy's rows in
+scopes of its own (``scoped_rows``), a new one each time the workload cycles, so nothing it sends
+repeats; a repeat is the same row sent again in the same scope (``specserve map``'s sweep, which
+sends no scope, where its sample cycles).
 Ignores: sending requests and timing them (``cluster.bench.serve``).
 """
 from __future__ import annotations
@@ -65,6 +67,15 @@ class SpecAnswers:
             learns = bool(choice and choice.learns_from_traffic)
         return {"speculative_requests": self.speculative, "repeated": self.repeated,
                 "drafter": drafter, "drafter_learns_from_traffic": learns}
+
+
+def scoped_rows(rows: list[dict], scope: str, needed: int) -> list[dict]:
+    """``rows`` in draft scope ``<scope>/c<k>`` on their k-th pass, repeated until the list holds
+    at least ``needed`` (the most this run sends from it): a row sent again goes in a scope with no
+    memory of its first answer — a drafter that learns from traffic drafts it from that pass's
+    earlier answers only, as it would new traffic."""
+    passes = max(1, -(-needed // len(rows)))
+    return [dict(r, draft_scope=f"{scope}/c{k}") for k in range(passes) for r in rows]
 
 
 def level_start(start: int, rounds: int, per_round: int) -> int:

@@ -11,11 +11,11 @@ and through gRPC (proxy -> Router -> engine replica), interleaved request by req
 medians per path (goal <= 1.10). ``--api openai`` adds the OpenAI-compatible HTTP front door
 beside gRPC in every cell and in the overhead (``cluster.bench.serve_openai``). ``--quick`` is a
 smoke run for a loaded 2-core machine. Each level takes fresh rows while the workload lasts, and
-each policy (and each side of the front door's pairs) sends its requests in a draft scope of its own
-(``bench-<run>/<policy>/<api>``), so a drafter that learns from traffic (suffix, portfolio) never
-drafts one policy's request from another's answer to the same row; what a speculative request still
-repeats (a workload shorter than the run), and which ratios that leaves unjudged, is
-``cluster.bench.repeats``.
+each policy (and each side of the front door's pairs) sends its requests in draft scopes of its own
+(``bench-<run>/<policy>/<api>/c<pass>``, a new one each pass over a workload shorter than the run),
+so a drafter that learns from traffic (suffix, portfolio) never drafts a request from an answer to
+the same row; what a speculative request could still repeat, and which ratios that leaves
+unjudged, is ``cluster.bench.repeats``.
 Ignores: engine-internal timing (``bench spec``/``bench decode``), plots.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.bench.repeats import SpecAnswers, level_start, format_repeats
+from cluster.bench.repeats import SpecAnswers, format_repeats, level_start, scoped_rows
 from cluster.common.prompt_rows import read_prompt_rows
 
 POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
@@ -216,15 +216,9 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
     return loop.run_until_complete(go())
 
 
-def scoped(rows: list[dict], scope: str) -> list[dict]:
-    """``rows`` sent in draft scope ``scope`` (a drafter that learns from traffic drafts them from
-    that scope's earlier answers only)."""
-    return [dict(r, draft_scope=scope) for r in rows]
-
-
-def run_scope() -> str:
+def run_scope(prefix: str = "bench") -> str:
     """This run's draft-scope prefix: no earlier run's answers (nor live traffic's) are drafted from."""
-    return f"bench-{secrets.token_hex(4)}"
+    return f"{prefix}-{secrets.token_hex(4)}"
 
 
 def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tokens: int,
@@ -402,9 +396,13 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
             sent = {id(r) for r in rows[: plan["overhead_requests"] + 1]}  # the levels start after those
             start = {s: sum(id(r) in sent for r in rs) for s, rs in seg_rows.items()}
         for segment, all_rows in seg_rows.items():
-            # each policy and front door in a draft scope of its own: routed and fixed-spec answer
-            # the same rows, and neither drafts from the other's answers
-            by_policy = {(p, api): scoped(all_rows, f"{scope}/{p}/{api}") for p in plan["policies"] for api in plan["apis"]}
+            # each policy and front door in draft scopes of its own (a new one each pass over the
+            # workload): routed and fixed-spec answer the same rows, and neither drafts from the
+            # other's answers, nor from its own earlier answer to a row sent again
+            needed = start[segment] + sum(level_start(0, *round_plan(plan["requests"], c, plan["rounds"]))
+                                          for c in plan["levels"])
+            by_policy = {(p, api): scoped_rows(all_rows, f"{scope}/{p}/{api}", needed)
+                         for p in plan["policies"] for api in plan["apis"]}
             for c in plan["levels"]:
                 # side by side per level, in rounds with the policy order rotating, so that a slow
                 # stretch of a noisy machine hits every policy alike; every policy gets the same rows

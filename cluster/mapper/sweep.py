@@ -4,7 +4,10 @@ Owns: per segment and concurrency level (1, 2, 4, ... by default), fixed-specula
 SPECULATIVE) and fixed-plain (mode PLAIN) side by side in rounds with the order rotating (the
 method of ``bench serve``, whose request, cell and interval helpers it calls), so that a slow
 stretch of a shared machine hits both paths alike; per cell TTFT, TPOT, e2e p50/p99, tokens/s and
-α; and stopping a segment early once plain wins clearly (the 90% bootstrap interval of
+α; each path's rows in draft scopes of its own (``map-<run>/<path>/c<pass>``, a new one each pass
+over the sample: ``scoped_rows``), so a drafter that learns from traffic never drafts a row from
+its own earlier answer to it, nor from the live traffic of a running service (whose shared memory
+the sweep leaves alone); and stopping a segment early once plain wins clearly (the 90% bootstrap interval of
 spec p50 / plain p50 lies above 1 and the ratio is at least ``CLEAR_RATIO``): higher levels only
 widen the gap and cost minutes. Ignores: starting the service (the command does) and the choices
 (phase 3).
@@ -14,7 +17,7 @@ from __future__ import annotations
 import time
 
 from cluster.bench import serve as bench
-from cluster.bench.repeats import SpecAnswers, level_start
+from cluster.bench.repeats import SpecAnswers, level_start, scoped_rows
 from cluster.mapper.progress import Budget, OutOfTime
 from cluster.mapper.traffic import Traffic
 
@@ -48,12 +51,15 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
     early = result.setdefault("stopped_early", {})
     result.update(levels=list(levels), requests_per_cell=requests, max_tokens=max_tokens, addr=addr)
     answers = SpecAnswers()
+    scope = bench.run_scope("map")
     t0 = time.perf_counter()
     total = len(traffic.segments) * len(levels) * len(PATHS)
     try:
         with grpc.insecure_channel(addr) as channel, budget.phase("phase 2/3 sweep", total) as bar:
             stub = stubs.generation_grpc().GenerationStub(channel)
-            for segment, rows in traffic.segments.items():
+            for segment, sample in traffic.segments.items():
+                needed = sum(level_start(0, *bench.round_plan(requests, c, 0)) for c in levels)
+                by_path = {p: scoped_rows(sample, f"{scope}/{p}", needed) for p in PATHS}
                 start = 0  # each level's rows: fresh ones while the sample lasts
                 for i, c in enumerate(levels):
                     budget.check()
@@ -65,6 +71,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
                             # untimed: the engine may have sat idle while the other path ran
                             bench._one(stub, pb2, md, bench.WARM_UP_ROW, bench.POLICIES[path], 1)
                             offset = start + r * n_round
+                            rows = by_path[path]
                             res, wall = bench.run_requests(stub, pb2, md, rows, bench.POLICIES[path], c,
                                                            n_round, max_tokens, offset=offset)
                             repeated = answers.wave(bench.wave_rows(rows, offset, n_round, c), res,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.bench import serve as bench
-from cluster.bench.repeats import SpecAnswers, format_repeats, level_start
+from cluster.bench.repeats import SpecAnswers, format_repeats, level_start, scoped_rows
 
 
 def _ok(path):
@@ -32,11 +32,16 @@ def test_spec_answers_count_speculative_requests_that_repeat_a_row():
     assert format_repeats(SpecAnswers().summary("suffix")) == []
 
 
-@pytest.mark.parametrize("num_rows, repeated", [(32, 0), (10, 6)])
-def test_each_level_takes_fresh_rows_while_the_workload_lasts(num_rows, repeated):
+@pytest.mark.parametrize("num_rows, scoped, repeated", [(32, False, 0), (10, False, 6), (10, True, 0)])
+def test_each_level_takes_fresh_rows_while_the_workload_lasts(num_rows, scoped, repeated):
     """bench serve's walk over levels (1 then 4, 8 requests each), fixed-spec alone: 16 rows in
-    all, fresh ones on a workload of 32 rows; a workload of 10 cycles and repeats 6."""
+    all, fresh ones on a workload of 32 rows; a workload of 10 cycles and repeats 6 — none when
+    each pass over it goes in a draft scope of its own (``scoped_rows``, as bench serve sends)."""
     rows = [{"segment": "s", "prompt": str(i)} for i in range(num_rows)]
+    if scoped:
+        rows = scoped_rows(rows, "bench-x/fixed_spec/grpc", 16)
+        assert len(rows) == 20 and rows[3]["draft_scope"] == "bench-x/fixed_spec/grpc/c0"
+        assert rows[13] == {"segment": "s", "prompt": "3", "draft_scope": "bench-x/fixed_spec/grpc/c1"}
     answers, start, got = SpecAnswers(), 0, 0
     for c in (1, 4):
         rounds, per = bench.round_plan(8, c, 0)
@@ -45,3 +50,10 @@ def test_each_level_takes_fresh_rows_while_the_workload_lasts(num_rows, repeated
             got += answers.wave(wave, [_ok("speculative")] * len(wave))
         start = level_start(start, rounds, per)
     assert got == repeated and answers.speculative == 16
+
+
+def test_the_same_row_in_another_draft_scope_is_no_repeat():
+    a = {"segment": "chat", "prompt": "a"}
+    answers = SpecAnswers()
+    waves = [[a], [{**a, "draft_scope": "t1"}], [{**a, "draft_scope": "t2"}], [{**a, "draft_scope": "t1"}]]
+    assert [answers.wave(w, [_ok("speculative")]) for w in waves] == [0, 0, 0, 1]

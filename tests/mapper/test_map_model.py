@@ -44,15 +44,13 @@ def test_map_quick_on_the_default_model(tmp_path):
         assert {(c["segment"], c["concurrency"], c["policy"]) for c in m["sweep"]["cells"]} == {
             (s, c, p) for s in prof for c in (1, 2) for p in ("fixed_spec", "fixed_plain")}
         assert all(not c["errors"] and c["tokens"] > 0 for c in m["sweep"]["cells"])
-        # two rows a segment: level 1 answers both, level 2 sends them again (fixed-spec's repeats
-        # counted; plain's are not: no drafter), and the shipped config's portfolio learns from
-        # traffic, so the report warns that those cells overstate new traffic
-        rep = {(c["segment"], c["concurrency"], c["policy"]): c["repeated_rows"] for c in m["sweep"]["cells"]}
-        assert rep == {(s, c, p): 2 if (c, p) == (2, "fixed_spec") else 0
-                       for s in prof for c in (1, 2) for p in ("fixed_spec", "fixed_plain")}
-        assert m["sweep"]["repeated_rows"] == {"speculative_requests": 8, "repeated": 4, "drafter": "portfolio",
+        # two rows a segment: level 1 answers both, level 2 sends them again, but in a draft scope
+        # of its own (a new one each pass over the sample), so the shipped config's portfolio,
+        # which learns from traffic, never drafts a row from its earlier answer: no repeats
+        assert all(c["repeated_rows"] == 0 for c in m["sweep"]["cells"])
+        assert m["sweep"]["repeated_rows"] == {"speculative_requests": 8, "repeated": 0, "drafter": "portfolio",
                                                "drafter_learns_from_traffic": True}
-        assert "WARNING: 4 of 8 speculative-path requests" in (out / "report.md").read_text()
+        assert "WARNING" not in (out / "report.md").read_text()
     cfg = load_config(argparse.Namespace(config=out / "serve_config.yaml", model=None, drafter=None,
                                          placement=None, port=None))
     AppConfig(**cfg["applications"][0]["args"])
