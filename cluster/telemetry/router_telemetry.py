@@ -73,6 +73,8 @@ class RequestTelemetry:
                 attrs[sc.GEN_AI_REQUEST_SEED] = int(p.seed)
             if getattr(vreq, "label", ""):
                 attrs[REQUEST_LABEL] = vreq.label
+            if getattr(vreq, "draft_scope", ""):
+                attrs[sc.DRAFT_SCOPE] = vreq.draft_scope
             prompt = getattr(vreq, "prompt", None)
             if getattr(prompt, "messages", None) is not None:
                 attrs[sc.GEN_AI_OPERATION_NAME] = sc.OP_CHAT

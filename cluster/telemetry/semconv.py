@@ -41,6 +41,7 @@ ROUTE_PATH = "specserve.route.path"  # "speculative" | "plain"
 ROUTE_REASON = "specserve.route.reason"
 INFLIGHT = "specserve.inflight"
 SEGMENT = "specserve.segment"
+DRAFT_SCOPE = "specserve.draft_scope"  # the request's draft scope, when it sent one
 REQUEST_ID = "specserve.request_id"
 MODE = "specserve.mode"
 TTFT_MS = "specserve.ttft_ms"

@@ -167,13 +167,14 @@ def test_preemption_and_queue_only_requests(traced):
 
 def test_client_label_is_traced_beside_the_server_id(traced):
     """The client's request_id metadata is a label: traced as its own attribute, while
-    specserve.request_id is the server's id (the engine's and KVSync's)."""
+    specserve.request_id is the server's id (the engine's and KVSync's); a draft scope is traced
+    when the request sent one."""
     from cluster.telemetry.router_telemetry import REQUEST_LABEL
 
     decision = SimpleNamespace(path=Path.PLAIN, reason=SimpleNamespace(value="mode_plain"))
     with RequestTelemetry(None, model="smollm2") as tel:
         vreq = _vreq("server-uuid-1")
-        vreq.label = "client-label"
+        vreq.label, vreq.draft_scope = "client-label", "tenant-7"
         tel.routed(vreq, decision)
     with RequestTelemetry(None, model="smollm2") as tel:
         tel.routed(_vreq("server-uuid-2"), decision)  # no label: no attribute
@@ -183,3 +184,5 @@ def test_client_label_is_traced_beside_the_server_id(traced):
     by_id = {x.attributes.get(sc.REQUEST_ID): x for x in spans}
     assert by_id["server-uuid-1"].attributes[REQUEST_LABEL] == "client-label"
     assert REQUEST_LABEL not in by_id["server-uuid-2"].attributes
+    assert by_id["server-uuid-1"].attributes[sc.DRAFT_SCOPE] == "tenant-7"
+    assert sc.DRAFT_SCOPE not in by_id["server-uuid-2"].attributes
