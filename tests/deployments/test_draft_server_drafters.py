@@ -74,7 +74,7 @@ from tests.speculative.test_eagle import head_dir, tiny  # noqa: E402,F401 (fixt
 
 
 def test_eagle_head_builds_with_the_target_embedding_and_sizes_the_limits_for_features(tiny, head_dir):
-    from cluster.kvsync.server import DraftServerCore
+    from cluster.kvsync.server import PROTOCOL_VERSION, DraftServerCore
 
     path, model = tiny
     app = AppConfig(model=str(path), drafter=f"eagle:{head_dir}", placement="separate")
@@ -86,4 +86,4 @@ def test_eagle_head_builds_with_the_target_embedding_and_sizes_the_limits_for_fe
     assert core.limits.request_bytes > app.kvsync_limits(vocab).request_bytes  # room for the rows
     info = core.info()
     assert (list(info.feature_layers), info.feature_width, info.protocol_version) == \
-        (list(proposer.feature_layers), width, 2)
+        (list(proposer.feature_layers), width, PROTOCOL_VERSION)
