@@ -263,18 +263,21 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
     segment = f.segment.strip() or "default"
-    if len(segment) > 64:
-        raise invalid("segment must be at most 64 characters")
-    if not _SEGMENT.fullmatch(segment):  # it becomes a metric tag and a stats key: keep it plain
-        raise invalid(f"segment must be ASCII letters, digits and . _ : / - only, got {segment[:64]!r}")
+    _check_label("segment", segment)  # it becomes a metric tag and a stats key: keep it plain
     scope = f.draft_scope
-    if len(scope) > 64:
-        raise invalid("draft_scope must be at most 64 characters")
-    if scope and not _SEGMENT.fullmatch(scope):  # a key of the drafter's memory, sent over KVSync
-        raise invalid(f"draft_scope must be ASCII letters, digits and . _ : / - only, got {scope[:64]!r}")
+    if scope:  # a key of the drafter's memory, sent over KVSync
+        _check_label("draft_scope", scope)
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
                             segment=segment, constrained=bool(f.json_schema or f.regex), label=label,
                             constraint=_constraint(f.json_schema, f.regex), draft_scope=scope)
+
+
+def _check_label(name: str, value: str) -> None:
+    """A plain label (``segment``, ``draft_scope``): at most 64 characters of ``_SEGMENT``'s."""
+    if len(value) > 64:
+        raise invalid(f"{name} must be at most 64 characters")
+    if not _SEGMENT.fullmatch(value):
+        raise invalid(f"{name} must be ASCII letters, digits and . _ : / - only, got {value[:64]!r}")
 
 
 def _constraint(json_schema: str, regex: str) -> Constraint | None:

@@ -353,6 +353,11 @@ def round_plan(requests: int, concurrency: int, rounds: int) -> tuple[int, int]:
     return -(-total // per), per
 
 
+def rows_sent(requests: int, levels: list[int], rounds: int) -> int:
+    """Rows one policy sends over all ``levels`` of one segment (``round_plan`` per level)."""
+    return sum(level_start(0, *round_plan(requests, c, rounds)) for c in levels)
+
+
 def round_order(items: list[str], r: int) -> list[str]:
     """The order of what runs side by side (policies, front-door sides) in round r: the
     permutations in turn, so that over a cycle each runs in every position and right after every
@@ -399,8 +404,7 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
             # each policy and front door in draft scopes of its own (a new one each pass over the
             # workload): routed and fixed-spec answer the same rows, and neither drafts from the
             # other's answers, nor from its own earlier answer to a row sent again
-            needed = start[segment] + sum(level_start(0, *round_plan(plan["requests"], c, plan["rounds"]))
-                                          for c in plan["levels"])
+            needed = start[segment] + rows_sent(plan["requests"], plan["levels"], plan["rounds"])
             by_policy = {(p, api): scoped_rows(all_rows, f"{scope}/{p}/{api}", needed)
                          for p in plan["policies"] for api in plan["apis"]}
             for c in plan["levels"]:

@@ -58,7 +58,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
         with grpc.insecure_channel(addr) as channel, budget.phase("phase 2/3 sweep", total) as bar:
             stub = stubs.generation_grpc().GenerationStub(channel)
             for segment, sample in traffic.segments.items():
-                needed = sum(level_start(0, *bench.round_plan(requests, c, 0)) for c in levels)
+                needed = bench.rows_sent(requests, levels, 0)
                 by_path = {p: scoped_rows(sample, f"{scope}/{p}", needed) for p in PATHS}
                 start = 0  # each level's rows: fresh ones while the sample lasts
                 for i, c in enumerate(levels):

@@ -122,7 +122,6 @@ class _Pending:
 
     length: int  # committed tokens when drafted
     segment: str = ""
-    draft_scope: str = ""  # passed to members that learn from traffic (suffix)
     drafts: dict[str, tuple[list[int], str]] = field(default_factory=dict)  # member -> (draft, context)
     chosen: str | None = None  # the member expected to commit most per cost (None: no candidate)
     sent: bool = False  # the chosen member's draft was returned by ``propose``
@@ -373,7 +372,7 @@ class PortfolioProposer:
             return pending
         if pending is not None and pending.length < len(token_ids):
             self._learn(seq_id, pending, token_ids[pending.length:])
-        pending = self._pending[seq_id] = _Pending(len(token_ids), segment, draft_scope)
+        pending = self._pending[seq_id] = _Pending(len(token_ids), segment)
         best, best_value = None, 1.0 + self.min_gain  # a candidate must beat plain decoding
         candidates = [self._member(n) for n in self.routes_of(segment)]
         routed = self.routes is not None and len(candidates) == 1  # the segment's one drafter: no choice
