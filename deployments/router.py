@@ -43,7 +43,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
 from cluster.api.requests import (
-    RequestFields, ValidatedRequest, check_constraint, fields_from_proto, request_label, validate_fields,
+    RequestFields, ValidatedRequest, check_constraint, fields_from_proto, known_request_fields, request_label,
+    validate_fields,
 )
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
@@ -346,7 +347,7 @@ class Router:
             spec_ready=self.spec_ready, batch_ready=self.batch_ready, spec_in_flight=self.spec_in_flight,
             plain_in_flight=self.load.count(Path.PLAIN), path_latency=self._path_latency_pb(pb2),
             segment_routing=segment_routing_pb(pb2, self.policy, self._view(), a.spec_config()),
-            paths_share_hardware=self.paths_share_hardware)
+            paths_share_hardware=self.paths_share_hardware, request_fields=known_request_fields(pb2))
 
     def _path_latency_pb(self, pb2) -> list:
         paths = {Path.SPECULATIVE: pb2.PATH_SPECULATIVE, Path.PLAIN: pb2.PATH_PLAIN}

@@ -20,6 +20,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from cluster.api.status import ServiceError, invalid
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams, SpecMode
@@ -181,11 +183,37 @@ def check_size(size: int, limits: Limits) -> None:
         raise invalid(f"request is {size} bytes, over the {limits.max_message_bytes}-byte limit")
 
 
+def check_known_fields(pb) -> None:
+    """A ``GenerateRequest`` carrying a field this server's proto does not define (a newer client's
+    field, or one made up) is INVALID_ARGUMENT: proto3 would parse past it and the field would be
+    silently ignored — the request answered as if it had not been sent. Its chat messages and token
+    ids likewise. ``ModelInfoResponse.request_fields`` tells a client beforehand what is known."""
+    parts = [("GenerateRequest", pb)] + [(f"messages[{i}]", m) for i, m in enumerate(pb.messages)]
+    if pb.HasField("prompt_token_ids"):
+        parts.append(("prompt_token_ids", pb.prompt_token_ids))
+    for where, msg in parts:
+        numbers = sorted({f.field_number for f in UnknownFieldSet(msg)})
+        if numbers:
+            listed = ", ".join(map(str, numbers))
+            raise invalid(f"{where} carries field number {listed}, which this server does not implement "
+                          f"(its specserve.v1 has no such field; ModelInfo lists request_fields): "
+                          f"the field would be ignored, so the request is refused — upgrade the server "
+                          f"or leave the field unset")
+
+
+def known_request_fields(pb2) -> list[str]:
+    """Every ``GenerateRequest`` field this server implements, by name (``ModelInfo.request_fields``):
+    all its proto defines, since ``check_known_fields`` refuses the rest."""
+    return [f.name for f in pb2.GenerateRequest.DESCRIPTOR.fields]
+
+
 def fields_from_proto(pb, limits: Limits) -> RequestFields:
     """``GenerateRequest`` -> ``RequestFields``; the size cap first (before copying what may be a
-    huge message), and the wire's own shape check (the mode enum)."""
+    huge message), then fields this server does not know (refused, never ignored), and the wire's
+    own shape check (the mode enum)."""
     size = pb.ByteSize()
     check_size(size, limits)
+    check_known_fields(pb)
     if pb.mode not in _MODE_FROM_PROTO:
         raise invalid(f"unknown mode {pb.mode}")
     return RequestFields(

@@ -373,6 +373,7 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
     import grpc
 
     from cluster.api import stubs
+    from cluster.api.server_fields import check_request_fields
 
     pb2 = stubs.generation_pb2()
     md = [("application", app)] + ([("authorization", f"Bearer {args.token}")] if args.token else [])
@@ -386,6 +387,10 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
     t_start = time.perf_counter()
     with grpc.insecure_channel(addr) as channel:
         stub = stubs.generation_grpc().GenerationStub(channel)
+        # every request is sent in a draft scope: a server that would ignore the field (older than
+        # it) would let the policies draft from each other's answers, so it is not benchmarked
+        check_request_fields(pb2.GenerateRequest(prompt="x", segment="s", draft_scope=f"{run_scope()}/check"),
+                             stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=30))
         seg_rows = {s: load_prompts(args.workloads, s, limit=None) for s in plan["segments"]}
         answers = SpecAnswers()
         scope = run_scope()
@@ -635,7 +640,13 @@ def run(args: argparse.Namespace) -> int:
             print("front-door overhead skipped: pass --config with the service's Serve config",
                   file=sys.stderr)
             app_args = None
-        report = _bench(args, args.addr, args.app, app_args, args.http_url)
+        from cluster.api.server_fields import UnsupportedField
+
+        try:
+            report = _bench(args, args.addr, args.app, app_args, args.http_url)
+        except UnsupportedField as exc:
+            print(f"bench serve: {exc}", file=sys.stderr)
+            return 2
     else:
         from deployments.local import local_service
 

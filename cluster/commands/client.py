@@ -53,14 +53,19 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from cluster.api import stubs
+    from cluster.api.server_fields import UnsupportedField, check_request_fields
 
     md = [("application", args.app)] + ([("authorization", f"Bearer {args.token}")] if args.token else [])
+    pb2 = stubs.generation_pb2()
     with grpc.insecure_channel(args.addr) as channel:
         stub = stubs.generation_grpc().GenerationStub(channel)
         try:
+            request = build_request(args)
+            # a field the server would ignore (an older server, a newer field) is not sent at all
+            check_request_fields(request, stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=args.timeout))
             if args.stream:
                 last = route = None
-                for ch in stub.GenerateStream(build_request(args), metadata=md, timeout=args.timeout):
+                for ch in stub.GenerateStream(request, metadata=md, timeout=args.timeout):
                     if route is None and ch.HasField("route"):
                         route = ch.route
                     print(ch.text_delta, end="", flush=True)
@@ -68,11 +73,14 @@ def run(args: argparse.Namespace) -> int:
                 print()
                 result = last
             else:
-                result = stub.Generate(build_request(args), metadata=md, timeout=args.timeout)
+                result = stub.Generate(request, metadata=md, timeout=args.timeout)
                 print(result.text)
         except grpc.RpcError as exc:
             print(f"specserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+        except UnsupportedField as exc:
+            print(f"specserve client: {exc}", file=sys.stderr)
+            return 2
     if result is not None:
         s = result.spec
         print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "

@@ -8,7 +8,7 @@ import pytest
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
 from cluster.api.requests import (
-    Limits, check_constraint, request_label, to_generation_request, validate_request,
+    Limits, check_constraint, known_request_fields, request_label, to_generation_request, validate_request,
 )
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, FailureKind, ServiceError
@@ -193,3 +193,40 @@ def test_response_building():
     assert first.request_id == "label"  # the id the caller echoes, not the engine's
     end = chunk(last, d, first=False, total_tokens=3, request_id="label")
     assert end.finished and end.usage.completion_tokens == 3 and end.spec.drafts == 1
+
+
+def _unknown(number: int, value: int = 1) -> bytes:
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return _VarintBytes(number << 3) + _VarintBytes(value)
+
+
+def _nested(number: int, payload: bytes) -> bytes:
+    """A GenerateRequest of one length-delimited field ``number`` holding ``payload``."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return _VarintBytes(number << 3 | 2) + _VarintBytes(len(payload)) + payload
+
+
+@pytest.mark.parametrize("raw,where", [
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(99), "GenerateRequest carries field number 99"),
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(16) + _unknown(40),
+     "GenerateRequest carries field number 16, 40"),
+    (_nested(3, pb2.TokenIds(ids=[1, 2]).SerializeToString() + _unknown(2)), "prompt_token_ids carries field number 2"),
+    (_nested(2, pb2.ChatMessage(role="user", content="x").SerializeToString() + _unknown(7)),
+     "messages.0. carries field number 7"),
+])
+def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
+    with pytest.raises(ServiceError, match=where) as e:
+        validate_request(pb2.GenerateRequest.FromString(raw), "r", LIMITS)
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT and "does not implement" in e.value.message
+
+
+def test_known_request_fields_are_every_field_of_the_proto():
+    names = known_request_fields(pb2)
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "draft_scope"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 15
+    # a request using every one of them parses and validates: nothing the list names is refused
+    ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
+                             mode=2, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1")
+    assert validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS).draft_scope == "t1"

@@ -169,6 +169,67 @@ def test_invalid_argument(main, fields, needle):
     assert code == CODE.INVALID_ARGUMENT and needle in details
 
 
+def _with_field(pb2, number: int, payload: bytes, **fields) -> bytes:
+    """A GenerateRequest's bytes plus a length-delimited field ``number`` its proto lacks."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return (pb2.GenerateRequest(**fields).SerializeToString()
+            + _VarintBytes(number << 3 | 2) + _VarintBytes(len(payload)) + payload)
+
+
+def test_a_field_the_server_does_not_know_is_refused_not_ignored(main):
+    """A newer client's field (here number 16, and a chat message's 3) parses as an unknown field in
+    proto3: the server refuses the request instead of answering as if it were unset, unary and
+    stream, through the real gRPC proxy; ModelInfo lists every field it implements."""
+    pb2 = main.pb2
+    raw = {name: main.channel.unary_unary(f"/specserve.v1.Generation/{name}", request_serializer=None,
+                                          response_deserializer=pb2.GenerateResponse.FromString)
+           for name in ("Generate",)}
+    raw["GenerateStream"] = main.channel.unary_stream("/specserve.v1.Generation/GenerateStream",
+                                                      request_serializer=None,
+                                                      response_deserializer=pb2.GenerateStreamChunk.FromString)
+    message = pb2.ChatMessage(role="user", content="hi").SerializeToString()
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    odd_message = message + _VarintBytes(3 << 3 | 2) + _VarintBytes(1) + b"x"
+    cases = [(_with_field(pb2, 16, b"tenant-7", prompt="the cat sat. ", max_tokens=4), "GenerateRequest carries field number 16"),
+             (_with_field(pb2, 2, odd_message, max_tokens=4), "messages[0] carries field number 3")]
+    for body, needle in cases:
+        for name, call in raw.items():
+            fn = (lambda: call(body, metadata=main.md, timeout=30)) if name == "Generate" else (
+                lambda: list(call(body, metadata=main.md, timeout=30)))
+            code, details = code_of(fn)
+            assert code == CODE.INVALID_ARGUMENT and needle in details and "does not implement" in details, (name, details)
+    # the same bytes without the extra field are answered
+    plain = pb2.GenerateRequest(prompt="the cat sat. ", max_tokens=4).SerializeToString()
+    assert list(raw["Generate"](plain, metadata=main.md, timeout=30).token_ids) == expected("the cat sat. ", 4)
+    info = main.stub.ModelInfo(pb2.ModelInfoRequest(), metadata=main.md, timeout=10)
+    assert list(info.request_fields) == [f.name for f in pb2.GenerateRequest.DESCRIPTOR.fields]
+    assert "draft_scope" in info.request_fields
+
+
+def test_the_client_sends_no_field_the_server_would_ignore(addr, main, capsys):
+    """`specserve client` asks ModelInfo first: against this server a draft scope is sent and
+    answered (the check's own cases: tests/api/test_server_fields.py)."""
+    from cluster.api.server_fields import UnsupportedField, check_request_fields
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--token", TOKEN,
+                                      "--max-tokens", "4", "--draft-scope", "tenant-7", "the cat sat. "])
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith((("the cat sat. ") * 2)[:4]) and "route=" in out.err
+    # every field this server lists passes the check (a request setting all of them)
+    pb2 = main.pb2
+    every = pb2.GenerateRequest(prompt="a", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1,
+                                stop=["x"], mode=2, segment="chat", regex="[a-z]+", ignore_eos=True,
+                                draft_scope="tenant-7")
+    check_request_fields(every, main.stub.ModelInfo(pb2.ModelInfoRequest(), metadata=main.md, timeout=10))
+    # an older server (no request_fields): the client refuses before sending anything
+    with pytest.raises(UnsupportedField, match="draft_scope"):
+        check_request_fields(every, pb2.ModelInfoResponse(model="old"))
+
+
 def test_generate_and_stream_agree_on_both_paths(main):
     prompt = "the cat sat. "
     for mode, path, reason in ((0, 1, "below_enter_threshold"), (2, 2, "mode_plain")):
