@@ -1,7 +1,8 @@
 """Suffix drafting: no model, continuations learnt from this segment's earlier traffic.
 
-Owns: ``SuffixIndex`` (per segment, the prompt + output token lists of finished sequences, least
-recently used segment evicted first, a bound on the tokens held in all) and ``SuffixProposer``
+Owns: ``SuffixIndex`` (per segment and draft scope, the prompt + output token lists of finished
+sequences, a bound on the tokens held in all — past it the largest memory sheds its oldest
+documents first — and one on the memories, the least recently used dropped) and ``SuffixProposer``
 (DrafterKind.SUFFIX). For each sequence it matches the longest recent suffix of its committed
 tokens (up to ``max_depth`` tokens) against its own history and its segment's index, and walks
 the continuation greedily: at each depth the most frequent next token among the occurrences still
@@ -144,9 +145,15 @@ def memory_key(segment: str, draft_scope: str = "") -> str:
 
 @dataclass(slots=True)
 class SuffixIndex:
-    """Finished sequences' tokens per segment, bounded: at most ``max_tokens`` tokens and
-    ``max_segments`` segments in all. Past the bound the least recently used segment (used =
-    learnt into or matched against) loses its oldest documents first."""
+    """Finished sequences' tokens per memory (a segment, or a segment and draft scope:
+    ``memory_key``), bounded: at most ``max_tokens`` tokens and ``max_segments`` memories in all.
+
+    Past the token bound the memory holding the most tokens gives up its oldest document (ties:
+    the least recently used, used = learnt into or matched against), so memories share the bound
+    max-min fairly: one scope learning without end (a tenant's flood) sheds its own documents once
+    it holds the most and leaves the others theirs, where the least recently used memory paid for
+    it before; a memory alone may fill the bound. A memory's newest document always stays. Past
+    the memory bound the least recently used memory is dropped whole."""
 
     max_tokens: int = 1 << 20
     max_segments: int = 256
@@ -206,13 +213,12 @@ class SuffixIndex:
         while len(self._segments) > self.max_segments:
             self._drop_segment(next(iter(self._segments)))
         while self.num_tokens > self.max_tokens:
-            # the least recently used segment gives up its oldest document; the segment just
-            # learnt into goes last (its newest document always stays: it fits the bound)
-            name = next(iter(self._segments))
+            # the largest memory (ties: the least recently used first, the order of the dict)
+            # gives up its oldest document; the one just learnt into keeps its newest document
+            # (it fits the bound)
+            name = max((n for n, seg in self._segments.items() if n != keep or len(seg.docs) > 1),
+                       key=lambda n: self._segments[n].num_tokens)
             seg = self._segments[name]
-            if name == keep and len(self._segments) > 1:
-                self._segments.move_to_end(name)
-                continue
             self.num_tokens -= seg.evict_oldest()
             if not seg.docs:
                 del self._segments[name]

@@ -1,4 +1,4 @@
-"""Suffix drafter: the index (bounded tokens, LRU eviction by segment, learning a released
+"""Suffix drafter: the index (bounded tokens, the largest memory shedding first, learning a released
 sequence, replacing rather than double-counting a re-released one), the draft (a continuation seen
 before, none on a miss, the most frequent continuation, a length from its empirical probability),
 and, on engines, lossless sampling (chi-square of the first two sampled tokens against Hugging
@@ -110,7 +110,7 @@ def test_a_longer_match_with_a_surer_continuation_beats_a_shorter_one():
     assert d.tokens[0] == 7 and d.match_len == 1 and d.score > 2
 
 
-def test_index_stays_within_its_token_bound_evicting_the_least_recently_used_segment():
+def test_index_stays_within_its_token_bound_evicting_the_largest_memory_first():
     index = SuffixIndex(max_tokens=20)
     index.add("a", "a1", list(range(8)))
     index.add("b", "b1", list(range(100, 108)))
@@ -122,6 +122,29 @@ def test_index_stays_within_its_token_bound_evicting_the_least_recently_used_seg
     assert index.num_tokens == 18 and index.segments == ["c"] and index.documents("c") == 1
     index.add("c", "c3", list(range(50)))  # longer than the bound: its newest tokens stay
     assert index.num_tokens == 20 and index.buffer("c").tolist()[:20] == list(range(30, 50))
+
+
+def test_a_memory_learning_without_end_sheds_its_own_documents_not_the_others():
+    """A tenant's scope flooding the index (here 30 answers of 10 tokens into a 100-token bound)
+    keeps the shared memory's 4 answers and another scope's 2, idle all the while (by recency
+    alone they were the ones to go); it holds what the others leave and sheds its oldest."""
+    index = SuffixIndex(max_tokens=100)
+    shared, other, flood = memory_key("chat"), memory_key("chat", "t2"), memory_key("chat", "t1")
+    for i in range(4):
+        index.add(shared, f"s{i}", [i] * 10)
+    for i in range(2):
+        index.add(other, f"o{i}", [50 + i] * 10)
+    for i in range(30):
+        index.add(flood, f"f{i}", [100 + i] * 10)
+        assert index.num_tokens <= 100
+    assert index.documents(shared) == 4 and index.documents(other) == 2 and index.documents(flood) == 4
+    assert index.buffer(flood).tolist()[::11] == [126, 127, 128, 129]  # its newest four
+    # two memories learning alike share the bound evenly
+    fair = SuffixIndex(max_tokens=100)
+    for i in range(40):
+        fair.add(memory_key("json", "a"), f"a{i}", [1] * 10)
+        fair.add(memory_key("json", "b"), f"b{i}", [2] * 10)
+    assert fair.documents(memory_key("json", "a")) == fair.documents(memory_key("json", "b")) == 5
 
 
 def test_token_positions_follow_documents_learnt_replaced_and_evicted():
