@@ -1,10 +1,14 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) -> ``RequestFields``.
 
 Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict types: a string
-where a number belongs is a 400, an int where a float belongs is fine; unknown fields are ignored,
-as the OpenAI peers do), the model-name check (another name: NOT_FOUND -> 404), the refusal of
-what we do not do (``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias,
-tools, non-text content parts, batched prompts), ``response_format`` (``json_object`` /
+where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
+400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
+the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
+(``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias, tools, audio,
+predicted outputs, reasoning effort, stored completions, speaker names, non-text content parts,
+batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
+asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
+``response_format`` (``json_object`` /
 ``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
 ``regex`` carry — and the conversion into the ``RequestFields`` that
 ``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
@@ -28,11 +32,19 @@ JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# what a client of another server most likely meant by a field we do not know
+_INSTEAD = {
+    "guided_json": "response_format json_schema", "guided_regex": "the regex extension",
+    "max_new_tokens": "max_tokens", "stop_sequences": "stop", "stop_token_ids": "stop (strings)",
+}
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool = False  # refused when true: no obfuscation padding here
 
 
 class ResponseFormat(_Body):
@@ -74,6 +86,8 @@ class _Common(_Body):
 
 
 class TextPart(_Body):
+    # other keys are kept so that an image or audio part is refused by its type, not by its keys
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
     type: str
     text: str | None = None
 
@@ -81,6 +95,14 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    # OpenAI's, accepted only empty: an assistant message sent back as the client got it carries them
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -88,6 +110,22 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+    # OpenAI's, which change nothing here at the values _refuse lets through
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
+    safety_identifier: str | None = None  # like user: an end-user id for the caller's records
+    # OpenAI's, refused: this server does not do them
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -109,12 +147,29 @@ def parse_body(raw: bytes, cls: type[_Common]) -> _Common:
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        unknown = [_where(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:
+            raise _unrecognized(unknown) from None
+        err = errors[0]
         loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
         where = ".".join(loc)
         raise invalid(f"{where or 'body'}: {err['msg']}", loc[0] if loc else None) from None
     except RecursionError:
         raise invalid("request body is nested too deeply") from None
+
+
+def _where(loc) -> str:
+    return ".".join(str(p) for p in loc if not _is_type_tag(p))
+
+
+def _unrecognized(names: list[str]) -> ServiceError:
+    """OpenAI's answer to a field it does not know (400 "Unrecognized request argument supplied"),
+    with what to send instead where another server's client most likely meant one of ours."""
+    hints = [f"{n}: use {_INSTEAD[n]}" for n in names if n in _INSTEAD]
+    return invalid(f"unrecognized request argument supplied: {', '.join(names)} — this server does not "
+                   f"implement {'it' if len(names) == 1 else 'them'} and refuses rather than ignores"
+                   + (f" ({'; '.join(hints)})" if hints else ""), names[0].split(".")[0])
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -131,6 +186,14 @@ def check_model(body: _Common, served: str) -> None:
                            f"the model {body.model!r} does not exist; this server serves {served!r}", "model")
 
 
+_MESSAGE_REFUSALS = {
+    "name": "the chat template has no speaker names", "tool_calls": "tools are not supported",
+    "tool_call_id": "tools are not supported", "function_call": "functions are not supported",
+    "refusal": "send the refusal text as content", "audio": "audio is not supported",
+    "annotations": "annotations are not supported",
+}
+
+
 def _refuse(body: _Common) -> None:
     """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
     checks = [
@@ -142,9 +205,31 @@ def _refuse(body: _Common) -> None:
         ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
         ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
          "set at most one of response_format (json_object / json_schema) and regex"),
+        ("stream_options", bool(body.stream_options and body.stream_options.include_obfuscation),
+         "stream_options.include_obfuscation is not supported"),
     ]
     if isinstance(body, ChatCompletionRequest):
-        checks.append(("tools", bool(body.tools or body.functions), "tools and functions are not supported"))
+        checks += [
+            ("tools", bool(body.tools or body.functions), "tools and functions are not supported"),
+            ("tool_choice", body.tool_choice not in (None, "none", "auto"),
+             "tool_choice may only be 'none' or 'auto': tools are not supported"),
+            ("function_call", body.function_call not in (None, "none", "auto"),
+             "function_call may only be 'none' or 'auto': functions are not supported"),
+            ("modalities", body.modalities not in (None, ["text"]), "modalities may only be ['text']"),
+            ("audio", body.audio is not None, "audio output is not supported"),
+            ("store", bool(body.store), "store is not supported: this server keeps no completions"),
+            ("service_tier", body.service_tier not in (None, "auto", "default"),
+             "service_tier may only be 'auto' or 'default': this server has one tier"),
+            ("prediction", body.prediction is not None, "prediction (predicted outputs) is not supported"),
+            ("reasoning_effort", body.reasoning_effort is not None,
+             "reasoning_effort is not supported: the served model does not reason before answering"),
+            ("verbosity", body.verbosity is not None, "verbosity is not supported"),
+            ("web_search_options", body.web_search_options is not None, "web search is not supported"),
+        ]
+        for i, m in enumerate(body.messages):
+            for field, why in _MESSAGE_REFUSALS.items():
+                if getattr(m, field):
+                    checks.append(("messages", True, f"messages[{i}].{field} is not supported: {why}"))
     if isinstance(body, CompletionRequest):
         checks += [("best_of", body.best_of not in (None, 1), "best_of must be 1"),
                    ("echo", bool(body.echo), "echo is not supported"),
@@ -196,6 +281,8 @@ def _content(i: int, content: str | list[TextPart] | None) -> str:
         if part.type != "text" or part.text is None:
             raise invalid(f"messages[{i}].content[{j}]: only text content parts are supported, "
                                f"got type {part.type!r}", "messages")
+        if part.model_extra:
+            raise _unrecognized([f"messages.{i}.content.{j}.{k}" for k in part.model_extra])
         texts.append(part.text)
     return "".join(texts)
 

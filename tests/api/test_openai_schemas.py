@@ -1,4 +1,5 @@
 """OpenAI request bodies -> RequestFields -> the one validation gRPC uses too — no Ray."""
+import dataclasses
 import json
 
 import grpc
@@ -34,7 +35,7 @@ def refused(fn, match, param=None, code=grpc.StatusCode.INVALID_ARGUMENT, **body
 
 def test_chat_body_to_fields():
     f = chat(model="m", max_completion_tokens=7, max_tokens=3, temperature=0, top_p=0.5, seed=3, stop="\n",
-             top_k=4, mode="PLAIN", segment="code", ignore_eos=True, user="u", future_field={"x": 1},
+             top_k=4, mode="PLAIN", segment="code", ignore_eos=True, user="u",
              draft_scope="tenant-7",
              messages=[{"role": "system", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
@@ -77,6 +78,63 @@ def test_completion_prompt_shapes():
      "messages"),
 ])
 def test_chat_refusals(body, match, param):
+    refused(chat, match, param, **body)
+
+
+@pytest.mark.parametrize("body,match,param", [
+    (dict(min_p=0.1), r"unrecognized request argument supplied: min_p — this server does not implement it", "min_p"),
+    (dict(repetition_penalty=1.1, guided_json={}),
+     r"min_p|repetition_penalty, guided_json — .* \(guided_json: use response_format json_schema\)",
+     "repetition_penalty"),
+    (dict(messages=[{"role": "user", "content": "x", "cache": True}]), "supplied: messages.0.cache", "messages"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]),
+     "supplied: messages.0.content.0.cache_control", "messages"),
+    (dict(response_format={"type": "json_object", "strict": True}), "supplied: response_format.strict",
+     "response_format"),
+    (dict(stream_options={"include_usage": True, "chunk": 1}), "supplied: stream_options.chunk", "stream_options"),
+])
+def test_a_field_we_do_not_know_is_refused_never_ignored(body, match, param):
+    """OpenAI answers 400 "Unrecognized request argument supplied"; so do we — a vLLM client's
+    min_p or guided_json parsed past and ignored would change the output without a word."""
+    refused(chat, match, param, **body)
+    if "messages" not in body:
+        refused(completion, match, param, **body)
+
+
+def test_openai_fields_that_ask_for_nothing_are_accepted():
+    """The fields an OpenAI client may send at their do-nothing value change nothing here."""
+    f = chat(tool_choice="none", function_call="auto", parallel_tool_calls=True, modalities=["text"], store=False,
+             metadata={"k": "v"}, service_tier="auto", prompt_cache_key="p", safety_identifier="s",
+             stream_options={"include_usage": True, "include_obfuscation": False},
+             messages=[{"role": "user", "content": "a"},
+                       {"role": "assistant", "content": "b", "refusal": None, "tool_calls": None,
+                        "function_call": None, "audio": None, "annotations": []},
+                       {"role": "user", "content": "c"}])
+    bare = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "user", "content": "c"}])
+    assert dataclasses.replace(f, size=bare.size) == bare  # only the body's bytes differ
+
+
+@pytest.mark.parametrize("body,match,param", [
+    (dict(tool_choice="required"), "tool_choice may only be 'none' or 'auto'", "tool_choice"),
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice may only", "tool_choice"),
+    (dict(function_call={"name": "f"}), "function_call may only", "function_call"),
+    (dict(modalities=["text", "audio"]), r"modalities may only be \['text'\]", "modalities"),
+    (dict(audio={"voice": "alloy", "format": "wav"}), "audio output is not supported", "audio"),
+    (dict(store=True), "store is not supported", "store"),
+    (dict(service_tier="priority"), "service_tier may only be 'auto' or 'default'", "service_tier"),
+    (dict(prediction={"type": "content", "content": "x"}), "prediction .predicted outputs. is not supported",
+     "prediction"),
+    (dict(reasoning_effort="low"), "reasoning_effort is not supported", "reasoning_effort"),
+    (dict(verbosity="low"), "verbosity is not supported", "verbosity"),
+    (dict(web_search_options={}), "web search is not supported", "web_search_options"),
+    (dict(stream_options={"include_obfuscation": True}), "include_obfuscation is not supported", "stream_options"),
+    (dict(messages=[{"role": "user", "content": "x", "name": "bob"}]), r"messages\[0\].name is not supported",
+     "messages"),
+    (dict(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "1", "tool_call_id": "c"}]),
+     r"messages\[1\].tool_call_id is not supported: tools", "messages"),
+])
+def test_openai_fields_we_do_not_do_are_refused(body, match, param):
     refused(chat, match, param, **body)
 
 

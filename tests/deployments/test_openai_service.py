@@ -118,9 +118,16 @@ def test_completions_string_and_token_ids_and_mode(oa):
     assert a.object == "text_completion" and a.id.startswith("cmpl-")
     assert b.model_extra["specserve"]["route"] == {"path": "plain", "reason": "mode_plain"}
     assert b.model_extra["specserve"]["spec"] is None  # the plain path drafts nothing
-    c = oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, n=1, user="u1",
-                              extra_body={"unknown_field": [1, 2]})
-    assert c.choices[0].text == fake_output(FAKE.tokenize("xyz"), 5)  # unknown fields are ignored
+    c = oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, n=1, user="u1")
+    assert c.choices[0].text == fake_output(FAKE.tokenize("xyz"), 5)
+    with pytest.raises(openai.BadRequestError) as e:  # a field we do not know: refused, never ignored
+        oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, extra_body={"min_tokens": 3})
+    assert "unrecognized request argument supplied: min_tokens" in e.value.body["message"]
+    assert e.value.body["param"] == "min_tokens"
+    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "xyz"}], max_tokens=5,
+                                   tool_choice="none", store=False, metadata={"k": "v"}, service_tier="auto",
+                                   modalities=["text"])  # OpenAI's fields at their do-nothing values
+    assert r.choices[0].message.content
 
 
 def test_chat_stream_with_usage(oa):
@@ -175,6 +182,8 @@ def _status(fn, **kwargs):
     (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
     (dict(extra_body={"draft_scope": "tenant 7"}), 400, "draft_scope must be ASCII letters", None),  # gRPC's rule
     (dict(logprobs=True), 400, "logprobs is not supported", "logprobs"),
+    (dict(extra_body={"min_p": 0.05}), 400, "unrecognized request argument supplied: min_p", "min_p"),
+    (dict(reasoning_effort="low"), 400, "reasoning_effort is not supported", "reasoning_effort"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role must be one of", None),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "only text content parts are supported", "messages"),
