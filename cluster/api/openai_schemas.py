@@ -205,6 +205,8 @@ def _refuse(body: _Common) -> None:
         ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
         ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
          "set at most one of response_format (json_object / json_schema) and regex"),
+        ("stream_options", body.stream_options is not None and not body.stream,
+         "stream_options is only allowed with stream: true"),
         ("stream_options", bool(body.stream_options and body.stream_options.include_obfuscation),
          "stream_options.include_obfuscation is not supported"),
     ]

@@ -91,7 +91,8 @@ def test_chat_refusals(body, match, param):
      "supplied: messages.0.content.0.cache_control", "messages"),
     (dict(response_format={"type": "json_object", "strict": True}), "supplied: response_format.strict",
      "response_format"),
-    (dict(stream_options={"include_usage": True, "chunk": 1}), "supplied: stream_options.chunk", "stream_options"),
+    (dict(stream=True, stream_options={"include_usage": True, "chunk": 1}), "supplied: stream_options.chunk",
+     "stream_options"),
 ])
 def test_a_field_we_do_not_know_is_refused_never_ignored(body, match, param):
     """OpenAI answers 400 "Unrecognized request argument supplied"; so do we — a vLLM client's
@@ -105,14 +106,14 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
     """The fields an OpenAI client may send at their do-nothing value change nothing here."""
     f = chat(tool_choice="none", function_call="auto", parallel_tool_calls=True, modalities=["text"], store=False,
              metadata={"k": "v"}, service_tier="auto", prompt_cache_key="p", safety_identifier="s",
-             stream_options={"include_usage": True, "include_obfuscation": False},
+             stream=True, stream_options={"include_usage": True, "include_obfuscation": False},
              messages=[{"role": "user", "content": "a"},
                        {"role": "assistant", "content": "b", "refusal": None, "tool_calls": None,
                         "function_call": None, "audio": None, "annotations": []},
                        {"role": "user", "content": "c"}])
     bare = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                           {"role": "user", "content": "c"}])
-    assert dataclasses.replace(f, size=bare.size) == bare  # only the body's bytes differ
+    assert dataclasses.replace(f, size=bare.size) == bare  # only the body's bytes differ (stream: not a field)
 
 
 @pytest.mark.parametrize("body,match,param", [
@@ -128,7 +129,10 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
     (dict(reasoning_effort="low"), "reasoning_effort is not supported", "reasoning_effort"),
     (dict(verbosity="low"), "verbosity is not supported", "verbosity"),
     (dict(web_search_options={}), "web search is not supported", "web_search_options"),
-    (dict(stream_options={"include_obfuscation": True}), "include_obfuscation is not supported", "stream_options"),
+    (dict(stream=True, stream_options={"include_obfuscation": True}), "include_obfuscation is not supported",
+     "stream_options"),
+    (dict(stream_options={"include_usage": True}), "stream_options is only allowed with stream: true",
+     "stream_options"),
     (dict(messages=[{"role": "user", "content": "x", "name": "bob"}]), r"messages\[0\].name is not supported",
      "messages"),
     (dict(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "1", "tool_call_id": "c"}]),
