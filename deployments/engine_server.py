@@ -6,12 +6,15 @@ real readiness, tokenizing + checking prompts next to the model, and streaming `
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
 the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
-log with the request's server id, the record says only ``internal error (id ...)``. Closing the stream (client cancelled, deadline) aborts the request,
+log with the request's server id, the record says only ``internal error (id ...)``. A request
+that sent a prediction gets, on its final output, how much of it the output kept
+(``prediction_overlap``, off the event loop). Closing the stream (client cancelled, deadline) aborts the request,
 which frees its KV blocks on target and draft. Ignores: routing, gRPC.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -20,12 +23,22 @@ from typing import AsyncIterator
 from cluster.api.requests import ValidatedRequest, to_generation_request
 from cluster.api.status import EngineFailure, FailureKind
 from cluster.common.request import RequestOutput, merge_outputs
+from cluster.speculative.prediction import prediction_overlap
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
 from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.engine")
+
+
+async def _prediction_usage(out: RequestOutput, prediction: tuple[int, ...], output: list[int]) -> RequestOutput:
+    """The final output of a request with a prediction, with the prediction's tokens the output
+    kept and the rest; any other output as it is."""
+    if not (out.finished and prediction):
+        return out
+    kept = await asyncio.to_thread(prediction_overlap, prediction, list(output))
+    return dataclasses.replace(out, accepted_prediction_tokens=kept, rejected_prediction_tokens=len(prediction) - kept)
 
 
 def _ray_node_id() -> str:
@@ -127,18 +140,20 @@ class EngineServer:
                 yield self._failure(exc, req)
                 return
             finished = first.finished
+            predicted, output = gen_req.prediction_token_ids, list(first.new_token_ids)
             try:
                 if whole:
                     merged = first
                     async for out in stream:
                         finished = out.finished
                         merged = merge_outputs(merged, out)
-                    yield merged
+                    yield await _prediction_usage(merged, predicted, merged.new_token_ids)
                     return
-                yield first
+                yield await _prediction_usage(first, predicted, output)
                 async for out in stream:
                     finished = out.finished
-                    yield out
+                    output += out.new_token_ids
+                    yield await _prediction_usage(out, predicted, output)
             except Exception as exc:  # EngineUnavailableError: the engine's core process died
                 finished = True  # the engine has dropped the request already
                 yield self._failure(exc, req)

@@ -48,9 +48,15 @@ def spec_dict(spec: SpecStats | None) -> dict | None:
             "mean_acceptance_length": spec.mean_acceptance_length}
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_dict(final: RequestOutput, completion_tokens: int) -> dict:
+    """OpenAI's usage; with a prediction, its ``completion_tokens_details`` too."""
+    prompt_tokens = final.num_prompt_tokens
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if final.accepted_prediction_tokens or final.rejected_prediction_tokens:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": final.accepted_prediction_tokens,
+                                              "rejected_prediction_tokens": final.rejected_prediction_tokens}
+    return usage
 
 
 @dataclass(slots=True)
@@ -94,7 +100,7 @@ class Responder:
     def body(self, text: str, final: RequestOutput, completion_tokens: int) -> dict:
         return {**self._head(self.kind.value),
                 "choices": [self._choice(text, _FINISH.get(final.finish_reason), delta=False)],
-                "usage": usage_dict(final.num_prompt_tokens, completion_tokens),
+                "usage": usage_dict(final, completion_tokens),
                 "specserve": self.specserve(final)}
 
     # -- stream ----------------------------------------------------------------------------
@@ -111,4 +117,4 @@ class Responder:
 
     def usage_chunk(self, final: RequestOutput, completion_tokens: int) -> str:
         return sse({**self._head(self.kind.chunk_object), "choices": [],
-                    "usage": usage_dict(final.num_prompt_tokens, completion_tokens)})
+                    "usage": usage_dict(final, completion_tokens)})

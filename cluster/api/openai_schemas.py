@@ -5,7 +5,7 @@ where a number belongs is a 400, an int where a float belongs is fine; a field w
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
 (``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias, tools, audio,
-predicted outputs, reasoning effort, stored completions, speaker names, non-text content parts,
+reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
 ``response_format`` (``json_object`` /
@@ -92,6 +92,13 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class Prediction(_Body):
+    """Predicted output: the answer the client expects (gRPC's ``prediction``)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
@@ -120,9 +127,9 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
     safety_identifier: str | None = None  # like user: an end-user id for the caller's records
+    prediction: Prediction | None = None  # drafted from on the speculative path
     # OpenAI's, refused: this server does not do them
     audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
@@ -222,7 +229,6 @@ def _refuse(body: _Common) -> None:
             ("store", bool(body.store), "store is not supported: this server keeps no completions"),
             ("service_tier", body.service_tier not in (None, "auto", "default"),
              "service_tier may only be 'auto' or 'default': this server has one tier"),
-            ("prediction", body.prediction is not None, "prediction (predicted outputs) is not supported"),
             ("reasoning_effort", body.reasoning_effort is not None,
              "reasoning_effort is not supported: the served model does not reason before answering"),
             ("verbosity", body.verbosity is not None, "verbosity is not supported"),
@@ -294,7 +300,20 @@ def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestF
     _refuse(body)
     messages = tuple((m.role, _content(i, m.content)) for i, m in enumerate(body.messages))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return RequestFields(messages=messages, **_common(body, size, max_tokens))
+    prediction = "" if body.prediction is None else _prediction_text(body.prediction.content)
+    return RequestFields(messages=messages, prediction=prediction, **_common(body, size, max_tokens))
+
+
+def _prediction_text(content: str | list[TextPart]) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None or part.model_extra:
+            raise invalid(f"prediction.content[{j}]: only text parts ({{type: text, text}}) are supported",
+                          "prediction")
+        texts.append(part.text)
+    return "".join(texts)
 
 
 def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:

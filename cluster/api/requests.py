@@ -75,6 +75,7 @@ class ValidatedRequest:
     label: str = ""  # the client's request_id metadata: echoed back and logged, never an id
     constraint: Constraint | None = None  # what the engine enforces on the output (constrained)
     draft_scope: str = ""  # whose answers a drafter that learns from traffic may draft it from
+    prediction: str = ""  # the output the client expects: the speculative path drafts from it
 
     @property
     def echo_id(self) -> str:
@@ -175,6 +176,7 @@ class RequestFields:
     regex: str = ""
     ignore_eos: bool = False
     draft_scope: str = ""
+    prediction: str = ""
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -224,7 +226,7 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.HasField("top_p") else None,
         top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
-        ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope)
+        ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction)
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -295,9 +297,13 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     scope = f.draft_scope
     if scope:  # a key of the drafter's memory, sent over KVSync
         _check_label("draft_scope", scope)
+    if f.prediction and f.mode is SpecMode.PLAIN:
+        raise invalid("prediction needs speculative decoding, and mode PLAIN never drafts: "
+                      "leave mode AUTO (or SPECULATIVE) or leave prediction unset")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
                             segment=segment, constrained=bool(f.json_schema or f.regex), label=label,
-                            constraint=_constraint(f.json_schema, f.regex), draft_scope=scope)
+                            constraint=_constraint(f.json_schema, f.regex), draft_scope=scope,
+                            prediction=f.prediction)
 
 
 def _check_label(name: str, value: str) -> None:
@@ -334,6 +340,11 @@ def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_s
     if len(ids) > limits.max_prompt_tokens:
         raise InvalidRequestError(
             f"prompt too long: {len(ids)} tokens, limit is {limits.max_prompt_tokens}")
+    predicted = tuple(engine.tokenize(req.prediction)) if req.prediction else ()
+    if len(predicted) > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"prediction too long: {len(predicted)} tokens, limit is {limits.max_prompt_tokens}")
     return GenerationRequest(request_id=req.request_id, prompt_token_ids=ids, params=req.params,
                              segment=req.segment, mode=req.mode, arrival_time=arrival_time,
-                             constraint=req.constraint, draft_scope=req.draft_scope)
+                             constraint=req.constraint, draft_scope=req.draft_scope,
+                             prediction_token_ids=predicted)

@@ -54,10 +54,17 @@ class Accumulator:
         return pb2.GenerateResponse(
             text="".join(self.text), token_ids=self.token_ids,
             finish_reason=_FINISH.get(f.finish_reason, 0) if f else 0,
-            usage=pb2.Usage(prompt_tokens=f.num_prompt_tokens if f else 0,
-                            completion_tokens=len(self.token_ids)),
+            usage=usage_pb(pb2, f, len(self.token_ids)),
             route=route_pb(self.decision), spec=spec_pb(f.spec if f else None),
             request_id=self.request_id)
+
+
+def usage_pb(pb2, final: RequestOutput | None, completion_tokens: int):
+    if final is None:
+        return pb2.Usage(completion_tokens=completion_tokens)
+    return pb2.Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=completion_tokens,
+                     accepted_prediction_tokens=final.accepted_prediction_tokens,
+                     rejected_prediction_tokens=final.rejected_prediction_tokens)
 
 
 def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens: int, *,
@@ -70,7 +77,6 @@ def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens
         msg.route.CopyFrom(route_pb(decision))
     if out.finished:
         msg.finish_reason = _FINISH.get(out.finish_reason, 0)
-        msg.usage.CopyFrom(pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                     completion_tokens=total_tokens))
+        msg.usage.CopyFrom(usage_pb(pb2, out, total_tokens))
         msg.spec.CopyFrom(spec_pb(out.spec))
     return msg

@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -18,6 +18,8 @@ BENCHES = {
     "cancel": "how many gRPC stream cancellations reach the engine, by the time between a chunk and the "
               "cancellation (fake engine)",
     "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
+    "prediction": "what a request's predicted output buys: the drafter alone vs exact, drifting and "
+                  "(edit) original-code predictions, side by side, lossless checked",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--segment", default="")
     p.add_argument("--draft-scope", default="", help="draft only from answers of requests with this scope "
                    "(e.g. a tenant id; a drafter that learns from traffic: suffix, portfolio)")
+    p.add_argument("--prediction", default="", help="the output you expect, or most of it (e.g. the file "
+                   "being edited): the speculative path drafts from it; the output is the same without it")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
@@ -37,7 +39,8 @@ def build_request(args):
     pb2 = stubs.generation_pb2()
     req = pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
                               mode=_MODES[args.mode], segment=args.segment,
-                              json_schema=args.json_schema, draft_scope=args.draft_scope)
+                              json_schema=args.json_schema, draft_scope=args.draft_scope,
+                              prediction=args.prediction)
     if args.chat:
         req.messages.append(pb2.ChatMessage(role="user", content=args.prompt))
     else:
@@ -86,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "
               f"tokens={result.usage.completion_tokens} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
               f"alpha={s.alpha:.2f} acceptance_rate={s.acceptance_rate:.2f} "
-              f"mean_accept_len={s.mean_acceptance_length:.2f}]",
+              f"mean_accept_len={s.mean_acceptance_length:.2f}"
+              + (f" prediction_kept={result.usage.accepted_prediction_tokens}"
+                 f" prediction_dropped={result.usage.rejected_prediction_tokens}" if args.prediction else "")
+              + "]",
               file=sys.stderr)
     return 0

@@ -208,6 +208,9 @@ class GenerationRequest:
     # a drafter that learns from traffic (suffix, portfolio) drafts this request only from answers
     # of requests with the same segment and draft_scope ("": the shared scope)
     draft_scope: str = ""
+    # the output the client expects (its tokens): the speculative path drafts from it where the
+    # output lines up with it (cluster.speculative.prediction); () without one
+    prediction_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -222,6 +225,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     spec: SpecStats | None = None
+    # with a prediction, on the final output: its tokens that appear in the output in order, and
+    # the rest (``cluster.speculative.prediction.prediction_overlap``)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     error: str | None = None
     # Timing (seconds, monotonic clock): set on the final output.
     queue_time: float = 0.0

@@ -27,7 +27,8 @@ class EngineStats:
     draft_resyncs: int = 0
     # lowest α (per position) at which speculating pays under the measured step costs (adaptive K)
     break_even_alpha: float | None = None
-    # portfolio drafter: member -> {steps, draft_tokens, accepted_tokens} of the drafts it produced
+    # portfolio drafter: member -> {steps, draft_tokens, accepted_tokens} of the drafts it produced;
+    # "prediction": the drafts of requests' predicted outputs (any drafter)
     drafter_steps: dict[str, dict] = field(default_factory=dict)
     # segment -> SpecStats.to_dict() (lifetime "alpha" and "acceptance_rate"), with the SpecEngine's
     # "live_alpha" / "live_draft_tokens" (per position, decayed: what the Router gates on) and

@@ -42,6 +42,7 @@ from cluster.speculative.acceptance import LiveAlpha, with_context
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
+from cluster.speculative.prediction import PREDICTION, PredictedOutputs
 from cluster.speculative.proposer import (
     CatchUpProposer, ContextualProposer, LocalModelProposer, MemberStatsProposer, Proposer, RemoteDraft,
     TargetFeatureReader, parse_drafter_choice,
@@ -99,12 +100,17 @@ class SpecController:
             if self.members is not None:  # a portfolio: each member's round cost apart
                 priors["draft_cost_ratio_priors"] = self.members.member_cost_priors()
             self.adaptive = AdaptiveK(costs=StepCostModel(draft_cost_ratio_prior=draft_cost_ratio_prior, **priors))
+            self.adaptive.costs.draft_cost_ratio_priors[PREDICTION] = 0.0  # nothing runs to draft it
             if self.members is not None:
                 self.members.use_costs(self.adaptive.costs)
         self.draft_fallbacks = 0
         self._retry_at = 0.0
         self._plan: dict[str, int] = {}  # seq_id -> K this step (forced tokens + the drafter's)
         self._forced: dict[str, list[int]] = {}  # seq_id -> the tokens its grammar forces this step
+        self.predictions = PredictedOutputs()  # requests that sent a prediction: where each stands in it
+        self._predicted: dict[str, list[int]] = {}  # seq_id -> its prediction's draft this step
+        self._no_prediction: set[str] = set()  # sequences whose prediction drafting raised
+        self.prediction_steps = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0}  # drafted from predictions
         self.forced_text = ForcedText()  # the target's tokenization of held-back forced text
         # adaptive K's (sequence, segment) keys this step, refined by the drafter's draft context
         self._keys: dict[str, tuple[str, str]] = {}
@@ -126,16 +132,21 @@ class SpecController:
             self.timing.plan_s += time.perf_counter() - t0
 
     def _plan_k(self, running: list[Sequence]) -> None:
-        self._plan, self._forced = {}, {}
-        if time.monotonic() < self._retry_at:
-            return
+        self._plan, self._forced, self._predicted = {}, {}, {}
         eligible = [s for s in running if s.speculate and s.num_pending_tokens == 1 and self._moe_allows(s)]
         if not eligible:
             return
-        self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := self._forced_of(s))}
+        retrying = time.monotonic() < self._retry_at  # the drafter failed a moment ago: not asked
+        if not retrying:
+            self._forced = {s.seq_id: f for s in eligible if s.grammar is not None and (f := self._forced_of(s))}
+        self._predicted = self._prediction_drafts(eligible)  # the drafter is not asked for these
+        for sid, draft in self._predicted.items():
+            self._plan[sid] = len(draft)
+        if retrying:
+            return
         # a remote drafter holds committed tokens only: after forced tokens it is not asked
         remote = self._remote is not None
-        drafting = [s for s in eligible if not (remote and s.seq_id in self._forced)]
+        drafting = [s for s in eligible if not (remote and s.seq_id in self._forced) and s.seq_id not in self._predicted]
         # the drafter's K: each sequence's segment policy, a fixed K or adaptive K (planned
         # together, as one batch); forced tokens come on top of it
         policy = {s.seq_id: self.config.k_policy(s.request.segment) for s in drafting}
@@ -156,6 +167,28 @@ class SpecController:
             k = len(self._forced.get(s.seq_id, ())) + drafter_k.get(s.seq_id, 0)
             if k:
                 self._plan[s.seq_id] = k
+
+    def _prediction_drafts(self, eligible: list[Sequence]) -> dict[str, list[int]]:
+        """seq_id -> the next draft of its prediction, for each sequence that sent one, has no
+        forced tokens this step, and stands somewhere in its prediction (``PredictedOutputs``):
+        K from the prediction's own α at the engine's step costs (a fixed-K segment: its K)."""
+        out = {}
+        for s in eligible:
+            if not s.request.prediction_token_ids or s.seq_id in self._forced or s.seq_id in self._no_prediction:
+                continue
+            fixed = self.config.k_policy(s.request.segment)
+            costs = self.adaptive.costs if fixed == AUTO_K and self.adaptive is not None else None
+            max_k = self.config.max_draft_tokens if fixed == AUTO_K else int(fixed)
+            try:
+                draft = self.predictions.draft(s.seq_id, s.request.prediction_token_ids, s.prompt_len,
+                                               s.token_ids, max_k, costs)
+            except Exception:  # noqa: BLE001 (an optimisation: the drafter drafts for it from now on)
+                log.exception("request %s: drafting from its prediction failed", s.seq_id)
+                self._no_prediction.add(s.seq_id)
+                continue
+            if draft:
+                out[s.seq_id] = draft
+        return out
 
     def _forced_of(self, seq: Sequence) -> list[int]:
         """The grammar's drafts of a constrained sequence: its forced tokens, then the learnt
@@ -231,8 +264,12 @@ class SpecController:
         if not asks:
             return drafts
         forced = {s.seq.seq_id: self._forced.get(s.seq.seq_id, [])[: s.num_draft_tokens] for s in asks}
-        drafting = [s for s in asks if s.num_draft_tokens > len(forced[s.seq.seq_id])]
+        drafting = [s for s in asks if s.num_draft_tokens > len(forced[s.seq.seq_id])
+                    and s.seq.seq_id not in self._predicted]
         proposals = dict(zip([s.seq.seq_id for s in drafting], self._ask_drafter(drafting, forced)))
+        for s in asks:  # a prediction's draft, cut to the slots the scheduler gave
+            if s.seq.seq_id in self._predicted:
+                proposals[s.seq.seq_id] = (self._predicted[s.seq.seq_id][: s.num_draft_tokens], None)
         for s in asks:
             got = proposals.get(s.seq.seq_id, ([], None))
             if isinstance(got, SeqFault):  # its drafting raises: no more drafts for it
@@ -407,10 +444,17 @@ class SpecController:
         """What each verified sequence teaches about α: its segment's counters and live α, the
         MoE gate, adaptive K. A faulted row says nothing about α."""
         ok = [not isinstance(v, SeqFault) for v in verdicts]
-        self._moe_observe(sampling, [k if o else 0 for k, o in zip(num_draft_tokens, ok)],
-                          [v[1] if o else 0 for v, o in zip(verdicts, ok)])
+        # a prediction's drafts say how good the client's guess was, not the drafter nor the segment
+        own = [o and s.seq.seq_id not in self._predicted for s, o in zip(sampling, ok)]
+        self._moe_observe(sampling, [k if o else 0 for k, o in zip(num_draft_tokens, own)],
+                          [v[1] if o else 0 for v, o in zip(verdicts, own)])
         for s, k, v, o in zip(sampling, num_draft_tokens, verdicts, ok):
             if not (k and o):
+                continue
+            if s.seq.seq_id in self._predicted:
+                self.predictions.observe(s.seq.seq_id, k, v[1])
+                for name, n in (("steps", 1), ("draft_tokens", k), ("accepted_tokens", v[1])):
+                    self.prediction_steps[name] += n
                 continue
             segment, accepted = s.seq.request.segment, v[1]
             forced = drafts.by_seq[s.seq.seq_id].num_forced
@@ -442,6 +486,8 @@ class SpecController:
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
         self.forced_text.release(seq_id)
+        self.predictions.release(seq_id)
+        self._no_prediction.discard(seq_id)
         if self.adaptive is not None:
             self.adaptive.release(seq_id)
             for sub_id in self._derived.pop(seq_id, ()):
@@ -468,6 +514,8 @@ class SpecController:
         st.draft_resyncs = int(self._remote.num_resyncs) if self._remote is not None else 0
         if self.members is not None:  # a portfolio's members
             st.drafter_steps = self.members.drafter_stats()
+        if self.prediction_steps["steps"]:  # requests' predicted outputs, beside the drafter(s)
+            st.drafter_steps = {**st.drafter_steps, PREDICTION: dict(self.prediction_steps)}
         if self.adaptive is not None:  # from the measured step costs; the router's default gate
             st.break_even_alpha = self.adaptive.break_even_alpha(self.config.max_draft_tokens)
 

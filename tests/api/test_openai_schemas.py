@@ -124,8 +124,11 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
     (dict(audio={"voice": "alloy", "format": "wav"}), "audio output is not supported", "audio"),
     (dict(store=True), "store is not supported", "store"),
     (dict(service_tier="priority"), "service_tier may only be 'auto' or 'default'", "service_tier"),
-    (dict(prediction={"type": "content", "content": "x"}), "prediction .predicted outputs. is not supported",
-     "prediction"),
+    (dict(prediction={"type": "image", "content": "x"}), "prediction.type: Input should be 'content'", "prediction"),
+    (dict(prediction={"type": "content", "content": [{"type": "image_url", "image_url": {}}]}),
+     r"prediction.content\[0\]: only text parts", "prediction"),
+    (dict(prediction={"type": "content", "content": "x"}, mode="plain"), "prediction needs speculative decoding",
+     None),
     (dict(reasoning_effort="low"), "reasoning_effort is not supported", "reasoning_effort"),
     (dict(verbosity="low"), "verbosity is not supported", "verbosity"),
     (dict(web_search_options={}), "web search is not supported", "web_search_options"),
@@ -139,7 +142,15 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
      r"messages\[1\].tool_call_id is not supported: tools", "messages"),
 ])
 def test_openai_fields_we_do_not_do_are_refused(body, match, param):
-    refused(chat, match, param, **body)
+    refused(lambda **b: validate_fields(chat(**b), "r", LIMITS), match, param, **body)
+
+
+def test_prediction_is_grpcs_prediction():
+    """OpenAI's predicted output becomes gRPC's ``prediction`` (text parts joined)."""
+    assert chat(prediction={"type": "content", "content": "def f():\n    return 1"}).prediction == "def f():\n    return 1"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chat(prediction={"type": "content", "content": parts}).prediction == "ab"
+    assert chat().prediction == ""
 
 
 def test_response_format_text_is_plain_output():

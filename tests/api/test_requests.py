@@ -146,6 +146,21 @@ def test_draft_scope_reaches_the_engine_request():
         assert to_generation_request(v, engine, LIMITS, vocab_size=engine.vocab_size).draft_scope == scope
 
 
+def test_prediction_reaches_the_engine_request_as_tokens():
+    engine = FakeEngine(EngineConfig())
+    v = validate_request(pb2.GenerateRequest(prompt="abc", prediction="the answer"), "r", LIMITS)
+    assert to_generation_request(v, engine, LIMITS, engine.vocab_size).prediction_token_ids == tuple(
+        engine.tokenize("the answer"))
+    plain = validate_request(pb2.GenerateRequest(prompt="abc"), "r", LIMITS)
+    assert to_generation_request(plain, engine, LIMITS, engine.vocab_size).prediction_token_ids == ()
+    with pytest.raises(ServiceError, match="prediction needs speculative decoding, and mode PLAIN never drafts"):
+        validate_request(pb2.GenerateRequest(prompt="abc", prediction="x", mode=2), "r", LIMITS)
+    long = validate_request(pb2.GenerateRequest(prompt="abc", prediction="p" * (LIMITS.max_prompt_tokens + 1)),
+                            "r", LIMITS)
+    with pytest.raises(InvalidRequestError, match=f"prediction too long: {LIMITS.max_prompt_tokens + 1} tokens"):
+        to_generation_request(long, engine, LIMITS, engine.vocab_size)
+
+
 def test_auth():
     check_bearer([], None)  # auth off
     check_bearer([("authorization", "Bearer s3cret")], "s3cret")
@@ -224,9 +239,11 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "draft_scope"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 15
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "prediction"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 16
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
-                             mode=2, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1")
-    assert validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS).draft_scope == "t1"
+                             mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
+                             prediction="hi there")
+    v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
+    assert (v.draft_scope, v.prediction) == ("t1", "hi there")

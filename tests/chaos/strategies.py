@@ -85,6 +85,7 @@ WILD = {
     "mode": st.one_of(st.sampled_from([0, 1, 2]), st.integers(-5, 9)),
     "segment": st.one_of(text, huge_text()),
     "draft_scope": st.one_of(text, huge_text(), st.sampled_from(["t\x1f1", "a b", "x" * 65])),
+    "prediction": st.one_of(text, huge_text()),
     "json_schema": schemas,
     "regex": regexes,
     "ignore_eos": st.booleans(),
@@ -143,6 +144,8 @@ def nearly_sane_request(draw) -> dict:
     for name, strategy in SANE.items():
         if draw(st.booleans()):
             fields[name] = draw(strategy)
+    if fields.get("mode", 0) != 2 and draw(st.booleans()):  # a prediction: the answer, or any text
+        fields["prediction"] = draw(sane_prompt)
     for name in draw(st.lists(st.sampled_from(sorted(WILD)), max_size=2, unique=True)):
         fields[name] = draw(WILD[name])
     return fields

@@ -128,6 +128,12 @@ def test_completions_string_and_token_ids_and_mode(oa):
                                    tool_choice="none", store=False, metadata={"k": "v"}, service_tier="auto",
                                    modalities=["text"])  # OpenAI's fields at their do-nothing values
     assert r.choices[0].message.content
+    want = fake_output(chat_ids("xyz"), 12)
+    p = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "xyz"}], max_tokens=12,
+                                   prediction={"type": "content", "content": want[:-1] + "#"})
+    assert p.choices[0].message.content == want  # the fake target's answer, prediction or not
+    details = p.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (11, 1)
 
 
 def test_chat_stream_with_usage(oa):
@@ -323,6 +329,30 @@ def test_real_draft_scope_keeps_learnt_answers_to_their_scope(addrs, real):
                                 extra_body={"mode": "speculative", "segment": "scope-test",
                                             "draft_scope": "tenant-a", "ignore_eos": True})
     assert r.choices[0].text == first.text
+
+
+@pytest.mark.model
+def test_real_prediction_is_drafted_from_and_changes_nothing(addrs, real):
+    """OpenAI's predicted outputs through the official client on the real model: the greedy answer
+    sent back as the prediction gives the same answer, drafted from it (nearly every draft kept,
+    far fewer verification steps), and usage says the prediction was kept whole; half of it wrong
+    still gives the same answer."""
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    args = dict(model="default", messages=messages, max_tokens=40, temperature=0,
+                extra_body={"mode": "speculative", "segment": "prediction-test"})
+    first = real.chat.completions.create(**args)
+    answer = first.choices[0].message.content
+    again = real.chat.completions.create(**args, prediction={"type": "content", "content": answer})
+    assert again.choices[0].message.content == answer
+    details, n = again.usage.completion_tokens_details, again.usage.completion_tokens
+    assert details.rejected_prediction_tokens <= 1 and details.accepted_prediction_tokens >= n - 2, (details, n)
+    spec = again.model_extra["specserve"]["spec"]  # K = 4 here: up to 5 tokens a verification step
+    assert spec["acceptance_rate"] >= 0.9 and spec["accepted_tokens"] >= 0.6 * n, (spec, n)
+    half = answer[: len(answer) // 2] + "".join(reversed(answer[len(answer) // 2:]))
+    wrong = real.chat.completions.create(**args, prediction={"type": "content", "content": half})
+    assert wrong.choices[0].message.content == answer
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    assert first.usage.completion_tokens_details is None  # no prediction: no details
 
 
 @pytest.mark.model

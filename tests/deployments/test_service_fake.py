@@ -178,7 +178,7 @@ def _with_field(pb2, number: int, payload: bytes, **fields) -> bytes:
 
 
 def test_a_field_the_server_does_not_know_is_refused_not_ignored(main):
-    """A newer client's field (here number 16, and a chat message's 3) parses as an unknown field in
+    """A newer client's field (here number 40, and a chat message's 3) parses as an unknown field in
     proto3: the server refuses the request instead of answering as if it were unset, unary and
     stream, through the real gRPC proxy; ModelInfo lists every field it implements."""
     pb2 = main.pb2
@@ -192,7 +192,7 @@ def test_a_field_the_server_does_not_know_is_refused_not_ignored(main):
     from google.protobuf.internal.encoder import _VarintBytes
 
     odd_message = message + _VarintBytes(3 << 3 | 2) + _VarintBytes(1) + b"x"
-    cases = [(_with_field(pb2, 16, b"tenant-7", prompt="the cat sat. ", max_tokens=4), "GenerateRequest carries field number 16"),
+    cases = [(_with_field(pb2, 40, b"tenant-7", prompt="the cat sat. ", max_tokens=4), "GenerateRequest carries field number 40"),
              (_with_field(pb2, 2, odd_message, max_tokens=4), "messages[0] carries field number 3")]
     for body, needle in cases:
         for name, call in raw.items():
@@ -222,8 +222,8 @@ def test_the_client_sends_no_field_the_server_would_ignore(addr, main, capsys):
     # every field this server lists passes the check (a request setting all of them)
     pb2 = main.pb2
     every = pb2.GenerateRequest(prompt="a", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1,
-                                stop=["x"], mode=2, segment="chat", regex="[a-z]+", ignore_eos=True,
-                                draft_scope="tenant-7")
+                                stop=["x"], mode=1, segment="chat", regex="[a-z]+", ignore_eos=True,
+                                draft_scope="tenant-7", prediction="b")
     check_request_fields(every, main.stub.ModelInfo(pb2.ModelInfoRequest(), metadata=main.md, timeout=10))
     # an older server (no request_fields): the client refuses before sending anything
     with pytest.raises(UnsupportedField, match="draft_scope"):
@@ -247,6 +247,23 @@ def test_generate_and_stream_agree_on_both_paths(main):
             assert len(chunks) < 23  # several committed tokens per verification step
         else:
             assert r.spec.draft_tokens == 0
+
+
+def test_a_prediction_is_counted_in_usage_and_refused_with_mode_plain(main):
+    """Predicted outputs over real gRPC: the final usage says how much of the prediction the output
+    kept (the fake target repeats the prompt: "the cat sat. the" kept 15 of "the cat sat. thX"'s 16
+    tokens), unary and stream, on both paths; MODE_PLAIN with a prediction is INVALID_ARGUMENT."""
+    prompt, predicted = "the cat sat. ", "the cat sat. thX"
+    for mode in (0, 1):
+        r = main.generate(prompt=prompt, max_tokens=16, mode=mode, prediction=predicted)
+        assert list(r.token_ids) == expected(prompt, 16)  # the output is the target's, prediction or not
+        assert (r.usage.accepted_prediction_tokens, r.usage.rejected_prediction_tokens) == (15, 1)
+        last = list(main.stream(prompt=prompt, max_tokens=16, mode=mode, prediction=predicted))[-1]
+        assert (last.usage.accepted_prediction_tokens, last.usage.rejected_prediction_tokens) == (15, 1)
+    r = main.generate(prompt=prompt, max_tokens=16)
+    assert (r.usage.accepted_prediction_tokens, r.usage.rejected_prediction_tokens) == (0, 0)
+    code, details = code_of(lambda: main.generate(prompt=prompt, max_tokens=4, mode=2, prediction="x"))
+    assert code == CODE.INVALID_ARGUMENT and "prediction needs speculative decoding" in details
 
 
 def test_constrained_routes_like_any_request(main):

@@ -123,6 +123,48 @@ def test_a_drafter_learning_from_traffic_drafts_from_the_requests_draft_scope_on
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
 
 
+def _predicted(reqs, predictions):
+    for r, p in zip(reqs, predictions):
+        r.prediction_token_ids = tuple(p)
+    return reqs
+
+
+def test_a_prediction_drafts_where_the_output_keeps_to_it_and_changes_nothing(default_model, hf_reference, rows):
+    """Predicted outputs: the target's own answer as the prediction is drafted from and accepted
+    nearly whole; one with every fifth token wrong, or another prompt's answer, still gives the
+    target's greedy output (HF ``generate``), as does a seeded sampled request the same tokens
+    with and without one."""
+    tok = default_model.tokenizer
+    picked = [r for r in rows if r["segment"] in ("chat", "code", "json")][::2]
+    eng = spec_engine(default_model, SpecConfig(drafter="portfolio", num_draft_tokens="auto"))
+    hf = {r["id"]: hf_reference.greedy(prompt_ids(tok, r), MAX_TOKENS) for r in picked}
+    answers = [hf[r["id"]].tokens for r in picked]
+    wrong = [[t if i % 5 != 4 else (t + 1) % tok.vocab_size for i, t in enumerate(a)] for a in answers]
+    for name, predictions in (("exact", answers), ("every fifth wrong", wrong), ("another's", answers[1:] + answers[:1])):
+        reqs = _predicted(greedy_requests(tok, picked, MAX_TOKENS), predictions)
+        res = run_to_completion(eng, reqs)
+        verdicts = [check_greedy_match(res[r.request_id]["ids"], hf[r.request_id]) for r in reqs]
+        assert verdicts.count("equal") >= len(reqs) - 1, (name, verdicts)
+        spec = [res[r.request_id]["spec"] for r in reqs]
+        accepted, drafted = sum(s.accepted_tokens for s in spec), sum(s.draft_tokens for s in spec)
+        if name == "exact":  # K + 1 tokens a verification step, nearly every draft kept
+            steps, tokens = sum(s.drafts for s in spec), sum(len(res[r.request_id]["ids"]) for r in reqs)
+            assert accepted >= 0.9 * drafted and steps <= tokens / 3, (accepted, drafted, steps, tokens)
+    assert len(eng.spec.predictions) == 0 and eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+    assert eng.stats().drafter_steps["prediction"]["accepted_tokens"] > 0  # named beside the portfolio's members
+    # seeded sampling: the coupled target tokens whatever is drafted (here: its own earlier answer)
+    sampled = [GenerationRequest(f"{r['id']}-s", prompt_ids(tok, r),
+                                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i))
+               for i, r in enumerate(picked)]
+    alone = run_to_completion(eng, sampled)
+    again = _predicted([GenerationRequest(r.request_id, r.prompt_token_ids, r.params) for r in sampled],
+                       [alone[r.request_id]["ids"] for r in sampled])
+    res = run_to_completion(eng, again)
+    assert all(res[r.request_id]["ids"] == alone[r.request_id]["ids"] for r in again)
+    assert sum(res[r.request_id]["spec"].accepted_tokens for r in again) > sum(
+        alone[r.request_id]["spec"].accepted_tokens for r in sampled)
+
+
 def test_frequent_rejections_still_equal_plain(default_model, rows):
     tok = default_model.tokenizer
     reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=24)) for r in rows[::4]]

@@ -82,6 +82,47 @@ def test_remote_model_drafter_is_lossless_and_frees_draft_kv(default_model, rows
         server.stop(0)
 
 
+def test_predictions_beside_a_remote_drafter_stay_lossless_and_in_step(default_model, rows):
+    """Placement ``separate`` with predicted outputs: the SpecEngine drafts from a request's
+    prediction itself and asks the DraftServer only where the output has left it (here every
+    fourth predicted token is wrong), so the draft side skips steps and catches up on the next
+    ask — output equal to plain decoding, both drafters used, every state freed on both sides."""
+    draft, vocab = build_remote_proposer(parse_drafter_choice("default"), "default", "float32",
+                                         kv_cache_memory_mb=64, target=default_model)
+    core = DraftServerCore(draft, vocab_size=vocab, drafter="default")
+    server, port = start_server(core, host="127.0.0.1")
+    remote = RemoteProposer(f"127.0.0.1:{port}", timeout_s=30.0, expected_vocab_size=vocab,
+                            budget=DraftBudget(factor=100.0, cap_s=30.0))
+    try:
+        eng = _engine(default_model, "default", remote)
+        tok = default_model.tokenizer
+        reqs = [GenerationRequest(r["id"], prompt_ids(tok, r), SamplingParams(max_tokens=MAX_TOKENS),
+                                  segment=r["segment"]) for r in rows]
+        plain = run_to_completion(eng, [GenerationRequest(r.request_id + "-plain", r.prompt_token_ids,
+                                                          r.params, mode=SpecMode.PLAIN) for r in reqs])
+        for r in reqs:
+            answer = plain[r.request_id + "-plain"]["ids"]
+            r.prediction_token_ids = tuple(t if i % 4 != 3 else (t + 1) % vocab for i, t in enumerate(answer))
+        asked = eng.spec.timing.proposals  # steps that asked the DraftServer, before these requests
+        res = run_to_completion(eng, reqs)
+        for r in reqs:
+            assert res[r.request_id]["ids"] == plain[r.request_id + "-plain"]["ids"], r.request_id
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+        assert sum(res[r.request_id]["spec"].accepted_tokens for r in reqs) > 0
+        assert eng.spec.timing.proposals > asked  # the DraftServer drafted where the prediction was wrong
+        predicted = eng.stats().drafter_steps["prediction"]  # ... and the prediction where it was right
+        assert predicted["steps"] > 0 and 0 < predicted["accepted_tokens"] < predicted["draft_tokens"], predicted
+        assert len(eng.spec.predictions) == 0 and remote.tracked() == {}
+        assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+        deadline = time.monotonic() + 10
+        while core.num_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.num_sequences == 0 and draft.runner.kv.num_free_blocks == draft.runner.kv.num_blocks
+    finally:
+        remote.close()
+        server.stop(0)
+
+
 def test_self_draft_is_the_first_layers_with_its_own_kv(default_model):
     target = default_model.runner.model
     total = target.arch.num_layers
