@@ -205,7 +205,7 @@ class LLMEngine:
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
         if draft is not None:
             seq.spec.record(draft.k, accepted, draft.num_forced)
-            seq.trace.step(draft.k, accepted)
+            seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
         seq.append_committed(committed)
         seq.trace.prefill_done()  # idempotent: marks the first token only
 

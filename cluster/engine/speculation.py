@@ -483,6 +483,11 @@ class SpecController:
         if self._remote is not None:  # a remote drafter's deadline follows the step time
             self._remote.observe_target_step(forward_s)
 
+    def drafted_by(self, seq_id: str) -> str | None:
+        """This step's drafts of a sequence came from its prediction: "prediction"; else None (the
+        engine's drafter, named on the request's trace)."""
+        return PREDICTION if seq_id in self._predicted else None
+
     def release(self, seq_id: str) -> None:
         self._no_drafts.discard(seq_id)
         self.forced_text.release(seq_id)

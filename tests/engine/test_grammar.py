@@ -381,3 +381,26 @@ def test_bad_constraint_is_refused_at_admission(tiny):
     with pytest.raises(InvalidRequestError, match="not"):
         eng.add_request(constrained(0, schema_c({"type": "object", "not": {}}), SamplingParams()))
     assert not eng.seqs
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_a_prediction_under_a_grammar_is_cut_by_it_and_equals_plain(tiny, k):
+    """Predicted outputs on constrained requests: the prediction is the plain answer with an
+    illegal token spliced in every fifth place (and, for the unconstrained rows, a wrong one): the
+    grammar walk cuts each draft at the illegal token, forced tokens stand in front, and the output
+    is plain decoding's, token for token."""
+    params = SamplingParams(max_tokens=60)
+    plain = run_to_completion(engine(tiny), batch(params))
+    bad = tiny.tokenizer.encode("~")[0]
+    eng = engine(tiny, "ngram", k)
+    reqs = batch(params)
+    for r in reqs:
+        answer = plain[r.request_id]["ids"]
+        r.prediction_token_ids = tuple(t if i % 5 != 4 else bad for i, t in enumerate(answer))
+    res = run_to_completion(eng, reqs)
+    for r in reqs:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        if r.constraint is not None:
+            assert valid(tiny, r.constraint, res[r.request_id]["ids"])
+    assert eng.stats().drafter_steps["prediction"]["accepted_tokens"] > 0
+    assert eng.spec.grammar_cut_tokens > 0 and len(eng.spec.predictions) == 0
