@@ -211,7 +211,8 @@ class Router:
         if segment != vreq.segment:  # past limits.max_segments distinct labels
             vreq = dataclasses.replace(vreq, segment=segment)
         decision = self.policy.decide(
-            RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment),
+            RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment,
+                            predicted=bool(vreq.prediction)),
             self._view())
         ready = self.spec_ready if decision.path is Path.SPECULATIVE else self.batch_ready
         if not ready:

@@ -27,7 +27,9 @@ Rule order (first match wins):
    except every ``probe_every``-th such request, which goes through the hysteresis rule as a
    probe (PROBE_BELOW_BREAK_EVEN when it speculates), so that the segment's α keeps being
    measured and a segment that improves comes back. A segment exactly at ``min_alpha`` is not
-   below it: it goes on to rule 7. Live α is the SpecEngine's recent (decayed) per-position
+   below it: it goes on to rule 7. A request with a prediction skips this rule: the segment's α
+   is its drafter's, and the request drafts from its own prediction (it goes on to rule 7, so load
+   still sends it plain). Live α is the SpecEngine's recent (decayed) per-position
    estimate (``live_alpha`` in its stats), not a lifetime average.
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
@@ -191,6 +193,7 @@ class RequestFeatures:
     mode: SpecMode = SpecMode.AUTO
     constrained: bool = False
     segment: str = "default"
+    predicted: bool = False  # it sent a prediction (drafted from whatever the segment's α)
 
 
 @dataclass(slots=True, frozen=True)
@@ -285,7 +288,7 @@ class RouterPolicy:
             return RouteDecision(Path.PLAIN, RouteReason.MOE_UNVALIDATED)
         if req.mode is SpecMode.SPECULATIVE:
             return RouteDecision(Path.SPECULATIVE, RouteReason.MODE_SPECULATIVE)
-        measured = view.alpha(req.segment)
+        measured = None if req.predicted else view.alpha(req.segment)
         if measured is not None:
             alpha, samples = measured
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view, req.segment):

@@ -132,6 +132,11 @@ def test_break_even_per_segment():
     assert decide(p, segment="code", alpha_by_segment=rows)[0] is SPEC
     assert decide(p, segment="json", alpha_by_segment=rows)[0] is SPEC  # too few samples to judge
     assert decide(p, segment="new", alpha_by_segment=rows)[0] is SPEC  # unmeasured segment
+    # a request with a prediction drafts from it: its segment's (drafter's) α does not gate it ...
+    assert decide(p, segment="chat", alpha_by_segment=rows, predicted=True) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
+    # ... but load does
+    busy = RouterPolicy(RouterConfig(min_alpha=0.5, min_alpha_samples=10, enter_threshold=2, exit_threshold=3))
+    assert decide(busy, in_flight=5, segment="chat", alpha_by_segment=rows, predicted=True)[0] is PLAIN
     # an explicit SPECULATIVE wish beats the break-even gate (the client asked)
     assert decide(p, segment="chat", mode=SpecMode.SPECULATIVE, alpha_by_segment=rows)[0] is SPEC
 
