@@ -11,7 +11,9 @@ non-negative entries; anything else drops that sequence's drafts for the step �
 step for it — counted as a draft fallback), a constrained sequence's K as its forced tokens plus
 the drafter's K for the context after them (``cluster.engine.grammar_drafts`` cuts the draft under
 the grammar and masks its verification rows, so rejection sampling sees the masked target p';
-adaptive K learns the drafter's share only), isolating a drafter exception to the sequence that
+adaptive K learns the drafter's share only), a request's predicted output (its prediction drafts
+for it wherever the output stands in it — ``cluster.speculative.prediction`` — and the drafter is not
+asked for it that step; those drafts teach the prediction's own α only), isolating a drafter exception to the sequence that
 causes it (that sequence decodes plainly from then on), verification with per-sequence faults
 (``cluster.engine.faults``), and speculation statistics per traffic segment: lifetime counters
 (``SpecStats``) and the live α the Router gates on (``LiveAlpha``, per-position like the
