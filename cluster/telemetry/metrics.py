@@ -33,6 +33,9 @@ specserve_spec_draft_tokens_total / _accepted_tokens_total engine, segment
 specserve_spec_rejections_total                            engine, segment      (steps that rejected a draft)
 specserve_spec_position_drafted_total / _accepted_total    engine, segment, position
 specserve_spec_steps_by_num_draft_tokens_total            engine, segment, num_draft_tokens (steps per K)
+specserve_drafter_steps_total / _drafter_draft_tokens_total / _drafter_accepted_tokens_total
+                                                           engine, drafter      (a portfolio's members,
+                                                           and "prediction": requests' predicted outputs)
 """
 from __future__ import annotations
 
@@ -126,6 +129,11 @@ class SpecserveMetrics:
         self.steps_by_num_draft_tokens = b.counter(
             "specserve_spec_steps_by_num_draft_tokens", "Verification steps by the K chosen (0 = plain step)",
             ("engine", "segment", "num_draft_tokens"))
+        self.drafter_counts = {  # EngineStats.drafter_steps' keys -> counters
+            key: b.counter(f"specserve_drafter_{key}", f"{what} by the drafter that drafted them (a portfolio's "
+                           "members; 'prediction': requests' predicted outputs)", ("engine", "drafter"))
+            for key, what in (("steps", "Verification steps"), ("draft_tokens", "Draft tokens"),
+                              ("accepted_tokens", "Accepted draft tokens"))}
 
     # --- helpers ---------------------------------------------------------------------------
     def segment(self, segment: str | None) -> str:
@@ -198,6 +206,9 @@ class SpecserveMetrics:
         self._delta(self.resyncs, e, stats.draft_resyncs)
         if stats.break_even_alpha is not None:
             self.break_even_alpha.set(stats.break_even_alpha, e)
+        for drafter, counts in (stats.drafter_steps or {}).items():  # a few fixed names
+            for key, counter in self.drafter_counts.items():
+                self._delta(counter, {"engine": engine, "drafter": drafter}, counts.get(key, 0))
         for segment, d in stats.spec_by_segment.items():
             es = {"engine": engine, "segment": self.segment(segment)}
             drafted, accepted = d.get("draft_tokens", 0), d.get("accepted_tokens", 0)
@@ -230,7 +241,7 @@ class _StatsView:
 
     def __getattr__(self, name: str) -> Any:
         d = self._d
-        if name == "spec_by_segment":
+        if name in ("spec_by_segment", "drafter_steps"):
             return d.get(name) or {}
         return d.get(name, 0)
 

@@ -94,8 +94,14 @@ def _stats(fallbacks, resyncs, segs, free=30, waiting=2):
 def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     m, port = metrics
     code = _spec([(4, 4), (4, 2), (0, 0)])
-    m.record_engine_stats(_stats(1, 0, {"code": code}), engine="spec")
+    first = _stats(1, 0, {"code": code})
+    first.drafter_steps = {"ngram": {"steps": 3, "draft_tokens": 10, "accepted_tokens": 6},
+                           "prediction": {"steps": 2, "draft_tokens": 8, "accepted_tokens": 8}}
+    m.record_engine_stats(first, engine="spec")
     s = _scrape(port)
+    assert _get(s, "specserve_drafter_accepted_tokens_total", engine="spec", drafter="prediction") == 8
+    assert _get(s, "specserve_drafter_draft_tokens_total", engine="spec", drafter="ngram") == 10
+    assert _get(s, "specserve_drafter_steps_total", engine="spec", drafter="ngram") == 3
     assert _get(s, "specserve_queue_depth", engine="spec") == 2
     assert _get(s, "specserve_running_requests", engine="spec") == 1
     assert _get(s, "specserve_kv_blocks_free", engine="spec") == 30
@@ -115,8 +121,11 @@ def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     # Cumulative totals grow: counters follow the difference, not the sum of snapshots.
     code.record(4, 0)
     code.record(2, 2)
-    m.record_engine_stats(_stats(3, 2, {"code": code}, free=40, waiting=0), engine="spec")
+    second = _stats(3, 2, {"code": code}, free=40, waiting=0)
+    second.drafter_steps = {"prediction": {"steps": 3, "draft_tokens": 12, "accepted_tokens": 11}}
+    m.record_engine_stats(second, engine="spec")
     s = _scrape(port)
+    assert _get(s, "specserve_drafter_accepted_tokens_total", engine="spec", drafter="prediction") == 11
     assert _get(s, "specserve_draft_fallbacks_total", engine="spec") == 3
     assert _get(s, "specserve_draft_resyncs_total", engine="spec") == 2
     assert _get(s, "specserve_spec_draft_tokens_total", engine="spec", segment="code") == 14
