@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 import psutil
 
-from tests.deployments.harness import FAKE, Client, deploy_apps, fake_args, serve_session
+from tests.deployments.harness import FAKE, Client, deploy_apps, fake_args, serve_session_at
 from tests.deployments.test_service_fake import engine_stats, wait_for
 
 TOKEN = "chaos-token-7f3a"
@@ -72,13 +72,15 @@ class ChaosService:
     def __init__(self) -> None:
         self._session = None
         self.addr: str | None = None
+        self.http: str | None = None  # http://127.0.0.1:port of Serve's HTTP proxy (the OpenAI API)
         self.deployed: set[str] = set()
         self._solo: dict[tuple, list[int]] = {}
 
     def apps(self, *names: str) -> str:
         if self._session is None:
-            self._session = serve_session(env={TOKEN_ENV: TOKEN})
-            self.addr = self._session.__enter__()
+            self._session = serve_session_at(env={TOKEN_ENV: TOKEN})
+            addrs = self._session.__enter__()
+            self.addr, self.http = addrs.grpc, addrs.http
         todo = [n for n in names if n not in self.deployed]
         if todo:
             deploy_apps({n: APPS[n] for n in todo}, timeout_s=600)

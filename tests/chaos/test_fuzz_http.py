@@ -1,0 +1,197 @@
+"""Fuzz the OpenAI-compatible HTTP API (hypothesis: every body field OpenAI or we define, fields
+nobody defines, values of any JSON type, nested junk) through the real Serve app's HTTP proxy.
+
+A well-formed body (valid fields at sane values) is answered 200 (or 429). Every answer is 200 or
+a documented error status (400, 401 for a wrong or missing token, 404 for
+another model's name, 429) — never a 5xx, a 422 or a hang past the per-call deadline; an error body
+is OpenAI's shape with a message and no internals; a 200 carries a choice with a finish reason
+(unary) or ends with ``data: [DONE]`` (stream); a body field the server does not know is never
+answered 200 (it is refused, not ignored). Afterwards the service answers a reference request
+exactly as before. FakeEngine app only (``--fuzz-examples``, CI 200): what is fuzzed is the front end.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tests.chaos.service import LEAKS, TOKEN
+
+pytestmark = [pytest.mark.chaos, pytest.mark.ray]
+
+ALLOWED = {200, 400, 404, 429}
+KNOWN = {"chat": set(ChatCompletionRequest.model_fields), "completions": set(CompletionRequest.model_fields)}
+REFERENCE = {"model": "fake", "prompt": "the cat sat. ", "max_tokens": 8, "temperature": 0}
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                    st.sampled_from([0, 1, -1, 0.5, 2**64, "", "text", "auto", "none", "plain"]),
+                    st.text(max_size=20))
+json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                           max_leaves=12)
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
+     "content": st.one_of(st.text(max_size=40), st.none(),
+                          st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                                          "text": st.text(max_size=10)}), max_size=3))},
+    optional={"name": st.text(max_size=5), "refusal": st.none(), "tool_calls": st.none(),
+              "extra": json_values}), max_size=4)
+FIELDS = {
+    "model": st.sampled_from(["fake", "fake", "gpt-4o", "", None]),
+    "max_tokens": st.one_of(st.integers(-2, 40), st.sampled_from([10**6, True, "8", 1.5])),
+    "max_completion_tokens": st.one_of(st.integers(0, 20), st.none()),
+    "temperature": st.one_of(st.floats(-1, 3), st.sampled_from([0, "hot", None, float("1e308")])),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), st.none()),
+    "seed": st.one_of(st.integers(-5, 2**65), st.none()),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), st.integers()),
+    "n": st.sampled_from([1, 2, 0, None]),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}]),
+        json_values),
+    "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
+                            json_values),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function"}]),
+    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
+    "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
+    "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
+    "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
+    "regex": st.sampled_from(["[a-z]+", "a(b", "(a*)*b", ""]),
+    "top_k": st.one_of(st.integers(-1, 60), st.text(max_size=3)),
+    "ignore_eos": st.one_of(st.booleans(), json_values),
+    "store": st.booleans(),
+    "reasoning_effort": st.sampled_from(["low", None]),
+    "min_p": st.floats(0, 1),  # vLLM's: unknown here
+    "guided_json": json_values,  # vLLM's: unknown here
+}
+
+
+# what a well-meaning OpenAI client sends: the service must answer these 200
+SANE = {
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.one_of(st.just(0), st.floats(0.1, 1.5)),
+    "top_p": st.floats(0.1, 1.0),
+    "seed": st.integers(0, 2**63),
+    "stop": st.lists(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=4), max_size=2),
+    "stream": st.booleans(),
+    "mode": st.sampled_from(["auto", "speculative"]),
+    "segment": st.sampled_from(["code", "chat", "x" * 40]),
+    "draft_scope": st.sampled_from(["", "tenant-7"]),
+    "user": st.text(max_size=10),
+    "top_k": st.integers(0, 40),
+    "ignore_eos": st.booleans(),
+}
+SANE_CHAT = {
+    "prediction": st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
+    "tool_choice": st.sampled_from(["none", "auto"]), "store": st.just(False),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+}
+sane_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(str.strip)
+
+
+@st.composite
+def bodies(draw) -> tuple[str, dict, bool]:
+    """(endpoint, body, sane): half nearly sane (a valid body, then at most one field at its edges;
+    ``sane`` when none), half wild."""
+    endpoint = draw(st.sampled_from(["chat", "completions"]))
+    if draw(st.booleans()):
+        body: dict = ({"messages": [{"role": "user", "content": draw(sane_text)}]} if endpoint == "chat"
+                      else {"prompt": draw(sane_text)})
+        for name, strategy in (SANE | (SANE_CHAT if endpoint == "chat" else {})).items():
+            if draw(st.booleans()):
+                body[name] = draw(strategy)
+        if body.get("stream") and draw(st.booleans()):
+            body["stream_options"] = {"include_usage": True}
+        odd = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=1))
+        for name in odd:
+            body[name] = draw(FIELDS[name])
+        return endpoint, body, not odd
+    body = {}
+    if endpoint == "chat" or draw(st.booleans()):
+        body["messages"] = draw(st.one_of(messages, json_values))
+    if endpoint == "completions" or draw(st.integers(0, 9)) == 0:
+        body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(-1, 300), max_size=10),
+                                        st.lists(st.text(max_size=5), max_size=3), json_values))
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True)):
+        body[name] = draw(FIELDS[name])
+    for name in draw(st.lists(st.text(min_size=1, max_size=8), max_size=2)):  # fields nobody defines
+        body[name] = draw(json_values)
+    return endpoint, body, False
+
+
+def post(base: str, endpoint: str, raw: bytes, auth: str | None, timeout: float) -> tuple[int, str, str]:
+    """(status, content type, text) of one call; status 0 means it hung past ``timeout``."""
+    headers = {"content-type": "application/json"} | ({"authorization": auth} if auth else {})
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    try:
+        r = requests.post(f"{base}/fake/v1/{path}", data=raw, headers=headers, timeout=timeout)
+    except requests.Timeout:
+        return 0, "", "timeout"
+    return r.status_code, r.headers.get("content-type", ""), r.text
+
+
+def judge(status: int, ctype: str, text: str, endpoint: str, body: dict, stream: bool) -> str | None:
+    """What is wrong with this answer, or None."""
+    if status not in ALLOWED:
+        return f"status {status}"
+    if any(m in text for m in LEAKS):
+        return "internals in the answer"
+    if status != 200:
+        err = json.loads(text).get("error", {})
+        return None if err.get("message") and err.get("type") else "error body without message/type"
+    unknown = set(body) - KNOWN[endpoint]
+    if unknown:
+        return f"unknown fields {sorted(unknown)} answered 200"
+    if stream:
+        if "text/event-stream" not in ctype or not text.rstrip().endswith("data: [DONE]"):
+            return "stream did not end with data: [DONE]"
+        return None
+    choice = json.loads(text)["choices"][0]
+    return None if choice["finish_reason"] in ("stop", "length") else f"finish_reason {choice['finish_reason']}"
+
+
+def test_fuzz_openai_http_fake_engine_app(chaos_service, chaos_report, fuzz_examples):
+    chaos_service.apps("fake")
+    base, good = chaos_service.http, f"Bearer {TOKEN}"
+    reference = post(base, "completions", json.dumps(REFERENCE).encode(), good, 60)
+    assert reference[0] == 200, reference
+    statuses: Counter = Counter()
+    bad: list[str] = []
+
+    @settings(max_examples=fuzz_examples[0], deadline=None, database=None, print_blob=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=bodies(), cred=st.sampled_from(["good"] * 8 + ["missing", "wrong"]))
+    def one(case, cred):
+        endpoint, body, sane = case
+        auth = {"good": good, "missing": None, "wrong": "Bearer nope"}[cred]
+        raw = json.dumps(body, allow_nan=True).encode()
+        status, ctype, text = post(base, endpoint, raw, auth, 30)
+        statuses[status] += 1
+        if cred != "good":
+            problem = None if status == 401 else f"status {status} without a good token"
+        else:
+            problem = "hang" if status == 0 else judge(status, ctype, text, endpoint, body, body.get("stream") is True)
+            if problem is None and sane and status not in (200, 429):
+                problem = f"a well-formed body answered {status}"
+        if problem:  # collected, not raised: one run counts every failure
+            shown = raw if len(raw) < 300 else raw[:300] + b"..."
+            bad.append(f"{problem} ({cred}, {endpoint}): {text[:200]!r} for {shown!r}")
+
+    one()
+    section = "fuzz_http_fake"
+    chaos_report.record(section, "examples", sum(statuses.values()))
+    chaos_report.record(section, "statuses", {str(k): v for k, v in sorted(statuses.items())})
+    chaos_report.record(section, "failures", len(bad))
+    chaos_report.record(section, "failure_samples", bad[:20])
+    assert not bad, f"{len(bad)} of {sum(statuses.values())} answers broke the contract:\n" + "\n".join(bad[:15])
+    after = post(base, "completions", json.dumps(REFERENCE).encode(), good, 60)
+    assert after[0] == 200 and json.loads(after[2])["choices"][0]["text"] == json.loads(reference[2])["choices"][0]["text"]
+    assert statuses[200] > 0 and statuses[400] > 0  # the fuzz reached both sides
