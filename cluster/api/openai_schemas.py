@@ -281,16 +281,17 @@ def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
                 draft_scope=body.draft_scope or "")
 
 
-def _content(i: int, content: str | list[TextPart] | None) -> str:
+def _text(content: str | list[TextPart] | None, where: str, param: str) -> str:
+    """A content field (a message's, the prediction's): a string, or text parts joined; any other
+    part is refused by its type, a text part's unknown key as an unrecognized argument."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise invalid(f"messages[{i}].content[{j}]: only text content parts are supported, "
-                               f"got type {part.type!r}", "messages")
+            raise invalid(f"{where}[{j}]: only text content parts are supported, got type {part.type!r}", param)
         if part.model_extra:
-            raise _unrecognized([f"messages.{i}.content.{j}.{k}" for k in part.model_extra])
+            raise _unrecognized([f"{where.replace('[', '.').replace(']', '')}.{j}.{k}" for k in part.model_extra])
         texts.append(part.text)
     return "".join(texts)
 
@@ -298,22 +299,11 @@ def _content(i: int, content: str | list[TextPart] | None) -> str:
 def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestFields:
     check_model(body, served)
     _refuse(body)
-    messages = tuple((m.role, _content(i, m.content)) for i, m in enumerate(body.messages))
+    messages = tuple((m.role, _text(m.content, f"messages[{i}].content", "messages"))
+                     for i, m in enumerate(body.messages))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prediction = "" if body.prediction is None else _prediction_text(body.prediction.content)
+    prediction = "" if body.prediction is None else _text(body.prediction.content, "prediction.content", "prediction")
     return RequestFields(messages=messages, prediction=prediction, **_common(body, size, max_tokens))
-
-
-def _prediction_text(content: str | list[TextPart]) -> str:
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None or part.model_extra:
-            raise invalid(f"prediction.content[{j}]: only text parts ({{type: text, text}}) are supported",
-                          "prediction")
-        texts.append(part.text)
-    return "".join(texts)
 
 
 def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:
