@@ -1,6 +1,7 @@
 """Prompt-lookup (n-gram) drafting: no model, just copying from the sequence's own history.
 
-Owns: ``NgramProposer`` (DrafterKind.NGRAM). For each sequence it takes the longest suffix
+Owns: ``NgramProposer`` (DrafterKind.NGRAM) and ``longest_suffix_match`` (also the search
+that realigns a request's prediction, ``cluster.speculative.prediction``). For each sequence it takes the longest suffix
 n-gram of the committed tokens (n from ngram_max down to ngram_min) that also occurs earlier in
 prompt + output, picks the most recent earlier occurrence, and drafts the tokens that followed it
 (up to K, fewer if the history ends first). Drafts are deterministic, so draft_probs are None
@@ -51,17 +52,25 @@ def find_ngram_match(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tupl
     length = tokens.shape[0]
     if length < 2 or ngram_max < 1:
         return 0, -1
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # where a 1-gram match ends
-    n = 1
-    while n < min(ngram_max, length - 1) and ends.size:
-        longer = ends[ends >= n]
-        longer = longer[tokens[longer - n] == tokens[length - 1 - n]]
-        if not longer.size:
-            break
-        ends, n = longer, n + 1
+    n, ends = longest_suffix_match(tokens, length - 1, tokens, min(ngram_max, length - 1))
     if not ends.size or n < ngram_min:
         return 0, -1
     return n, int(ends[-1]) + 1
+
+
+def longest_suffix_match(reference: np.ndarray, limit: int, query: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
+    """reference [R], query [Q] (Q >= 1) -> (n, ends): the longest n <= max_n (at least 1) such
+    that query's last n tokens occur in reference ending at each index of ``ends`` (ascending,
+    all < ``limit``); ends is empty when even query's last token does not occur there."""
+    ends = np.flatnonzero(reference[:limit] == query[-1])  # where a 1-token match ends
+    n, last = 1, query.shape[0] - 1
+    while n < max_n and ends.size:
+        longer = ends[ends >= n]
+        longer = longer[reference[longer - n] == query[last - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    return n, ends
 
 
 @dataclass(slots=True)

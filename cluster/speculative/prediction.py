@@ -36,6 +36,7 @@ import numpy as np
 
 from cluster.speculative.acceptance import Alpha
 from cluster.speculative.adaptive_k import CostModel, choose_k
+from cluster.speculative.ngram import longest_suffix_match
 
 PREDICTION = "prediction"  # its name where drafters are named (step costs, stats)
 PRIOR_ALPHA = 0.8
@@ -52,14 +53,7 @@ def realign(prediction: np.ndarray, output: np.ndarray, after: int) -> int | Non
     length, size = output.shape[0], prediction.shape[0]
     if length == 0 or size < 2:
         return None
-    ends = np.flatnonzero(prediction[: size - 1] == output[length - 1])  # where a 1-token match ends
-    n = 1
-    while n < min(MAX_MATCH, length) and ends.size:
-        longer = ends[ends >= n]
-        longer = longer[prediction[longer - n] == output[length - 1 - n]]
-        if not longer.size:
-            break
-        ends, n = longer, n + 1
+    n, ends = longest_suffix_match(prediction, size - 1, output, min(MAX_MATCH, length))
     if not ends.size or n < min(MIN_MATCH, length):
         return None
     later = ends[ends + 1 >= after]
