@@ -6,7 +6,8 @@ real readiness, tokenizing + checking prompts next to the model, and streaming `
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
 the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
-log with the request's server id, the record says only ``internal error (id ...)``. A request
+log with the request's server id, the record says only ``internal error (id ...)``. Each output token's log-probabilities (when asked) get the token's bytes here, next to the
+tokenizer. A request
 that sent a prediction gets, on its final output, how much of it the output kept
 (``prediction_overlap``, off the event loop). Closing the stream (client cancelled, deadline) aborts the request,
 which frees its KV blocks on target and draft. Ignores: routing, gRPC.
@@ -22,7 +23,7 @@ from typing import AsyncIterator
 
 from cluster.api.requests import ValidatedRequest, to_generation_request
 from cluster.api.status import EngineFailure, FailureKind
-from cluster.common.request import RequestOutput, merge_outputs
+from cluster.common.request import Logprob, RequestOutput, TokenLogprobs, merge_outputs
 from cluster.speculative.prediction import prediction_overlap
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
@@ -30,6 +31,18 @@ from deployments.app_config import AppConfig
 from deployments.quiet_polls import quiet_polls
 
 log = logging.getLogger("specserve.engine")
+
+
+def _with_token_bytes(out: RequestOutput, token_bytes) -> RequestOutput:
+    """An output's log-probabilities with each token's bytes (``engine.token_bytes``) filled in."""
+    if not out.logprobs:
+        return out
+
+    def fill(lp: Logprob) -> Logprob:
+        return dataclasses.replace(lp, token=token_bytes(lp.token_id))
+
+    return dataclasses.replace(out, logprobs=[TokenLogprobs(fill(t.chosen), tuple(map(fill, t.top)))
+                                              for t in out.logprobs])
 
 
 async def _prediction_usage(out: RequestOutput, prediction: tuple[int, ...], output: list[int]) -> RequestOutput:
@@ -141,19 +154,20 @@ class EngineServer:
                 return
             finished = first.finished
             predicted, output = gen_req.prediction_token_ids, list(first.new_token_ids)
+            token_bytes = self.engine.token_bytes
             try:
                 if whole:
                     merged = first
                     async for out in stream:
                         finished = out.finished
                         merged = merge_outputs(merged, out)
-                    yield await _prediction_usage(merged, predicted, merged.new_token_ids)
+                    yield _with_token_bytes(await _prediction_usage(merged, predicted, merged.new_token_ids), token_bytes)
                     return
-                yield await _prediction_usage(first, predicted, output)
+                yield _with_token_bytes(await _prediction_usage(first, predicted, output), token_bytes)
                 async for out in stream:
                     finished = out.finished
                     output += out.new_token_ids
-                    yield await _prediction_usage(out, predicted, output)
+                    yield _with_token_bytes(await _prediction_usage(out, predicted, output), token_bytes)
             except Exception as exc:  # EngineUnavailableError: the engine's core process died
                 finished = True  # the engine has dropped the request already
                 yield self._failure(exc, req)

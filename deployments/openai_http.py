@@ -80,7 +80,8 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
-                             include_usage=body.stream and body.include_usage)
+                             include_usage=body.stream and body.include_usage,
+                             logprobs=vreq.params.logprobs is not None)
             acc = Accumulator(request_id, decision)
             async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(),
                                                            whole=not body.stream)) as outputs:
@@ -91,7 +92,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
                         yield resp.chunk(out, first=not started)
                         started = True
             if not body.stream:
-                last = resp.body("".join(acc.text), acc.final, len(acc.token_ids))
+                last = resp.body("".join(acc.text), acc.final, len(acc.token_ids), acc.logprobs)
             elif resp.include_usage:
                 yield resp.usage_chunk(acc.final, len(acc.token_ids))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event

@@ -3,7 +3,9 @@
 Owns: ``chat.completion`` / ``text_completion`` bodies (unary), their ``*.chunk`` stream events
 (``data: {json}`` lines, the last ``data: [DONE]``; with ``stream_options.include_usage`` every
 chunk carries ``"usage": null`` and one more chunk with empty ``choices`` carries the usage), the
-finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``)
+finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``),
+the choice's ``logprobs`` when asked (chat's ``content`` entries, the completion's legacy
+tokens / token_logprobs / top_logprobs / text_offset)
 and the ``specserve`` object every response carries: the route (path, reason), the ids (the
 server's and the client's label) and, once finished, the speculation counters (draft and accepted
 tokens, α, mean acceptance length). Ignores: transport, errors (``openai_errors``).
@@ -15,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from cluster.common.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecStats, TokenLogprobs
 from cluster.routing.policy import RouteDecision
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
@@ -59,6 +61,36 @@ def usage_dict(final: RequestOutput, completion_tokens: int) -> dict:
     return usage
 
 
+def _token(lp: Logprob) -> str:
+    """A token's text as OpenAI shows it; its ``bytes`` are exact where a token is part of a
+    UTF-8 character (the text then has U+FFFD)."""
+    return lp.token.decode("utf-8", errors="replace")
+
+
+def _chat_entry(lp: Logprob) -> dict:
+    return {"token": _token(lp), "logprob": lp.logprob, "bytes": list(lp.token)}
+
+
+def chat_logprobs(logprobs: list[TokenLogprobs]) -> dict:
+    """A chat choice's ``logprobs``: ``content``, one entry per token with its ``top_logprobs``."""
+    return {"content": [{**_chat_entry(t.chosen), "top_logprobs": [_chat_entry(a) for a in t.top]}
+                        for t in logprobs], "refusal": None}
+
+
+def completion_logprobs(logprobs: list[TokenLogprobs], offset: int) -> dict:
+    """A completion choice's ``logprobs`` (the legacy shape): tokens, their log-probabilities, each
+    position's most likely tokens with the chosen one among them (up to n + 1, as OpenAI), and each
+    token's character offset in the completion's text from ``offset`` on."""
+    tokens = [_token(t.chosen) for t in logprobs]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [t.chosen.logprob for t in logprobs],
+            "top_logprobs": [{_token(a): a.logprob for a in (*t.top, t.chosen)} for t in logprobs],
+            "text_offset": offsets}
+
+
 @dataclass(slots=True)
 class Responder:
     """Everything one response repeats: kind, ids, model, creation time, route."""
@@ -69,7 +101,9 @@ class Responder:
     model: str
     decision: RouteDecision
     include_usage: bool = False
+    logprobs: bool = False  # the request asked for log-probabilities
     created: int = field(default_factory=lambda: int(time.time()))
+    _text_offset: int = 0  # a streamed completion's characters so far (its logprobs' text_offset)
 
     @property
     def id(self) -> str:
@@ -87,28 +121,44 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False) -> dict:
+    def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None) -> dict | None:
+        """The choice's ``logprobs`` (None when not asked); ``last``: the final output when these
+        are the request's last tokens — an end-of-sequence token ends no text, so it has no entry."""
+        if not self.logprobs:
+            return None
+        if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
+            logprobs = logprobs[:-1]
+        if self.kind is Kind.CHAT:
+            return chat_logprobs(logprobs)
+        body = completion_logprobs(logprobs, self._text_offset)
+        self._text_offset += sum(map(len, body["tokens"]))
+        return body
+
+    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False,
+                logprobs: dict | None = None) -> dict:
         if self.kind is Kind.COMPLETION:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
         body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
 
     # -- unary -----------------------------------------------------------------------------
-    def body(self, text: str, final: RequestOutput, completion_tokens: int) -> dict:
-        return {**self._head(self.kind.value),
-                "choices": [self._choice(text, _FINISH.get(final.finish_reason), delta=False)],
-                "usage": usage_dict(final, completion_tokens),
-                "specserve": self.specserve(final)}
+    def body(self, text: str, final: RequestOutput, completion_tokens: int,
+             logprobs: list[TokenLogprobs] | None = None) -> dict:
+        choice = self._choice(text, _FINISH.get(final.finish_reason), delta=False,
+                              logprobs=self._logprobs(logprobs or [], final))
+        return {**self._head(self.kind.value), "choices": [choice],
+                "usage": usage_dict(final, completion_tokens), "specserve": self.specserve(final)}
 
     # -- stream ----------------------------------------------------------------------------
     def chunk(self, out: RequestOutput, first: bool) -> str:
         """One engine delta as one event; the route rides on the first, the counters on the last."""
         finish = _FINISH.get(out.finish_reason) if out.finished else None
+        logprobs = self._logprobs(out.logprobs, out if out.finished else None)
         obj = {**self._head(self.kind.chunk_object),
-               "choices": [self._choice(out.text_delta, finish, delta=True, first=first)]}
+               "choices": [self._choice(out.text_delta, finish, delta=True, first=first, logprobs=logprobs)]}
         if self.include_usage:
             obj["usage"] = None
         if first or out.finished:

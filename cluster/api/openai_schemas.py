@@ -4,13 +4,14 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
-(``n``/``best_of`` other than 1, logprobs, echo, suffix, penalties, logit bias, tools, audio,
+(``n``/``best_of`` other than 1, echo, suffix, penalties, logit bias, tools, audio,
 reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
 ``response_format`` (``json_object`` /
 ``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
-``regex`` carry — and the conversion into the ``RequestFields`` that
+``regex`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
+``logprobs`` — and the conversion into the ``RequestFields`` that
 ``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
 constraint rule lives there, not here).
 Ignores: transport, response shapes (``openai_responses``), error bodies (``openai_errors``).
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.api.requests import RequestFields
 from cluster.api.status import ServiceError, invalid
-from cluster.common.request import SpecMode
+from cluster.common.request import MAX_LOGPROBS, SpecMode
 
 # response_format json_object: any JSON object (the grammar engine enforces it like a schema)
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
@@ -67,8 +68,6 @@ class _Common(_Body):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # refused when they would change the output (we do not implement them)
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -115,6 +114,8 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None  # each output token's log-probability ...
+    top_logprobs: int | None = None  # ... and this many most likely tokens at its position (needs logprobs)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     # OpenAI's, which change nothing here at the values _refuse lets through
@@ -137,6 +138,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # each output token's log-probability and this many most likely
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -205,8 +207,6 @@ def _refuse(body: _Common) -> None:
     """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
     checks = [
         ("n", body.n not in (None, 1), "n must be 1 (one choice per request)"),
-        ("logprobs", bool(body.logprobs), "logprobs is not supported"),
-        ("top_logprobs", body.top_logprobs not in (None, 0), "top_logprobs is not supported"),
         ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
         ("presence_penalty", body.presence_penalty not in (None, 0), "presence_penalty is not supported"),
         ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
@@ -219,6 +219,8 @@ def _refuse(body: _Common) -> None:
     ]
     if isinstance(body, ChatCompletionRequest):
         checks += [
+            ("top_logprobs", bool(body.top_logprobs) and not body.logprobs,
+             "top_logprobs needs logprobs: true"),
             ("tools", bool(body.tools or body.functions), "tools and functions are not supported"),
             ("tool_choice", body.tool_choice not in (None, "none", "auto"),
              "tool_choice may only be 'none' or 'auto': tools are not supported"),
@@ -296,14 +298,22 @@ def _text(content: str | list[TextPart] | None, where: str, param: str) -> str:
     return "".join(texts)
 
 
+def _num_logprobs(value: int | None, param: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+    return value
+
+
 def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestFields:
     check_model(body, served)
     _refuse(body)
+    top = _num_logprobs(body.top_logprobs, "top_logprobs")
     messages = tuple((m.role, _text(m.content, f"messages[{i}].content", "messages"))
                      for i, m in enumerate(body.messages))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prediction = "" if body.prediction is None else _text(body.prediction.content, "prediction.content", "prediction")
-    return RequestFields(messages=messages, prediction=prediction, **_common(body, size, max_tokens))
+    return RequestFields(messages=messages, prediction=prediction, logprobs=(top or 0) if body.logprobs else None,
+                         **_common(body, size, max_tokens))
 
 
 def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:
@@ -316,6 +326,7 @@ def completion_fields(body: CompletionRequest, size: int, served: str) -> Reques
                                f"batch of {len(prompt)}", "prompt")
         prompt = prompt[0]
     common = _common(body, size, body.max_tokens)
+    common["logprobs"] = _num_logprobs(body.logprobs, "logprobs")
     if isinstance(prompt, str):
         return RequestFields(prompt=prompt, **common)
     return RequestFields(token_ids=tuple(prompt), **common)

@@ -177,6 +177,7 @@ class RequestFields:
     ignore_eos: bool = False
     draft_scope: str = ""
     prediction: str = ""
+    logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n most likely
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -226,7 +227,8 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.HasField("top_p") else None,
         top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
-        ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction)
+        ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction,
+        logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None)
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -289,7 +291,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
         params = SamplingParams(
             max_tokens=int(max_tokens), temperature=_finite("temperature", float(f.temperature)),
             top_p=_finite("top_p", float(f.top_p)) if f.top_p is not None else 1.0, top_k=int(f.top_k),
-            seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos))
+            seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
     segment = f.segment.strip() or "default"

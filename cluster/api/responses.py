@@ -1,6 +1,6 @@
 """Response building: engine deltas + route decision -> ``GenerateResponse`` / stream chunks.
 
-Owns: the mapping of finish reasons, route and speculation counters onto the proto, and the
+Owns: the mapping of finish reasons, route, speculation counters and log-probabilities onto the proto, and the
 accumulation of a stream of ``RequestOutput`` deltas into one unary response. The ``request_id``
 a response carries is the one the caller passes (the client's label, else the server's id), never
 the engine's. Ignores: transport.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.api import stubs
-from cluster.common.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, RequestOutput, SpecStats, TokenLogprobs
 from cluster.routing.policy import Path, RouteDecision
 
 _FINISH = {FinishReason.LENGTH: 1, FinishReason.STOP: 2, FinishReason.EOS: 3,
@@ -32,6 +32,13 @@ def spec_pb(spec: SpecStats | None):
                          mean_acceptance_length=spec.mean_acceptance_length)
 
 
+def logprobs_pb(pb2, logprobs: list[TokenLogprobs]) -> list:
+    def one(lp):
+        return pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=lp.token)
+
+    return [pb2.OutputLogprobs(chosen=one(t.chosen), top=[one(a) for a in t.top]) for t in logprobs]
+
+
 @dataclass(slots=True)
 class Accumulator:
     """Collects deltas of one request; ``final`` is the last (finished) output."""
@@ -40,11 +47,13 @@ class Accumulator:
     decision: RouteDecision
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     final: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text_delta)
         self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs)
         if out.finished:
             self.final = out
 
@@ -56,7 +65,7 @@ class Accumulator:
             finish_reason=_FINISH.get(f.finish_reason, 0) if f else 0,
             usage=usage_pb(pb2, f, len(self.token_ids)),
             route=route_pb(self.decision), spec=spec_pb(f.spec if f else None),
-            request_id=self.request_id)
+            request_id=self.request_id, logprobs=logprobs_pb(pb2, self.logprobs))
 
 
 def usage_pb(pb2, final: RequestOutput | None, completion_tokens: int):
@@ -72,7 +81,8 @@ def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens
     """One stream chunk; the route rides on the first chunk and the last chunk carries the rest."""
     pb2 = stubs.generation_pb2()
     msg = pb2.GenerateStreamChunk(text_delta=out.text_delta, token_ids=out.new_token_ids,
-                                  finished=out.finished, request_id=request_id)
+                                  finished=out.finished, request_id=request_id,
+                                  logprobs=logprobs_pb(pb2, out.logprobs))
     if first or out.finished:
         msg.route.CopyFrom(route_pb(decision))
     if out.finished:

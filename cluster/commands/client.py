@@ -1,7 +1,7 @@
 """`specserve client`: call a running service and print text, route and acceptance.
 
 Owns: building a ``GenerateRequest`` from flags, unary or streaming calls with bearer auth and
-a deadline, and printing the result. Ignores: serving.
+a deadline, and printing the result (with each token's log-probabilities when asked). Ignores: serving.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
                    "(e.g. a tenant id; a drafter that learns from traffic: suffix, portfolio)")
     p.add_argument("--prediction", default="", help="the output you expect, or most of it (e.g. the file "
                    "being edited): the speculative path drafts from it; the output is the same without it")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each output token's log-probability and its N most likely alternatives (0..20)")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
@@ -41,11 +43,23 @@ def build_request(args):
                               mode=_MODES[args.mode], segment=args.segment,
                               json_schema=args.json_schema, draft_scope=args.draft_scope,
                               prediction=args.prediction)
+    if args.logprobs is not None:
+        req.logprobs = args.logprobs
     if args.chat:
         req.messages.append(pb2.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
     return req
+
+
+def format_logprobs(logprobs) -> str:
+    """One line per output token (``OutputLogprobs``): its bytes, log-probability, alternatives."""
+    def tok(t) -> str:
+        return repr(bytes(t.token).decode("utf-8", errors="replace"))
+
+    return "\n".join(f"{tok(o.chosen):>16} {o.chosen.logprob:9.4f}"
+                     + ("   " + "  ".join(f"{tok(a)} {a.logprob:.3f}" for a in o.top) if o.top else "")
+                     for o in logprobs)
 
 
 def _path_name(path: int) -> str:
@@ -68,22 +82,27 @@ def run(args: argparse.Namespace) -> int:
             check_request_fields(request, stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=args.timeout))
             if args.stream:
                 last = route = None
+                logprobs = []
                 for ch in stub.GenerateStream(request, metadata=md, timeout=args.timeout):
                     if route is None and ch.HasField("route"):
                         route = ch.route
                     print(ch.text_delta, end="", flush=True)
+                    logprobs += ch.logprobs
                     last = ch
                 print()
                 result = last
             else:
                 result = stub.Generate(request, metadata=md, timeout=args.timeout)
                 print(result.text)
+                logprobs = result.logprobs
         except grpc.RpcError as exc:
             print(f"specserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         except UnsupportedField as exc:
             print(f"specserve client: {exc}", file=sys.stderr)
             return 2
+    if args.logprobs is not None:
+        print(format_logprobs(logprobs), file=sys.stderr)
     if result is not None:
         s = result.spec
         print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "

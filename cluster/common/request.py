@@ -1,7 +1,7 @@
 """Request-level types shared by the engine, the speculative core and the service glue.
 
 Owns: sampling parameters and their validation, finish reasons, the per-step output a caller
-iterates, speculation counters, and the limits a request is checked against. Ignores:
+iterates (with its tokens' log-probabilities when asked), speculation counters, and the limits a request is checked against. Ignores:
 tokenization, transport, and the errors themselves (``cluster.common.errors``).
 """
 from __future__ import annotations
@@ -39,6 +39,10 @@ class SpecMode(enum.Enum):
 # logits lie within ~1e-4 of each other, and greedy is the limit the user asked for.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# most alternatives a request may ask per output token (``SamplingParams.logprobs``), as OpenAI's
+# ``top_logprobs``: each is a top-k over the vocabulary and travels in every delta
+MAX_LOGPROBS = 20
+
 
 def _finite_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -58,6 +62,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; n >= 0: each output token's log-probability under the target's
+    # raw distribution and its n most likely alternatives (``cluster.sampling.logprobs``)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
@@ -79,6 +86,9 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -213,6 +223,25 @@ class GenerationRequest:
     prediction_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log-probability. ``token`` is the token's bytes, filled in next to the tokenizer
+    (``cluster.models.token_bytes``); the engine leaves it empty."""
+
+    token_id: int
+    logprob: float
+    token: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """An output token's log-probability and the ``SamplingParams.logprobs`` most likely tokens at
+    its position (most likely first; the output token is among them only if it ranks there)."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One delta of a running request. The last one has ``finished=True`` and a finish reason."""
@@ -225,6 +254,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     spec: SpecStats | None = None
+    # one per new_token_ids entry when the request asked for logprobs (SamplingParams.logprobs), else []
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with a prediction, on the final output: its tokens that appear in the output in order, and
     # the rest (``cluster.speculative.prediction.prediction_overlap``)
     accepted_prediction_tokens: int = 0
@@ -243,7 +274,8 @@ class RequestOutput:
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one request as one (the later one's status and counters)."""
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               text_delta=earlier.text_delta + later.text_delta)
+                               text_delta=earlier.text_delta + later.text_delta,
+                               logprobs=earlier.logprobs + later.logprobs)
 
 
 @dataclass(frozen=True, slots=True)

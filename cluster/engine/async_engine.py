@@ -169,6 +169,15 @@ class AsyncEngine:
     def tokenize(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (``cluster.models.token_bytes``)."""
+        from cluster.models.token_bytes import TokenBytes
+
+        tb = getattr(self, "_token_bytes", None)
+        if tb is None or tb.tokenizer is not self.tokenizer:
+            tb = self._token_bytes = TokenBytes(self.tokenizer)
+        return tb(token_id)
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         from cluster.models.tokenizer import chat_token_ids
 

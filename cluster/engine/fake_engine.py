@@ -2,7 +2,7 @@
 
 Owns: believable engine behaviour without a model — a byte tokenizer, a deterministic target
 (the next token repeats the prompt cyclically, so prompt-lookup drafting hits), a bounded waiting
-queue (EngineOverloadedError), a KV block pool that fills and frees (so cancellation tests can
+queue (EngineOverloadedError), stand-in log-probabilities when asked (``fake_logprobs``), a KV block pool that fills and frees (so cancellation tests can
 watch it), readiness after a configurable start delay, and speculation counters per segment.
 With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propose``/``release``
 each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,
@@ -31,7 +31,9 @@ from typing import AsyncIterator
 
 from cluster.common.config import AUTO_K, EngineConfig
 from cluster.common.errors import EngineOverloadedError, InvalidRequestError
-from cluster.common.request import FinishReason, GenerationRequest, RequestOutput, SpecStats
+from cluster.common.request import (
+    FinishReason, GenerationRequest, Logprob, RequestOutput, SpecStats, TokenLogprobs,
+)
 from cluster.engine.protocol import EngineStats
 from cluster.speculative.proposer import RemoteDraft
 
@@ -97,6 +99,17 @@ class FakeEngine:
 
     def detokenize(self, ids: list[int]) -> str:
         return bytes(t - _OFFSET for t in ids if t >= _OFFSET).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - _OFFSET]) if _OFFSET <= token_id < _OFFSET + 256 else f"<{token_id}>".encode()
+
+    def fake_logprobs(self, tokens: list[int], num_top: int | None) -> list[TokenLogprobs]:
+        """Deterministic stand-ins for a request that asked for logprobs: the token at -0.25 and
+        its next ids below it (the real engine's come from the target, ``cluster.sampling.logprobs``)."""
+        if num_top is None:
+            return []
+        return [TokenLogprobs(Logprob(t, -0.25), tuple(Logprob((t + j) % self.vocab_size, -0.25 - j)
+                                                        for j in range(num_top))) for t in tokens]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
@@ -174,6 +187,7 @@ class FakeEngine:
                     self._record(req.segment, stats)
                 yield RequestOutput(rid, new, text, finished=done,
                                     finish_reason=finish if done else None,
+                                    logprobs=self.fake_logprobs(new, req.params.logprobs),
                                     num_prompt_tokens=len(prompt), num_output_tokens=len(out),
                                     spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None,
                                     queue_time=queued if done else 0.0,

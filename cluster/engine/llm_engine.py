@@ -37,6 +37,7 @@ from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
 from cluster.models.load import LoadedModel
 from cluster.models.runner import SeqChunk
+from cluster.sampling.logprobs import token_logprobs
 from cluster.sampling.sampler import sample
 from cluster.telemetry.engine_spans import start_request_trace
 
@@ -121,7 +122,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
             return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message) for s in batch]
         verdicts = self._verify(batch, drafts, target)  # 4. accepted prefix + recovered/bonus token
-        self._commit(batch, drafts, verdicts)  # 5. advance KV and tokens
+        self._commit(batch, drafts, verdicts, target.logits)  # 5. advance KV and tokens
         return self._emit(batch)  # 6. deltas and finished outputs
 
     def _schedule(self) -> list[ScheduledSeq]:
@@ -181,32 +182,41 @@ class LLMEngine:
 
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])
 
-    def _commit(self, batch: list[ScheduledSeq], drafts: StepDrafts, verdicts: list[Verdict | SeqFault]) -> None:
-        """Advance every scheduled sequence by what it committed; a fault (its verdict, or its
-        detokenizer / stop check here) fails that sequence alone."""
+    def _commit(self, batch: list[ScheduledSeq], drafts: StepDrafts, verdicts: list[Verdict | SeqFault],
+                logits: torch.Tensor) -> None:
+        """Advance every scheduled sequence by what it committed; a fault (its verdict, its
+        log-probabilities, or its detokenizer / stop check here) fails that sequence alone.
+        logits: [sum(K_i + 1), V], the sampling sequences' rows in batch order."""
         verdict = iter(verdicts)
+        row = 0  # the sequence's first row in logits
         for s in batch:
             if not s.samples:  # a prefill chunk that samples nothing yet
                 s.seq.num_cached += s.num_new_tokens
                 continue
+            draft = drafts.get(s.seq.seq_id)
+            rows = logits[row : row + (0 if draft is None else draft.k) + 1]  # [K_i + 1, V]
+            row += rows.shape[0]
             v = next(verdict)
             if isinstance(v, SeqFault):
                 s.seq.fail(v.message)
                 continue
             try:
-                self._commit_one(s, v, drafts.get(s.seq.seq_id))
+                self._commit_one(s, v, draft, rows)
             except Exception as exc:  # noqa: BLE001 (its detokenizer / stop check: its own fault)
                 s.seq.fail(fault(FaultStage.COMMIT, exc, s.seq.seq_id).message)
 
-    def _commit_one(self, s: ScheduledSeq, verdict: Verdict, draft: SeqDraft | None) -> None:
+    def _commit_one(self, s: ScheduledSeq, verdict: Verdict, draft: SeqDraft | None, rows: torch.Tensor) -> None:
+        """rows: [K_i + 1, V] the target rows of this step; row j chose committed token j."""
         seq = s.seq
         committed, accepted = verdict
+        num_top = seq.request.params.logprobs
+        logprobs = None if num_top is None else token_logprobs(rows[: len(committed)], committed, num_top)
         seq.num_cached += s.num_new_tokens + accepted
         self.runner.truncate(seq.seq_id, seq.num_cached)  # drop the K/V of rejected drafts
         if draft is not None:
             seq.spec.record(draft.k, accepted, draft.num_forced)
             seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
-        seq.append_committed(committed)
+        seq.append_committed(committed, logprobs)
         seq.trace.prefill_done()  # idempotent: marks the first token only
 
     def _emit(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
@@ -230,6 +240,7 @@ class LLMEngine:
             request_id=seq.seq_id,
             new_token_ids=seq.pending_ids,
             text_delta=seq.pending_text,
+            logprobs=seq.pending_logprobs,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.prompt_len,
@@ -237,7 +248,7 @@ class LLMEngine:
             spec=seq.spec if seq.speculate else None,
             error=seq.error if seq.finish_reason is FinishReason.ERROR else None,
         )
-        seq.pending_ids, seq.pending_text = [], ""
+        seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
         return out
 
     def _retire(self, seq: Sequence) -> RequestOutput:

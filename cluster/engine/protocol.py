@@ -68,6 +68,9 @@ class EngineProtocol(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what its log-probability is reported with)."""
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat (role/content dicts) with the generation prompt appended."""
 

@@ -1,7 +1,7 @@
 """One request's state inside the engine.
 
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
-KV), status, detokenizer, error message, finish reason, timings and speculation counters, and
+KV), status, detokenizer, the log-probabilities of output not yet reported, error message, finish reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
 max_tokens, a complete grammar) and feeding them to the sequence's grammar matcher. Ignores: scheduling and model execution.
 """
@@ -36,6 +36,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     pending_ids: list[int] = field(default_factory=list)  # new output ids not yet reported
     pending_text: str = ""
+    pending_logprobs: list = field(default_factory=list)  # TokenLogprobs of pending_ids (logprobs asked)
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -78,19 +79,22 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def append_committed(self, tokens: list[int]) -> int:
-        """Append tokens in order until a stop condition; returns how many were kept. A
+    def append_committed(self, tokens: list[int], logprobs: list | None = None) -> int:
+        """Append tokens in order until a stop condition; returns how many were kept (and as many
+        of ``logprobs``, the tokens' ``TokenLogprobs`` when the request asked for them). A
         constrained sequence feeds each token to its grammar first (a token the grammar forbids
         raises GrammarError before it is appended), ends on EOS (the mask allowed it only where
         the output can end) and finishes STOP once the grammar is complete."""
         p = self.request.params
         kept = 0
-        for t in tokens:
+        for i, t in enumerate(tokens):
             is_eos = t in self.eos_token_ids
             if self.grammar is not None and not is_eos:
                 self.grammar.accept(t)
             self.token_ids.append(t)
             self.pending_ids.append(t)
+            if logprobs is not None:
+                self.pending_logprobs.append(logprobs[i])
             kept += 1
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()

@@ -7,7 +7,7 @@ import pytest
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.status import ServiceError, http_status
-from cluster.common.request import FinishReason, RequestOutput, SpecStats
+from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecStats, TokenLogprobs
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 DECISION = RouteDecision(Path.SPECULATIVE, RouteReason.BELOW_ENTER_THRESHOLD)
@@ -70,6 +70,47 @@ def test_completion_stream_chunks_without_usage():
     assert e["object"] == "text_completion" and "usage" not in e and e["choices"][0]["text"] == "a"
     empty_end = _event(r.chunk(_final(text=""), first=False))
     assert empty_end["choices"][0]["text"] == "" and empty_end["choices"][0]["finish_reason"] == "stop"
+
+
+def _lp(token_id: int, token: bytes, logprob: float, *top: tuple[int, bytes, float]) -> TokenLogprobs:
+    return TokenLogprobs(Logprob(token_id, logprob, token), tuple(Logprob(i, v, b) for i, b, v in top))
+
+
+LPS = [_lp(5, b"Hi", -0.1, (5, b"Hi", -0.1), (6, b"Hey", -2.5)),
+       _lp(7, b" \xe6", -0.7, (7, b" \xe6", -0.7), (8, b"!", -0.9)),  # the first bytes of a character
+       _lp(2, b"<|im_end|>", -0.01, (2, b"<|im_end|>", -0.01), (9, b".", -5.0))]  # EOS: no text, no entry
+
+
+def test_chat_logprobs_unary_and_streamed():
+    r = Responder(Kind.CHAT, "s", "", "m", DECISION, logprobs=True)
+    b = r.body("Hi \ufffd", _final(), 3, LPS)
+    content = b["choices"][0]["logprobs"]["content"]
+    assert b["choices"][0]["logprobs"]["refusal"] is None
+    assert [c["token"] for c in content] == ["Hi", " \ufffd"]  # the EOS token ended no text
+    assert content[1]["bytes"] == [32, 0xE6] and content[1]["logprob"] == -0.7
+    assert content[0]["top_logprobs"] == [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+                                          {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]}]
+    first = _event(r.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1]), first=True))
+    last = _event(r.chunk(RequestOutput("e", [7, 2], " \ufffd", finished=True, finish_reason=FinishReason.EOS,
+                                        logprobs=LPS[1:]), first=False))
+    assert [c["token"] for c in first["choices"][0]["logprobs"]["content"]] == ["Hi"]
+    assert [c["token"] for c in last["choices"][0]["logprobs"]["content"]] == [" \ufffd"]
+    length = Responder(Kind.CHAT, "s", "", "m", DECISION, logprobs=True).body(
+        "x", _final(reason=FinishReason.LENGTH), 3, LPS)  # a budget's last token is text: kept
+    assert len(length["choices"][0]["logprobs"]["content"]) == 3
+    assert Responder(Kind.CHAT, "s", "", "m", DECISION).body("x", _final(), 3, LPS)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_legacy_shape_with_offsets_across_chunks():
+    r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
+    b = r.body("Hi \ufffd", _final(reason=FinishReason.LENGTH), 3, LPS[:2])["choices"][0]["logprobs"]
+    assert b["tokens"] == ["Hi", " \ufffd"] and b["token_logprobs"] == [-0.1, -0.7]
+    assert b["text_offset"] == [0, 2]
+    assert b["top_logprobs"][0] == {"Hi": -0.1, "Hey": -2.5}  # the chosen token is among them (up to n + 1)
+    s = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
+    one = _event(s.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1]), first=True))["choices"][0]["logprobs"]
+    two = _event(s.chunk(RequestOutput("e", [7], " \ufffd", logprobs=LPS[1:2]), first=False))["choices"][0]["logprobs"]
+    assert one["text_offset"] == [0] and two["text_offset"] == [2]
 
 
 @pytest.mark.parametrize("code,status,etype", [

@@ -65,7 +65,9 @@ def test_completion_prompt_shapes():
     (dict(messages="hi"), "messages: Input should be a valid list", "messages"),
     (dict(messages=[{"content": "x"}]), "messages.0.role: Field required", "messages"),
     (dict(n=3), "n must be 1", "n"),
-    (dict(logprobs=True), "logprobs is not supported", "logprobs"),
+    (dict(logprobs=3), "logprobs: Input should be a valid boolean", "logprobs"),  # chat's is a switch
+    (dict(top_logprobs=2), "top_logprobs needs logprobs: true", "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be in \[0, 20\], got 21", "top_logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty is not supported", "presence_penalty"),
     (dict(tools=[{"type": "function"}]), "tools and functions are not supported", "tools"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
@@ -207,3 +209,17 @@ def test_http_body_size_and_seed_range_use_the_shared_rules():
             validate_fields(completion(seed=seed), "r", LIMITS)
     ok = validate_fields(completion(seed=(1 << 64) - 1, temperature=0.7), "r", LIMITS)
     assert ok.params.seed == (1 << 64) - 1 and ok.params.max_tokens == 16 and not ok.constrained
+
+
+def test_logprobs_become_grpcs_logprobs():
+    """chat: logprobs switches them on, top_logprobs says how many alternatives; completions:
+    logprobs is the number; unset or off: none (not 0, which still reports each token's own)."""
+    assert chat().logprobs is None and chat(logprobs=False).logprobs is None
+    assert chat(logprobs=True).logprobs == 0 and chat(logprobs=True, top_logprobs=5).logprobs == 5
+    assert chat(logprobs=False, top_logprobs=0).logprobs is None
+    assert completion().logprobs is None and completion(logprobs=0).logprobs == 0
+    assert completion(logprobs=20).logprobs == 20
+    assert validate_fields(chat(logprobs=True, top_logprobs=3), "r", LIMITS).params.logprobs == 3
+    refused(completion, r"logprobs must be in \[0, 20\], got 21", "logprobs", logprobs=21)
+    refused(completion, "logprobs: Input should be a valid integer", "logprobs", logprobs=True)
+    refused(chat, r"top_logprobs must be in \[0, 20\], got -1", "top_logprobs", logprobs=True, top_logprobs=-1)

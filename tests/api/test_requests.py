@@ -161,6 +161,14 @@ def test_prediction_reaches_the_engine_request_as_tokens():
         to_generation_request(long, engine, LIMITS, engine.vocab_size)
 
 
+def test_logprobs_reach_the_sampling_params_and_out_of_range_is_refused():
+    assert validate_request(pb2.GenerateRequest(prompt="abc"), "r", LIMITS).params.logprobs is None
+    for n in (0, 7, 20):  # 0 is set, not unset: each token's own log-probability, no alternatives
+        assert validate_request(pb2.GenerateRequest(prompt="abc", logprobs=n), "r", LIMITS).params.logprobs == n
+    with pytest.raises(ServiceError, match=r"logprobs must be an integer in \[0, 20\], got 21"):
+        validate_request(pb2.GenerateRequest(prompt="abc", logprobs=21), "r", LIMITS)
+
+
 def test_auth():
     check_bearer([], None)  # auth off
     check_bearer([("authorization", "Bearer s3cret")], "s3cret")
@@ -225,8 +233,8 @@ def _nested(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("raw,where", [
     (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(99), "GenerateRequest carries field number 99"),
-    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(16) + _unknown(40),
-     "GenerateRequest carries field number 16, 40"),
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(18) + _unknown(40),
+     "GenerateRequest carries field number 18, 40"),
     (_nested(3, pb2.TokenIds(ids=[1, 2]).SerializeToString() + _unknown(2)), "prompt_token_ids carries field number 2"),
     (_nested(2, pb2.ChatMessage(role="user", content="x").SerializeToString() + _unknown(7)),
      "messages.0. carries field number 7"),
@@ -239,11 +247,11 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "prediction"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 16
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "logprobs"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 17
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
-                             prediction="hi there")
+                             prediction="hi there", logprobs=2)
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
-    assert (v.draft_scope, v.prediction) == ("t1", "hi there")
+    assert (v.draft_scope, v.prediction, v.params.logprobs) == ("t1", "hi there", 2)

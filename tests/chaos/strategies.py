@@ -86,6 +86,7 @@ WILD = {
     "segment": st.one_of(text, huge_text()),
     "draft_scope": st.one_of(text, huge_text(), st.sampled_from(["t\x1f1", "a b", "x" * 65])),
     "prediction": st.one_of(text, huge_text()),
+    "logprobs": st.one_of(st.integers(0, 25), st.sampled_from([20, 21, UINT32_MAX])),
     "json_schema": schemas,
     "regex": regexes,
     "ignore_eos": st.booleans(),
@@ -106,6 +107,7 @@ SANE = {
     "json_schema": st.just(""),
     "regex": st.just(""),
     "ignore_eos": st.booleans(),
+    "logprobs": st.integers(0, 20),
 }
 sane_prompt = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=60)
 

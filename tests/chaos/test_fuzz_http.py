@@ -60,7 +60,8 @@ FIELDS = {
     "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
                             json_values),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function"}]),
-    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), st.none()),
+    "top_logprobs": st.one_of(st.integers(-1, 25), st.none(), st.just("3")),
     "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
@@ -89,7 +90,9 @@ SANE = {
     "top_k": st.integers(0, 40),
     "ignore_eos": st.booleans(),
 }
+SANE_COMPLETIONS = {"logprobs": st.integers(0, 20)}
 SANE_CHAT = {
+    "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
     "prediction": st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
     "tool_choice": st.sampled_from(["none", "auto"]), "store": st.just(False),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
@@ -105,7 +108,7 @@ def bodies(draw) -> tuple[str, dict, bool]:
     if draw(st.booleans()):
         body: dict = ({"messages": [{"role": "user", "content": draw(sane_text)}]} if endpoint == "chat"
                       else {"prompt": draw(sane_text)})
-        for name, strategy in (SANE | (SANE_CHAT if endpoint == "chat" else {})).items():
+        for name, strategy in (SANE | (SANE_CHAT if endpoint == "chat" else SANE_COMPLETIONS)).items():
             if draw(st.booleans()):
                 body[name] = draw(strategy)
         if body.get("stream") and draw(st.booleans()):

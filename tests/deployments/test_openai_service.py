@@ -155,6 +155,33 @@ def test_chat_stream_with_usage(oa):
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
 
 
+def test_logprobs_through_the_official_client(oa):
+    """chat's logprobs / top_logprobs and the completion's legacy logprobs, unary and streamed,
+    parsed by the official client's own types: one entry per token of the text, bytes that spell
+    it, the alternatives asked for (the fake engine's stand-in values: it drives the shapes; the
+    values' contract is the engine's, against HF, in tests/sampling/test_logprobs.py)."""
+    text = "log me"
+    want = fake_output(chat_ids(text), 6)
+    args = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=6)
+    r = oa.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want and "".join(c.token for c in content) == want
+    assert bytes(b for c in content for b in c.bytes).decode() == want
+    assert all(c.logprob == -0.25 and len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+               for c in content)
+    assert oa.chat.completions.create(**args).choices[0].logprobs is None  # not asked: none
+    streamed = [c for c in oa.chat.completions.create(**args, logprobs=True, stream=True) if c.choices]
+    got = [e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(e.token for e in got) == want and all(e.top_logprobs == [] for e in got)
+    comp = oa.completions.create(model=MODEL, prompt=text, max_tokens=6, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.token_logprobs == [-0.25] * 6
+    assert lp.text_offset == [0, 1, 2, 3, 4, 5] and all(len(t) == 2 for t in lp.top_logprobs)
+    offsets = [o for c in oa.completions.create(model=MODEL, prompt=text, max_tokens=6, logprobs=0, stream=True)
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == [0, 1, 2, 3, 4, 5]  # the offsets run on across the stream's chunks
+
+
 def test_completion_stream_raw_sse(addrs):
     with requests.post(f"{addrs.http}/oa/v1/completions", timeout=60, stream=True,
                        headers={"Authorization": f"Bearer {TOKEN}"},
@@ -187,7 +214,7 @@ def _status(fn, **kwargs):
      "set at most one of response_format", "response_format"),
     (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
     (dict(extra_body={"draft_scope": "tenant 7"}), 400, "draft_scope must be ASCII letters", None),  # gRPC's rule
-    (dict(logprobs=True), 400, "logprobs is not supported", "logprobs"),
+    (dict(logprobs=False, top_logprobs=3), 400, "top_logprobs needs logprobs: true", "top_logprobs"),
     (dict(extra_body={"min_p": 0.05}), 400, "unrecognized request argument supplied: min_p", "min_p"),
     (dict(reasoning_effort="low"), 400, "reasoning_effort is not supported", "reasoning_effort"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role must be one of", None),
@@ -353,6 +380,26 @@ def test_real_prediction_is_drafted_from_and_changes_nothing(addrs, real):
     assert wrong.choices[0].message.content == answer
     assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
     assert first.usage.completion_tokens_details is None  # no prediction: no details
+
+
+@pytest.mark.model
+def test_real_logprobs_spell_the_answer_and_equal_grpcs(addrs, real):
+    """On the real model through the official client: chat's logprobs have one entry per token of
+    the answer (the end-of-turn token, which ends no text, has none), their bytes spell the content,
+    each token is the most likely one (greedy) and is among its own top_logprobs; the values equal
+    gRPC's for the same request (the same engine rows; HF's are checked at the engine)."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = real.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0,
+                                     logprobs=True, top_logprobs=2, extra_body={"mode": "speculative"})
+    content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert bytes(b for c in content for b in c.bytes).decode() == text
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6) and c.logprob <= 0 for c in content)
+    pb = Client(addrs.grpc, "real").pb2
+    g = Client(addrs.grpc, "real").generate(messages=[pb.ChatMessage(role="user", content="Name a colour.")],
+                                            max_tokens=16, logprobs=2, mode=MODES["plain"], timeout=300)
+    assert [o.chosen.logprob for o in g.logprobs][: len(content)] == pytest.approx(
+        [c.logprob for c in content], abs=2e-3)  # the other path, other batch shapes: float noise only
 
 
 @pytest.mark.model

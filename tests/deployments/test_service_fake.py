@@ -266,6 +266,30 @@ def test_a_prediction_is_counted_in_usage_and_refused_with_mode_plain(main):
     assert code == CODE.INVALID_ARGUMENT and "prediction needs speculative decoding" in details
 
 
+def test_logprobs_ride_with_their_tokens_unary_and_stream_on_both_paths(addr, main, capsys):
+    """Over real gRPC through Serve: one OutputLogprobs per token id, in order, with the token's
+    bytes filled in next to the tokenizer (the fake engine's stand-in values; the real values are
+    checked against HF in tests/sampling/test_logprobs.py); none unless asked; the CLI prints them."""
+    prompt = "the cat sat. "
+    for mode in (0, 2):
+        r = main.generate(prompt=prompt, max_tokens=9, mode=mode, logprobs=2)
+        assert [o.chosen.token_id for o in r.logprobs] == list(r.token_ids) == expected(prompt, 9)
+        assert b"".join(o.chosen.token for o in r.logprobs).decode() == r.text
+        assert all(len(o.top) == 2 and o.top[0].token == o.chosen.token and o.chosen.logprob == -0.25
+                   for o in r.logprobs)
+        chunks = list(main.stream(prompt=prompt, max_tokens=9, mode=mode, logprobs=0))
+        assert all([o.chosen.token_id for o in c.logprobs] == list(c.token_ids) for c in chunks)
+        assert all(not o.top for c in chunks for o in c.logprobs)
+        assert not main.generate(prompt=prompt, max_tokens=3, mode=mode).logprobs
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--token", TOKEN,
+                                      "--max-tokens", "3", "--logprobs", "1", "--stream", prompt])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    assert "'t'   -0.2500   't' -0.250" in err and "'h'   -0.2500" in err
+
+
 def test_constrained_routes_like_any_request(main):
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     r = main.generate(prompt="{", max_tokens=3, json_schema=schema, mode=1)

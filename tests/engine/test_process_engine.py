@@ -45,6 +45,9 @@ def test_streams_match_sync_engine_and_cancel_frees_kv(default_model, spec):
         assert eng.pid != os.getpid() and eng.ready()
         assert eng.tokenize(PROMPTS[0]) == tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
         got = await asyncio.gather(*(consume_stream(eng, r) for r in _reqs(tok)))
+        asked = _reqs(tok, n=1)[0]
+        asked.params.logprobs = 2
+        lps = [lp async for out in eng.generate(asked) for lp in out.logprobs]  # across the process boundary
         long = GenerationRequest("long", eng.tokenize("Once upon a time"), SamplingParams(max_tokens=200))
         n = 0
         async for out in eng.generate(long):
@@ -54,10 +57,12 @@ def test_streams_match_sync_engine_and_cancel_frees_kv(default_model, spec):
         st = await wait_pool_full(eng)
         info = eng.model_info()
         await eng.shutdown()
-        return got, n, st, info
+        return got, n, st, info, lps, [eng.token_bytes(lp.chosen.token_id) for lp in lps]
 
-    got, n, st, info = _run(main())
+    got, n, st, info, lps, spelt = _run(main())
     assert_streams_match(expected, _reqs(tok), got)
+    assert [lp.chosen.token_id for lp in lps] == expected["r0"]["ids"] and all(len(lp.top) == 2 for lp in lps)
+    assert b"".join(spelt).decode() == expected["r0"]["text"]  # the parent's tokenizer spells them
     assert n >= 3
     assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0 and st.num_waiting == 0
     assert info["vocab_size"] == default_model.runner.vocab_size and info["spec_enabled"] is (spec is not None)

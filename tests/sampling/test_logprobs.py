@@ -1,0 +1,138 @@
+"""Log-probabilities of output tokens: the unit (``token_logprobs`` on hand-made rows) and the
+contract through the engine on the real default model — each output token's log-probability and
+its top alternatives equal Hugging Face's log-softmax of the target's raw logits at that position,
+whatever path committed the token (plain, n-gram at K = 4, the portfolio at auto K, a prediction,
+under a grammar, sampled with a seed), and asking for them changes no token."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.errors import InvalidRequestError
+from cluster.common.request import (
+    Constraint, ConstraintKind, GenerationRequest, MAX_LOGPROBS, SamplingParams, SpecMode,
+)
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
+from cluster.sampling.logprobs import token_logprobs
+from tests.engine.helpers import prompt_ids
+from tests.reference import workload_rows
+
+TOL = 2e-3  # float32 log-softmax of logits computed in different batch shapes
+
+
+def test_token_logprobs_are_the_rows_log_softmax_and_its_top():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])  # [2, 4]
+    out = token_logprobs(logits, [1, 2], 2)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [o.chosen.token_id for o in out] == [1, 2]
+    assert out[0].chosen.logprob == pytest.approx(float(ref[0, 1]))
+    assert out[1].chosen.logprob == pytest.approx(float(ref[1, 2]))
+    assert [t.token_id for t in out[0].top] == [0, 1] and [t.token_id for t in out[1].top][0] == 2
+    assert out[0].top[0].logprob == pytest.approx(float(ref[0, 0]))
+    assert all(o.chosen.token == b"" for o in out)  # bytes are the service's, next to the tokenizer
+    assert token_logprobs(logits, [3, 0], 0)[0].top == ()
+    assert sum(math.exp(t.logprob) for t in token_logprobs(logits, [0, 0], 4)[0].top) == pytest.approx(1.0)
+
+
+def test_a_non_finite_row_has_no_logprob():
+    with pytest.raises(ValueError, match="not finite"):
+        token_logprobs(torch.tensor([[float("nan"), 0.0]]), [1], 0)
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 1.5, "3"])
+def test_logprobs_outside_0_to_max_are_refused(bad):
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=bad)
+
+
+def _engine(model, drafter=None, k=4) -> LLMEngine:
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
+    config = EngineConfig(spec=spec) if spec else EngineConfig()
+    m = model.with_fresh_kv(config)
+    return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+
+
+def _run(engine, reqs) -> dict[str, dict]:
+    res = {r.request_id: {"ids": [], "lp": [], "spec": None} for r in reqs}
+    asked = {r.request_id: r.params.logprobs is not None for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for out in engine.step():  # every delta carries one entry per new token, or none if not asked
+            assert len(out.logprobs) == (len(out.new_token_ids) if asked[out.request_id] else 0)
+            res[out.request_id]["ids"] += out.new_token_ids
+            res[out.request_id]["lp"] += out.logprobs
+            if out.finished:
+                res[out.request_id]["spec"] = out.spec
+    assert engine.runner.kv.num_free_blocks == engine.runner.kv.num_blocks
+    return res
+
+
+def _hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] HF's log-softmax of the target's raw logits at each output position."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0].float()  # [P + N, V]
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], dim=-1)
+
+
+def _check_against_hf(hf_model, prompt, got, num_top):
+    ref = _hf_logprobs(hf_model, prompt, got["ids"])  # [N, V]
+    assert len(got["lp"]) == len(got["ids"]) > 0
+    for i, (t, lp) in enumerate(zip(got["ids"], got["lp"], strict=True)):
+        assert lp.chosen.token_id == t
+        assert lp.chosen.logprob == pytest.approx(float(ref[i, t]), abs=TOL), f"position {i}"
+        assert len(lp.top) == num_top
+        want = torch.topk(ref[i], num_top).values.tolist()
+        assert [a.logprob for a in lp.top] == pytest.approx(want, abs=TOL), f"position {i}"
+        for a in lp.top:  # each alternative is the token it names (ids may swap only within a tie)
+            assert a.logprob == pytest.approx(float(ref[i, a.token_id]), abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return workload_rows(per_segment=1)
+
+
+@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("portfolio", "auto")])
+def test_logprobs_equal_hf_on_every_path_and_change_no_token(default_model, hf_reference, rows, drafter, k):
+    tok = default_model.tokenizer
+    reqs, plain = [], []
+    for i, row in enumerate(rows):
+        ids = prompt_ids(tok, row)
+        n = (0, 1, 5, MAX_LOGPROBS)[i % 4]
+        reqs.append(GenerationRequest(f"lp{i}", ids, SamplingParams(max_tokens=24, logprobs=n), segment=row["segment"]))
+        plain.append(GenerationRequest(f"lp{i}", ids, SamplingParams(max_tokens=24), segment=row["segment"]))
+    if drafter is not None:
+        reqs[-1].mode = SpecMode.PLAIN  # a plain row beside the speculating ones
+    with_lp = _run(_engine(default_model, drafter, k), reqs)
+    without = _run(_engine(default_model, drafter, k), plain)
+    if drafter is not None:  # the reported values include tokens that were accepted drafts
+        assert sum(v["spec"].accepted_tokens for v in with_lp.values() if v["spec"] is not None) > 10
+    for r in reqs:
+        assert with_lp[r.request_id]["ids"] == without[r.request_id]["ids"]
+        assert without[r.request_id]["lp"] == []
+        _check_against_hf(hf_reference.model, r.prompt_token_ids, with_lp[r.request_id], r.params.logprobs)
+
+
+def test_logprobs_with_a_prediction_a_grammar_and_a_seed(default_model, hf_reference, rows):
+    """A prediction's drafts, a grammar's masked verification and seeded sampling commit tokens
+    whose reported log-probability is still the raw target's (not the masked or tempered one)."""
+    tok = default_model.tokenizer
+    ids = prompt_ids(tok, rows[0])
+    eng = _engine(default_model, "portfolio", "auto")
+    greedy = _run(_engine(default_model), [GenerationRequest("g", ids, SamplingParams(max_tokens=24))])["g"]["ids"]
+    reqs = [
+        GenerationRequest("pred", ids, SamplingParams(max_tokens=24, logprobs=3), prediction_token_ids=tuple(greedy)),
+        GenerationRequest("re", ids, SamplingParams(max_tokens=12, logprobs=2),
+                          constraint=Constraint(ConstraintKind.REGEX, "[a-z ]{4,40}")),
+        GenerationRequest("seed", ids, SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=7, logprobs=2)),
+    ]
+    res = _run(eng, reqs)
+    assert res["pred"]["ids"] == greedy
+    assert eng.stats().drafter_steps["prediction"]["accepted_tokens"] > 0
+    for r in reqs:
+        _check_against_hf(hf_reference.model, ids, res[r.request_id], r.params.logprobs)
