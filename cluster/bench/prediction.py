@@ -18,28 +18,17 @@ Ignores: concurrency (one request at a time), sampling.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.bench.side_by_side import add_side_by_side_arguments, load_target, median, report, write_report
 
 KINDS = ("exact", "drift", "original")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="target model source (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
-    p.add_argument("--segments", default="edit,code,chat", help="comma-separated segment names")
-    p.add_argument("--prompts-per-segment", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96, help="cap on each row's max_tokens")
-    p.add_argument("--drafter", default="portfolio", help="the engine's drafter (K: auto)")
+    add_side_by_side_arguments(p, "edit,code,chat", "the engine's drafter (K: auto)")
     p.add_argument("--drift", type=int, default=8, help="the drift prediction changes every N-th token (default 8)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--json", type=Path, required=True, help="output JSON file")
 
 
 def _log(msg: str) -> None:
@@ -67,27 +56,17 @@ def predictions(kind_list: list[str], answer: list[int], row: dict, tokenize, vo
     return out
 
 
-def _median(xs: list[float]) -> float | None:
-    return round(statistics.median(xs), 3) if xs else None
-
-
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from cluster.bench.timed_run import engine_for, request_for, run_ours
-    from cluster.common.config import EngineConfig, SpecConfig
+    from cluster.common.config import SpecConfig
     from cluster.common.prompt_rows import read_prompt_rows
-    from cluster.models.load import load_model
     from cluster.models.tokenizer import prompt_token_ids
     from cluster.speculative.prediction import prediction_overlap
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.drift < 2:
         _log("--drift must be at least 2")
         return 2
-    segments = [s.strip() for s in args.segments.split(",") if s.strip()]
-    target = load_model(args.model, EngineConfig())
+    target, segments = load_target(args)
     tok = target.tokenizer
 
     def tokenize(text: str) -> list[int]:
@@ -125,11 +104,8 @@ def run(args: argparse.Namespace) -> int:
                                      prediction_kept=kept))
                     _log(f"r{rnd} {seg} {row['id']} {method}: {r.tokens / r.wall_s:.1f} tok/s "
                          f"(plain {plain.tokens / plain.wall_s:.1f}) accepted {r.accepted_tokens}/{r.draft_tokens}")
-    report = build_report(args, segments, runs, mismatches, time.perf_counter() - t_start)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(format_table(report))
-    return 1 if mismatches else 0
+    result = build_report(args, segments, runs, mismatches, time.perf_counter() - t_start)
+    return write_report(args, result, format_table(result))
 
 
 def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict], mismatches: list[str],
@@ -158,20 +134,15 @@ def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict]
             predicted = sum(r.get("prediction_tokens", 0) for r in mine)
             rows[method] = {
                 "runs": len(mine),
-                "tok_per_s": _median([r["tokens"] / r["wall_s"] for r in mine if r["wall_s"] > 0]),
+                "tok_per_s": median([r["tokens"] / r["wall_s"] for r in mine if r["wall_s"] > 0]),
                 "pooled_tok_per_s": round(sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine), 2),
-                "vs_drafter": _median(ratio("drafter")), "vs_plain": _median(ratio("plain")),
+                "vs_drafter": median(ratio("drafter")), "vs_plain": median(ratio("plain")),
                 "alpha": round(accepted / (accepted + rejections), 3) if accepted + rejections else None,
                 "prediction_kept": round(sum(r.get("prediction_kept") or 0 for r in mine) / predicted, 3)
                 if predicted else None,
             }
         table[seg] = rows
-    import torch
-
-    return {"benchmark": "prediction", "model": args.model, "drafter": args.drafter, "drift": args.drift,
-            "rounds": args.rounds, "prompts_per_segment": args.prompts_per_segment, "max_tokens": args.max_tokens,
-            "threads": torch.get_num_threads(), "seconds": round(seconds, 1), "lossless": not mismatches,
-            "mismatches": mismatches, "table": table, "runs": runs}
+    return report(args, "prediction", seconds, mismatches, table, runs, drift=args.drift)
 
 
 def format_table(report: dict) -> str:

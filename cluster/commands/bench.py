@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -20,6 +20,8 @@ BENCHES = {
     "mapped": "the config `specserve map` writes vs the shipped one, on held-out traffic",
     "prediction": "what a request's predicted output buys: the drafter alone vs exact, drifting and "
                   "(edit) original-code predictions, side by side, lossless checked",
+    "logprobs": "what asking for log-probabilities (0 or 20 alternatives) costs on the plain and the "
+                "speculative path, side by side, with the tokens checked unchanged",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 
