@@ -4,7 +4,7 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
-(``n``/``best_of`` other than 1, echo, suffix, penalties, logit bias, tools, audio,
+(``n``/``best_of`` other than 1, echo, suffix, tools, audio,
 reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
@@ -67,8 +67,7 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    # refused when they would change the output (we do not implement them)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # specserve extensions
@@ -207,9 +206,6 @@ def _refuse(body: _Common) -> None:
     """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
     checks = [
         ("n", body.n not in (None, 1), "n must be 1 (one choice per request)"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
-        ("presence_penalty", body.presence_penalty not in (None, 0), "presence_penalty is not supported"),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
         ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
          "set at most one of response_format (json_object / json_schema) and regex"),
         ("stream_options", body.stream_options is not None and not body.stream,
@@ -272,9 +268,22 @@ def _json_schema(rf: ResponseFormat | None) -> str:
     return json.dumps(schema)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as JSON object keys) -> (token id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        pairs.append((token, value))
+    return tuple(pairs)
+
+
 def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
     stop = body.stop
-    return dict(size=size, max_tokens=max_tokens, json_schema=_json_schema(body.response_format),
+    return dict(presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                logit_bias=_logit_bias(body.logit_bias),size=size, max_tokens=max_tokens, json_schema=_json_schema(body.response_format),
                 regex=body.regex or "",
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,

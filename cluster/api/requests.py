@@ -178,6 +178,9 @@ class RequestFields:
     draft_scope: str = ""
     prediction: str = ""
     logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -228,7 +231,9 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
         ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction,
-        logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None)
+        logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None,
+        presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
+        logit_bias=tuple(pb.logit_bias.items()))
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -291,7 +296,8 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
         params = SamplingParams(
             max_tokens=int(max_tokens), temperature=_finite("temperature", float(f.temperature)),
             top_p=_finite("top_p", float(f.top_p)) if f.top_p is not None else 1.0, top_k=int(f.top_k),
-            seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs)
+            seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs,
+            presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty, logit_bias=f.logit_bias)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
     segment = f.segment.strip() or "default"

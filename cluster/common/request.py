@@ -42,6 +42,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # most alternatives a request may ask per output token (``SamplingParams.logprobs``), as OpenAI's
 # ``top_logprobs``: each is a top-k over the vocabulary and travels in every delta
 MAX_LOGPROBS = 20
+# most tokens a request's logit_bias may name (OpenAI's cap), and the bias and penalty ranges (OpenAI's)
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+PENALTY_RANGE = 2.0
 
 
 def _finite_number(name: str, value) -> float:
@@ -63,8 +67,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # None: no log-probabilities; n >= 0: each output token's log-probability under the target's
-    # raw distribution and its n most likely alternatives (``cluster.sampling.logprobs``)
+    # raw distribution (before logit_bias and the penalties) and its n most likely alternatives (``cluster.sampling.logprobs``)
     logprobs: int | None = None
+    # the target's logits as the request shapes them (``cluster.sampling.penalties``): added per
+    # token id, and subtracted per token the output holds (presence: once; frequency: per time)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
@@ -89,6 +98,37 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _finite_number(name, getattr(self, name))
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise InvalidRequestError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
+            setattr(self, name, value)
+        self.logit_bias = self._checked_bias(self.logit_bias)
+
+    @staticmethod
+    def _checked_bias(pairs) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs, each id once, sorted; ids are checked against the vocabulary
+        by ``ModelLimits``."""
+        pairs = dict(pairs).items() if isinstance(pairs, dict) else tuple(pairs)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias names {len(pairs)} tokens, limit is {MAX_LOGIT_BIAS}")
+        out: dict[int, float] = {}
+        for token, bias in pairs:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if token in out:
+                raise InvalidRequestError(f"logit_bias names token {token} twice")
+            bias = _finite_number(f"logit_bias[{token}]", bias)
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise InvalidRequestError(f"logit_bias[{token}] must be in [-{LOGIT_BIAS_RANGE:g}, "
+                                          f"{LOGIT_BIAS_RANGE:g}], got {bias!r}")
+            out[token] = bias
+        return tuple(sorted(out.items()))
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Logit bias or a penalty: the target's rows are shaped before sampling (``penalize``)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -294,6 +334,9 @@ class ModelLimits:
         bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {vocab})")
+        biased = [t for t, _ in request.params.logit_bias if t >= vocab]
+        if biased:
+            raise InvalidRequestError(f"logit_bias token id {biased[0]} outside the vocabulary [0, {vocab})")
         total = len(ids) + request.params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

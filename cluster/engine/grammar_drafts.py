@@ -24,9 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from cluster.engine.drafts import SeqDraft, StepDrafts
-from cluster.engine.grammar import apply_masks
-from cluster.engine.scheduler import ScheduledSeq
+from cluster.engine.drafts import SeqDraft
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -138,26 +136,3 @@ def grammar_draft(seq: Sequence, forced: list[int], ids: list[int],
     if k == 0:
         return None, cut
     return SeqDraft(tokens[:k], None if q is None else q[:k], min(len(forced), k), allowed), cut
-
-
-def mask_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDrafts) -> torch.Tensor:
-    """logits [sum(K_i + 1), V] of ``seqs`` with each constrained sequence's rows masked: row j
-    by the grammar state after its first j draft tokens (the walk's masks; a sequence without
-    drafts gets its committed state's mask). Unconstrained rows are left as they are (the
-    input is returned untouched when no sequence is constrained)."""
-    out = logits
-    start = 0
-    for s in seqs:
-        draft = drafts.get(s.seq.seq_id)
-        k = 0 if draft is None else draft.k
-        if s.seq.grammar is not None:
-            allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
-            if allowed is None:
-                allowed = s.seq.grammar.allowed()[None, :]  # no drafts: [1, V]
-            if allowed.shape[0] != k + 1:
-                raise RuntimeError(f"{allowed.shape[0]} grammar masks for {k + 1} verified positions")
-            if out is logits:
-                out = logits.clone()
-            out[start : start + k + 1] = apply_masks(out[start : start + k + 1], allowed)
-        start += k + 1
-    return out

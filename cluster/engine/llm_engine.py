@@ -31,10 +31,11 @@ from cluster.common.request import (
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, fault, per_row
-from cluster.engine.grammar import GrammarCompiler, apply_masks
+from cluster.engine.grammar import GrammarCompiler
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
+from cluster.engine.target_rows import process_rows
 from cluster.models.load import LoadedModel
 from cluster.models.runner import SeqChunk
 from cluster.sampling.logprobs import token_logprobs
@@ -167,17 +168,13 @@ class LLMEngine:
         return verdicts
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[Verdict | SeqFault]:
-        """Plain step: one token per sampling sequence (logits [len(sampling), V]); a constrained
-        sequence samples under its grammar's mask (a matcher error fails that sequence alone)."""
+        """Plain step: one token per sampling sequence (logits [len(sampling), V]), each from its
+        row as its request shapes it (bias, penalties, a grammar's mask: ``process_rows``; a
+        matcher error fails that sequence alone)."""
         def run(rows: list[int]) -> list[Verdict]:
-            seqs = [sampling[r].seq for r in rows]
-            rows_logits = logits[rows]  # [len(rows), V]
-            masked = [i for i, q in enumerate(seqs) if q.grammar is not None]
-            if masked:
-                allowed = torch.stack([seqs[i].grammar.allowed() for i in masked])  # [M, V]
-                rows_logits = rows_logits.clone()
-                rows_logits[masked] = apply_masks(rows_logits[masked], allowed)
-            tokens = sample(rows_logits, [q.request.params for q in seqs], [len(q.token_ids) for q in seqs])
+            seqs = [sampling[r] for r in rows]
+            rows_logits = process_rows(logits[rows], seqs, StepDrafts())  # [len(rows), V]
+            tokens = sample(rows_logits, [q.seq.request.params for q in seqs], [len(q.seq.token_ids) for q in seqs])
             return [([int(t)], 0) for t in tokens]
 
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])

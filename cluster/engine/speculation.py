@@ -36,7 +36,8 @@ from cluster.common.request import SpecMode, SpecStats
 from cluster.engine.drafters import build_drafters, draft_cost_ratio
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
 from cluster.engine.faults import FaultStage, SeqFault, per_row
-from cluster.engine.grammar_drafts import ForcedText, forced_prefix, grammar_draft, mask_rows
+from cluster.engine.grammar_drafts import ForcedText, forced_prefix, grammar_draft
+from cluster.engine.target_rows import process_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
@@ -421,7 +422,7 @@ class SpecController:
             else:
                 own = logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])]
             result = rejection_sample(
-                mask_rows(own, seqs, drafts),  # [sum(K_i + 1), V]
+                process_rows(own, seqs, drafts),  # [sum(K_i + 1), V] shaped and masked per request
                 drafts.flat_token_ids(ids), drafts.probs(ids),  # [sum K_i], [B] q [K_i, V] | None
                 SpecBatchMetadata.from_num_draft_tokens([num_draft_tokens[r] for r in rows]),
                 [s.seq.request.params for s in seqs], [len(s.seq.token_ids) for s in seqs])

@@ -2,8 +2,8 @@
 
 Owns: turning the target rows that chose a sequence's committed tokens into each token's
 log-probability and the n most likely tokens at its position. The distribution is the target's raw
-one — log-softmax of its logits at temperature 1, before temperature, top-k, top-p or a grammar's
-mask — the same whichever path (plain, speculative at any K, any drafter) committed the token:
+one — log-softmax of its logits at temperature 1, before logit bias, penalties, temperature,
+top-k, top-p or a grammar's mask — the same whichever path (plain, speculative at any K, any drafter) committed the token:
 a speculative step's row j is the target's row after the committed tokens and drafts 0..j-1,
 which are exactly the tokens before committed token j. Ignores: choosing tokens
 (``cluster.sampling.sampler``), token bytes (the service, next to the tokenizer).

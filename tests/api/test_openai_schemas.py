@@ -68,7 +68,8 @@ def test_completion_prompt_shapes():
     (dict(logprobs=3), "logprobs: Input should be a valid boolean", "logprobs"),  # chat's is a switch
     (dict(top_logprobs=2), "top_logprobs needs logprobs: true", "top_logprobs"),
     (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be in \[0, 20\], got 21", "top_logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty is not supported", "presence_penalty"),
+    (dict(presence_penalty="high"), "presence_penalty: Input should be a valid number", "presence_penalty"),
+    (dict(logit_bias={"fifty": 1}), "logit_bias keys must be token ids, got 'fifty'", "logit_bias"),
     (dict(tools=[{"type": "function"}]), "tools and functions are not supported", "tools"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format json_schema needs json_schema.schema", "response_format"),
@@ -223,3 +224,17 @@ def test_logprobs_become_grpcs_logprobs():
     refused(completion, r"logprobs must be in \[0, 20\], got 21", "logprobs", logprobs=21)
     refused(completion, "logprobs: Input should be a valid integer", "logprobs", logprobs=True)
     refused(chat, r"top_logprobs must be in \[0, 20\], got -1", "top_logprobs", logprobs=True, top_logprobs=-1)
+
+
+def test_penalties_and_logit_bias_become_grpcs_fields_and_its_ranges_apply():
+    f = chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"50": -100, "7": 2.5})
+    assert (f.presence_penalty, f.frequency_penalty, dict(f.logit_bias)) == (0.5, -1.0, {50: -100, 7: 2.5})
+    params = validate_fields(f, "r", LIMITS).params
+    assert params.logit_bias == ((7, 2.5), (50, -100.0)) and params.shapes_logits
+    assert not validate_fields(chat(), "r", LIMITS).params.shapes_logits  # unset: nothing shaped
+    for body, match in ((dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
+                        (dict(logit_bias={"3": 101}), r"logit_bias\[3\] must be in \[-100, 100\]"),
+                        (dict(logit_bias={"-3": 1}), "logit_bias keys must be token ids"),
+                        (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias names 301 tokens, limit is 300")):
+        with pytest.raises(ServiceError, match=match):
+            validate_fields(completion(**body), "r", LIMITS)

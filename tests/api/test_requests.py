@@ -14,7 +14,7 @@ from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import EngineFailure, FailureKind, ServiceError
 from cluster.common.config import EngineConfig
 from cluster.common.errors import EngineOverloadedError, EngineUnavailableError, InvalidRequestError
-from cluster.common.request import FinishReason, RequestOutput, SpecMode, SpecStats
+from cluster.common.request import FinishReason, ModelLimits, RequestOutput, SpecMode, SpecStats
 from cluster.engine.fake_engine import FakeEngine
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
@@ -169,6 +169,14 @@ def test_logprobs_reach_the_sampling_params_and_out_of_range_is_refused():
         validate_request(pb2.GenerateRequest(prompt="abc", logprobs=21), "r", LIMITS)
 
 
+def test_a_logit_bias_outside_the_vocabulary_is_refused_next_to_the_model():
+    engine = FakeEngine(EngineConfig())
+    v = validate_request(pb2.GenerateRequest(prompt="abc", logit_bias={engine.vocab_size: 1.0}), "r", LIMITS)
+    req = to_generation_request(v, engine, LIMITS, engine.vocab_size)
+    with pytest.raises(InvalidRequestError, match=f"logit_bias token id {engine.vocab_size} outside the vocabulary"):
+        ModelLimits(engine.vocab_size, 1024, 4096).check(req)
+
+
 def test_auth():
     check_bearer([], None)  # auth off
     check_bearer([("authorization", "Bearer s3cret")], "s3cret")
@@ -233,8 +241,8 @@ def _nested(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("raw,where", [
     (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(99), "GenerateRequest carries field number 99"),
-    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(18) + _unknown(40),
-     "GenerateRequest carries field number 18, 40"),
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(21) + _unknown(40),
+     "GenerateRequest carries field number 21, 40"),
     (_nested(3, pb2.TokenIds(ids=[1, 2]).SerializeToString() + _unknown(2)), "prompt_token_ids carries field number 2"),
     (_nested(2, pb2.ChatMessage(role="user", content="x").SerializeToString() + _unknown(7)),
      "messages.0. carries field number 7"),
@@ -247,11 +255,13 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "logprobs"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 17
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "logit_bias"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 20
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
-                             prediction="hi there", logprobs=2)
+                             prediction="hi there", logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
+                             logit_bias={7: -1.5})
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
     assert (v.draft_scope, v.prediction, v.params.logprobs) == ("t1", "hi there", 2)
+    assert (v.params.presence_penalty, v.params.frequency_penalty, v.params.logit_bias) == (0.5, 0.25, ((7, -1.5),))

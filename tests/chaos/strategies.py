@@ -87,6 +87,10 @@ WILD = {
     "draft_scope": st.one_of(text, huge_text(), st.sampled_from(["t\x1f1", "a b", "x" * 65])),
     "prediction": st.one_of(text, huge_text()),
     "logprobs": st.one_of(st.integers(0, 25), st.sampled_from([20, 21, UINT32_MAX])),
+    "presence_penalty": floats32,
+    "frequency_penalty": floats32,
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 49_160), st.sampled_from([-2**31, 2**31 - 1])),
+                                  floats32, max_size=310),
     "json_schema": schemas,
     "regex": regexes,
     "ignore_eos": st.booleans(),
@@ -108,6 +112,9 @@ SANE = {
     "regex": st.just(""),
     "ignore_eos": st.booleans(),
     "logprobs": st.integers(0, 20),
+    "presence_penalty": st.floats(-2.0, 2.0, width=32),
+    "frequency_penalty": st.floats(-2.0, 2.0, width=32),
+    "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100.0, 100.0, width=32), max_size=4),
 }
 sane_prompt = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=60)
 

@@ -62,6 +62,11 @@ FIELDS = {
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function"}]),
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), st.none()),
     "top_logprobs": st.one_of(st.integers(-1, 25), st.none(), st.just("3")),
+    "presence_penalty": st.one_of(st.floats(-3, 3), st.sampled_from(["1", None, float("1e308")])),
+    "frequency_penalty": st.floats(-3, 3),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 300).map(str), st.text(max_size=3)),
+                                            st.one_of(st.floats(-150, 150), st.text(max_size=2)), max_size=5),
+                            json_values),
     "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
@@ -90,7 +95,9 @@ SANE = {
     "top_k": st.integers(0, 40),
     "ignore_eos": st.booleans(),
 }
-SANE_COMPLETIONS = {"logprobs": st.integers(0, 20)}
+SANE_COMPLETIONS = {"logprobs": st.integers(0, 20), "presence_penalty": st.floats(-2, 2),
+                    "frequency_penalty": st.floats(-2, 2),
+                    "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3)}
 SANE_CHAT = {
     "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
     "prediction": st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
@@ -111,6 +118,8 @@ def bodies(draw) -> tuple[str, dict, bool]:
         for name, strategy in (SANE | (SANE_CHAT if endpoint == "chat" else SANE_COMPLETIONS)).items():
             if draw(st.booleans()):
                 body[name] = draw(strategy)
+        if "top_logprobs" in body:  # OpenAI asks for both: top_logprobs alone is refused
+            body["logprobs"] = True
         if body.get("stream") and draw(st.booleans()):
             body["stream_options"] = {"include_usage": True}
         odd = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=1))

@@ -1,8 +1,8 @@
 """Drafts under a grammar (``cluster.engine.grammar_drafts``) on the default tokenizer with a tiny
 random Llama: forced tokens come first and the drafter's draft after them in one draft, the
 draft is cut at its first illegal token (kept for a sampled draft), q grows one-hot rows for the
-forced tokens, the masks along the whole draft are kept, and verification rows are masked only
-for constrained sequences."""
+forced tokens, and the masks along the whole draft are kept (verification applies them:
+tests/engine/test_target_rows.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import torch
 
 from cluster.common.request import Constraint, ConstraintKind, SamplingParams
 from cluster.engine.drafts import SeqDraft, StepDrafts
-from cluster.engine.grammar_drafts import forced_prefix, grammar_draft, mask_rows, one_hot
+from cluster.engine.grammar_drafts import forced_prefix, grammar_draft, one_hot
 from tests.engine.test_grammar import compiler, tiny  # noqa: F401 (the fixtures: a tiny Llama, its grammar compiler)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -84,22 +84,6 @@ def test_forced_only_and_nothing_at_all(tiny, compiler):
     assert grammar_draft(s, [], [], None) == (None, 0)
     illegal = encode(tiny, "}")[0]  # the object cannot start with '}'
     assert grammar_draft(s, [], [illegal], None) == (None, 1)
-
-
-def test_mask_rows_masks_constrained_rows_only(tiny, compiler):
-    vocab = tiny.runner.vocab_size
-    c, u = seq(compiler), seq(compiler, constrained=False)
-    c.seq_id, u.seq_id = "c", "u"
-    forced = forced_prefix(c)
-    draft, _ = grammar_draft(c, forced, [], None)
-    drafts = StepDrafts({"c": draft, "u": SeqDraft([5, 6])})
-    logits = torch.zeros(draft.k + 1 + 3, vocab)
-    batch = [SimpleNamespace(seq=c), SimpleNamespace(seq=u)]
-    out = mask_rows(logits, batch, drafts)
-    assert torch.equal(torch.isfinite(out[: draft.k + 1]), draft.allowed)
-    assert torch.equal(out[draft.k + 1:], logits[draft.k + 1:]) and bool(torch.isfinite(logits).all())
-    plain = logits[:3]
-    assert mask_rows(plain, [batch[1]], StepDrafts({"u": SeqDraft([5, 6])})) is plain  # nothing to mask: no copy
 
 
 def test_forced_text_learns_how_the_target_tokenizes_held_back_text(tiny, compiler):

@@ -1,0 +1,44 @@
+"""Logit bias and presence / frequency penalties: the target's logits as the request shapes them.
+
+Owns: ``penalize``, one sequence's target rows with its ``SamplingParams.logit_bias`` added to
+every row and, per row, its presence and frequency penalties subtracted (OpenAI's definition:
+``logit[t] -= presence_penalty · [c_t > 0] + frequency_penalty · c_t``, c_t the times token t occurs
+in the output before that row's position). Row j of a verification stands after the committed
+output and the first j draft tokens, so its counts include those drafts: every path (plain, any K,
+any drafter) then samples position n from the same shaped distribution, and speculation stays
+lossless against the shaped target. Ignores: temperature / top-k / top-p (``sampler``), grammar
+masks (``cluster.engine.grammar``), which rows belong to whom (``cluster.engine.target_rows``).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from cluster.common.request import SamplingParams
+
+
+def penalize(
+    rows: torch.Tensor,  # [R, V] one sequence's target rows, row j after output_ids + drafts[:j]
+    params: SamplingParams,
+    output_ids: list[int],  # the committed output (the prompt is not counted)
+    drafts: list[int],  # [>= R - 1] the draft tokens the rows stand after
+) -> torch.Tensor:  # [R, V] a new tensor (rows is not written)
+    assert rows.dim() == 2 and len(drafts) >= rows.shape[0] - 1, (
+        f"rows {tuple(rows.shape)} after {len(drafts)} drafts")
+    out = rows.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=out.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
+        out[:, ids] += bias
+    if params.presence_penalty or params.frequency_penalty:
+        counts = Counter(output_ids)
+        for j in range(out.shape[0]):
+            if j:
+                counts[drafts[j - 1]] += 1
+            if not counts:
+                continue
+            ids = torch.tensor(list(counts), dtype=torch.int64, device=out.device)
+            c = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
+            out[j, ids] -= params.presence_penalty + params.frequency_penalty * c
+    return out

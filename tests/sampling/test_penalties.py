@@ -1,0 +1,110 @@
+"""Logit bias and presence / frequency penalties: the unit (``penalize`` on hand-made rows) and the
+contract through the engine on the real default model — greedy output under them equals Hugging
+Face ``generate`` with the same shaping written here as a logits processor (an independent
+implementation), on the plain path, n-gram at K = 4 and the portfolio at auto K; they change the
+output; seeded sampling under them gives the same tokens on every path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.common.config import EngineConfig, SpecConfig
+from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.speculation import build_spec_controller
+from cluster.sampling.penalties import penalize
+from tests.engine.helpers import prompt_ids, run_to_completion
+from tests.reference import NEAR_TIE_GAP, workload_rows
+
+MAX_TOKENS = 24
+
+
+def test_penalize_counts_the_output_and_the_drafts_before_each_row():
+    rows = torch.zeros(3, 6)
+    p = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((5, -2.0), (0, 0.5)))
+    out = penalize(rows, p, output_ids=[1, 1, 2], drafts=[2, 3])
+    assert out[0].tolist() == [0.5, -2.0, -1.5, 0.0, 0.0, -2.0]
+    assert out[1].tolist() == [0.5, -2.0, -2.0, 0.0, 0.0, -2.0]  # after draft 2: two 2s
+    assert out[2].tolist() == [0.5, -2.0, -2.0, -1.5, 0.0, -2.0]  # after drafts 2, 3
+    assert bool((rows == 0).all())
+    neg = penalize(torch.zeros(1, 3), SamplingParams(presence_penalty=-1.0), [2], [])
+    assert neg[0].tolist() == [0.0, 0.0, 1.0]  # a negative penalty favours repeats
+
+
+class _OpenAIShaping:
+    """HF logits processor: OpenAI's logit bias and penalties over the generated tokens."""
+
+    def __init__(self, prompt_len: int, params: SamplingParams) -> None:
+        self.prompt_len, self.p = prompt_len, params
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for token, bias in self.p.logit_bias:
+            scores[:, token] += bias
+        for t in set(input_ids[0, self.prompt_len:].tolist()):
+            count = int((input_ids[0, self.prompt_len:] == t).sum())
+            scores[:, t] -= self.p.presence_penalty + self.p.frequency_penalty * count
+        return scores
+
+
+def _hf_shaped(hf_model, eos, prompt: list[int], params: SamplingParams):
+    from transformers import LogitsProcessorList
+
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                                max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                logits_processor=LogitsProcessorList([_OpenAIShaping(len(prompt), params)]),
+                                output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.scores]
+
+
+def _same_or_near_tie(ours: list[int], ref: list[int], scores) -> bool:
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = torch.topk(scores[i].float(), 2)
+            return a == int(top2.indices[1]) and float(top2.values[0] - top2.values[1]) < NEAR_TIE_GAP
+    return len(ours) == len(ref)
+
+
+def _engine(model, drafter, k) -> LLMEngine:
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
+    config = EngineConfig(spec=spec) if spec else EngineConfig()
+    m = model.with_fresh_kv(config)
+    return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+
+
+SHAPES = [SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.8, frequency_penalty=0.6),
+          SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=-0.7, logit_bias=((28, 4.0), (30, -100.0))),
+          SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=2.0, logit_bias=((216, 2.0),))]
+
+
+@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("portfolio", "auto")])
+def test_greedy_under_bias_and_penalties_equals_hf_on_every_path(default_model, hf_reference, drafter, k):
+    rows = workload_rows(per_segment=1)
+    tok = default_model.tokenizer
+    reqs = [GenerationRequest(f"p{i}", prompt_ids(tok, row), SHAPES[i % len(SHAPES)], segment=row["segment"])
+            for i, row in enumerate(rows)]
+    if drafter is not None:
+        reqs[0].mode = SpecMode.PLAIN  # a plain row beside the speculating ones
+    eng = _engine(default_model, drafter, k)
+    res = run_to_completion(eng, reqs)
+    plain = run_to_completion(_engine(default_model, None, 0),
+                              [GenerationRequest(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=MAX_TOKENS))
+                               for r in reqs])
+    eos = sorted(default_model.eos_token_ids)
+    for r in reqs:
+        want, scores = _hf_shaped(hf_reference.model, eos, r.prompt_token_ids, r.params)
+        assert _same_or_near_tie(res[r.request_id]["ids"], want, scores), (r.request_id, res[r.request_id]["ids"], want)
+    assert sum(res[r.request_id]["ids"] != plain[r.request_id]["ids"] for r in reqs) >= len(reqs) // 2  # they shape
+    if drafter is not None:
+        assert sum(res[r.request_id]["spec"].accepted_tokens for r in reqs[1:]) > 10  # accepted drafts among them
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_seeded_sampling_under_penalties_is_the_same_on_every_path(default_model):
+    ids = prompt_ids(default_model.tokenizer, workload_rows(per_segment=1)[0])
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=11, presence_penalty=1.0, frequency_penalty=0.5,
+                            logit_bias=((28, 3.0),))
+    outs = [run_to_completion(_engine(default_model, d, k), [GenerationRequest("s", ids, params)])["s"]["ids"]
+            for d, k in ((None, 0), ("ngram", 4), ("portfolio", "auto"))]
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 20
