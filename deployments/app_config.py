@@ -91,6 +91,7 @@ class LimitsKnobs(_Strict):
     max_stop_strings: int = Field(16, ge=1)  # stop strings per request (each is searched after
     max_stop_chars: int = Field(256, ge=1)  # every token of the shared step), and their length
     max_constraint_chars: int = Field(16384, ge=1)  # json_schema / regex text length
+    max_choices: int = Field(8, ge=1, le=128)  # OpenAI's n: choices per request (each an engine request)
 
 
 class AuthKnobs(_Strict):
@@ -290,7 +291,8 @@ class AppConfig(_Strict):
                       max_message_bytes=self.limits.max_message_bytes,
                       max_stop_strings=self.limits.max_stop_strings,
                       max_stop_chars=self.limits.max_stop_chars,
-                      max_constraint_chars=self.limits.max_constraint_chars)
+                      max_constraint_chars=self.limits.max_constraint_chars,
+                      max_choices=self.limits.max_choices)
 
     def proxy_max_message_bytes(self) -> int:
         """The gRPC proxy's own message cap (it reads requests before the Router sees them; it

@@ -8,14 +8,16 @@ header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the r
 ``_forward``; failures become OpenAI error bodies with the status ``http_status`` maps from the same
 ``ServiceError`` gRPC sees. A stream answers its status only once the first engine output exists,
 so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
-error event; a failure after that is one error event and ``data: [DONE]``. A client that
-disconnects cancels the response task: ``_forward`` is closed, which aborts the engine request and
-frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
+error event; a failure after that is one error event and ``data: [DONE]``. ``n`` choices are n engine requests on the route the request
+got, run at once (``deployments.openai_choices``); the response waits for all of them, a stream
+interleaves their events. A client that disconnects cancels the response task: every ``_forward``
+is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
 one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
@@ -27,13 +29,14 @@ from starlette.exceptions import HTTPException
 from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
-from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields,
+from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, check_choices,
                                         completion_fields, parse_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, invalid
 from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
+from deployments.openai_choices import choice_outputs, choice_requests, combined_final
 
 if TYPE_CHECKING:
     from deployments.router import Router
@@ -69,6 +72,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
         nonlocal body
         check_size(len(raw), router.limits)  # before parsing what may be a huge body
         body = parse_body(raw, cls)
+        check_choices(body, router.limits)
         return to_fields(body, len(raw), router.served_model)
 
     last: ServiceError | dict | str | None = None  # sent after the telemetry closed: the consumer
@@ -82,19 +86,24 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
                              include_usage=body.stream and body.include_usage,
                              logprobs=vreq.params.logprobs is not None)
-            acc = Accumulator(request_id, decision)
-            async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(),
-                                                           whole=not body.stream)) as outputs:
-                async for out in outputs:
-                    tel.output(out)
-                    acc.add(out)
+            choices = choice_requests(vreq, body.n or 1)
+            accs = [Accumulator(request_id, decision) for _ in choices]
+            streams = [functools.partial(router._forward, c, decision, tel.carrier(), whole=not body.stream)
+                       for c in choices]
+            async with contextlib.aclosing(choice_outputs(streams)) as outputs:
+                async for i, out in outputs:
+                    tel.output(out, closes=len(choices) == 1)
                     if body.stream:
-                        yield resp.chunk(out, first=not started)
+                        yield resp.chunk(out, first=not accs[i].text, index=i)
                         started = True
+                    accs[i].add(out)
+            final = combined_final([a.final for a in accs])
+            if len(choices) > 1:
+                tel.output(final)  # the request's usage and counters: all its choices'
             if not body.stream:
-                last = resp.body("".join(acc.text), acc.final, len(acc.token_ids), acc.logprobs)
+                last = resp.body(accs, final)
             elif resp.include_usage:
-                yield resp.usage_chunk(acc.final, len(acc.token_ids))
+                yield resp.usage_chunk(final, sum(len(a.token_ids) for a in accs))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event
             err = router._failure(exc, request_id, metadata, tel)
             last = error_event(err) if started else err

@@ -5,8 +5,9 @@ Owns: ``chat.completion`` / ``text_completion`` bodies (unary), their ``*.chunk`
 chunk carries ``"usage": null`` and one more chunk with empty ``choices`` carries the usage), the
 finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``),
 the choice's ``logprobs`` when asked (chat's ``content`` entries, the completion's legacy
-tokens / token_logprobs / top_logprobs / text_offset)
-and the ``specserve`` object every response carries: the route (path, reason), the ids (the
+tokens / token_logprobs / top_logprobs / text_offset), ``n`` choices (each with its ``index``;
+streamed, each event carries one choice's delta; usage counts the prompt once and every choice's
+tokens) and the ``specserve`` object every response carries: the route (path, reason), the ids (the
 server's and the client's label) and, once finished, the speculation counters (draft and accepted
 tokens, α, mean acceptance length). Ignores: transport, errors (``openai_errors``).
 """
@@ -16,9 +17,13 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecStats, TokenLogprobs
 from cluster.routing.policy import RouteDecision
+
+if TYPE_CHECKING:
+    from cluster.api.responses import Accumulator
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
            FinishReason.CANCELLED: "abort"}  # ERROR never reaches a body: it is an error response
@@ -103,7 +108,8 @@ class Responder:
     include_usage: bool = False
     logprobs: bool = False  # the request asked for log-probabilities
     created: int = field(default_factory=lambda: int(time.time()))
-    _text_offset: int = 0  # a streamed completion's characters so far (its logprobs' text_offset)
+    # a streamed completion's characters so far, per choice (its logprobs' text_offset)
+    _text_offset: dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -121,44 +127,50 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None) -> dict | None:
-        """The choice's ``logprobs`` (None when not asked); ``last``: the final output when these
-        are the request's last tokens — an end-of-sequence token ends no text, so it has no entry."""
+    def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None, index: int) -> dict | None:
+        """Choice ``index``'s ``logprobs`` (None when not asked); ``last``: the final output when
+        these are its last tokens — an end-of-sequence token ends no text, so it has no entry."""
         if not self.logprobs:
             return None
         if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
             logprobs = logprobs[:-1]
         if self.kind is Kind.CHAT:
             return chat_logprobs(logprobs)
-        body = completion_logprobs(logprobs, self._text_offset)
-        self._text_offset += sum(map(len, body["tokens"]))
+        offset = self._text_offset.get(index, 0)
+        body = completion_logprobs(logprobs, offset)
+        self._text_offset[index] = offset + sum(map(len, body["tokens"]))
         return body
 
-    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False,
+    def _choice(self, index: int, text: str, finish: str | None, delta: bool, first: bool = False,
                 logprobs: dict | None = None) -> dict:
         if self.kind is Kind.COMPLETION:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
         body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
 
     # -- unary -----------------------------------------------------------------------------
-    def body(self, text: str, final: RequestOutput, completion_tokens: int,
-             logprobs: list[TokenLogprobs] | None = None) -> dict:
-        choice = self._choice(text, _FINISH.get(final.finish_reason), delta=False,
-                              logprobs=self._logprobs(logprobs or [], final))
-        return {**self._head(self.kind.value), "choices": [choice],
-                "usage": usage_dict(final, completion_tokens), "specserve": self.specserve(final)}
+    def body(self, choices: "list[Accumulator]", final: RequestOutput) -> dict:
+        """The whole response: one choice per accumulated request, in order; ``final`` stands for
+        all of them (``deployments.openai_choices.combined_final``: usage and counters)."""
+        out = [self._choice(i, "".join(a.text), _FINISH.get(a.final.finish_reason), delta=False,
+                            logprobs=self._logprobs(a.logprobs, a.final, i))
+               for i, a in enumerate(choices)]
+        return {**self._head(self.kind.value), "choices": out,
+                "usage": usage_dict(final, sum(len(a.token_ids) for a in choices)),
+                "specserve": self.specserve(final)}
 
     # -- stream ----------------------------------------------------------------------------
-    def chunk(self, out: RequestOutput, first: bool) -> str:
-        """One engine delta as one event; the route rides on the first, the counters on the last."""
+    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> str:
+        """One engine delta of choice ``index`` as one event; the route rides on each choice's
+        first, its counters on its last."""
         finish = _FINISH.get(out.finish_reason) if out.finished else None
-        logprobs = self._logprobs(out.logprobs, out if out.finished else None)
+        logprobs = self._logprobs(out.logprobs, out if out.finished else None, index)
         obj = {**self._head(self.kind.chunk_object),
-               "choices": [self._choice(out.text_delta, finish, delta=True, first=first, logprobs=logprobs)]}
+               "choices": [self._choice(index, out.text_delta, finish, delta=True, first=first,
+                                        logprobs=logprobs)]}
         if self.include_usage:
             obj["usage"] = None
         if first or out.finished:

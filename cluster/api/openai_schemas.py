@@ -4,7 +4,7 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
-(``n``/``best_of`` other than 1, echo, suffix, tools, audio,
+(``best_of`` other than 1, echo, suffix, tools, audio,
 reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.api.requests import RequestFields
+from cluster.api.requests import Limits, RequestFields
 from cluster.api.status import ServiceError, invalid
 from cluster.common.request import MAX_LOGPROBS, SpecMode
 
@@ -205,7 +205,6 @@ _MESSAGE_REFUSALS = {
 def _refuse(body: _Common) -> None:
     """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
     checks = [
-        ("n", body.n not in (None, 1), "n must be 1 (one choice per request)"),
         ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
          "set at most one of response_format (json_object / json_schema) and regex"),
         ("stream_options", body.stream_options is not None and not body.stream,
@@ -243,6 +242,13 @@ def _refuse(body: _Common) -> None:
     for param, refused, message in checks:
         if refused:
             raise invalid(message, param)
+
+
+def check_choices(body: _Common, limits: Limits) -> None:
+    """``n``: how many choices, each its own engine request (``limits.max_choices`` at most: n
+    choices load the engines as n requests do)."""
+    if body.n is not None and not 1 <= body.n <= limits.max_choices:
+        raise invalid(f"n must be in [1, {limits.max_choices}], got {body.n}", "n")
 
 
 def _mode(value: str | None) -> SpecMode:

@@ -45,10 +45,12 @@ class Limits:
     max_stop_chars: int = 256  # per stop string
     max_constraint_chars: int = 16384  # json_schema / regex text; bounds the checker's work
     max_label_chars: int = 128  # the client's request_id metadata (a label, echoed and logged)
+    max_choices: int = 8  # OpenAI's n: choices per request, each an engine request
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "default_max_tokens", "max_prompt_tokens", "max_message_bytes",
-                     "max_stop_strings", "max_stop_chars", "max_constraint_chars", "max_label_chars"):
+                     "max_stop_strings", "max_stop_chars", "max_constraint_chars", "max_label_chars",
+                     "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limits.{name} must be >= 1")
         if self.default_max_tokens > self.max_tokens:

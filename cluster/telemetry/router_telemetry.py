@@ -85,17 +85,18 @@ class RequestTelemetry:
         """Pass to the engine handle call (trace context across the Ray handle)."""
         return self._span.carrier()
 
-    def output(self, out: Any) -> None:
+    def output(self, out: Any, closes: bool = True) -> None:
         """Every ``RequestOutput`` delta the Router forwards. A whole response (every token in one
         final output, unary ``Generate``) dates its first token by the engine's own timings:
-        now minus the engine's time from first token to finish."""
+        now minus the engine's time from first token to finish. ``closes=False``: a finished output
+        that does not finish the request (one of its several choices; the summary follows)."""
         if self._ttft is None and out.new_token_ids:
             ago = 0.0
             if out.finished and out.first_token_time is not None and out.finish_time is not None:
                 ago = max(0.0, out.finish_time - out.first_token_time)
             self._ttft = max(0.0, time.perf_counter() - self._t0 - ago)
             self._span.first_token(ago_s=ago)
-        if out.finished:
+        if out.finished and closes:
             self._final = out
             self._span.finish_from_output(out)
 

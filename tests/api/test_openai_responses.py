@@ -6,6 +6,7 @@ import pytest
 
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
+from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, http_status
 from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecStats, TokenLogprobs
 from cluster.routing.policy import Path, RouteDecision, RouteReason
@@ -20,6 +21,12 @@ def _final(text="c", reason=FinishReason.EOS, spec=True):
                          num_output_tokens=3, spec=stats if spec else None)
 
 
+def _body(r: Responder, text: str, final: RequestOutput, tokens: int, logprobs=()) -> dict:
+    """A one-choice response: ``text`` in ``tokens`` tokens, ending with ``final``."""
+    acc = Accumulator("engine-id", DECISION, [text], list(range(tokens)), list(logprobs), final)
+    return r.body([acc], final)
+
+
 def _event(line: str) -> dict:
     assert line.startswith("data: ") and line.endswith("\n\n")
     return json.loads(line[6:])
@@ -27,7 +34,7 @@ def _event(line: str) -> dict:
 
 def test_unary_chat_body():
     r = Responder(Kind.CHAT, "srv1", "lbl", "m", DECISION)
-    b = r.body("abc", _final(), 3)
+    b = _body(r, "abc", _final(), 3)
     assert b["id"] == "chatcmpl-srv1" and b["object"] == "chat.completion" and b["model"] == "m"
     assert b["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "abc"}, "logprobs": None,
                              "finish_reason": "stop"}]  # EOS is OpenAI's "stop"
@@ -40,11 +47,11 @@ def test_unary_chat_body():
 
 def test_unary_completion_body_and_finish_reasons():
     r = Responder(Kind.COMPLETION, "srv2", "", "m", RouteDecision(Path.PLAIN, RouteReason.MODE_PLAIN))
-    b = r.body("xy", _final(reason=FinishReason.LENGTH, spec=False), 2)
+    b = _body(r, "xy", _final(reason=FinishReason.LENGTH, spec=False), 2)
     assert b["id"] == "cmpl-srv2" and b["object"] == "text_completion"
     assert b["choices"][0] == {"index": 0, "text": "xy", "logprobs": None, "finish_reason": "length"}
     assert "label" not in b["specserve"] and b["specserve"]["spec"] is None
-    assert r.body("", _final(reason=FinishReason.STOP), 0)["choices"][0]["finish_reason"] == "stop"
+    assert _body(r, "", _final(reason=FinishReason.STOP), 0)["choices"][0]["finish_reason"] == "stop"
 
 
 def test_chat_stream_chunks_with_usage():
@@ -83,7 +90,7 @@ LPS = [_lp(5, b"Hi", -0.1, (5, b"Hi", -0.1), (6, b"Hey", -2.5)),
 
 def test_chat_logprobs_unary_and_streamed():
     r = Responder(Kind.CHAT, "s", "", "m", DECISION, logprobs=True)
-    b = r.body("Hi \ufffd", _final(), 3, LPS)
+    b = _body(r, "Hi \ufffd", _final(), 3, LPS)
     content = b["choices"][0]["logprobs"]["content"]
     assert b["choices"][0]["logprobs"]["refusal"] is None
     assert [c["token"] for c in content] == ["Hi", " \ufffd"]  # the EOS token ended no text
@@ -95,15 +102,15 @@ def test_chat_logprobs_unary_and_streamed():
                                         logprobs=LPS[1:]), first=False))
     assert [c["token"] for c in first["choices"][0]["logprobs"]["content"]] == ["Hi"]
     assert [c["token"] for c in last["choices"][0]["logprobs"]["content"]] == [" \ufffd"]
-    length = Responder(Kind.CHAT, "s", "", "m", DECISION, logprobs=True).body(
-        "x", _final(reason=FinishReason.LENGTH), 3, LPS)  # a budget's last token is text: kept
+    length = _body(Responder(Kind.CHAT, "s", "", "m", DECISION, logprobs=True), "x",
+                   _final(reason=FinishReason.LENGTH), 3, LPS)  # a budget's last token is text: kept
     assert len(length["choices"][0]["logprobs"]["content"]) == 3
-    assert Responder(Kind.CHAT, "s", "", "m", DECISION).body("x", _final(), 3, LPS)["choices"][0]["logprobs"] is None
+    assert _body(Responder(Kind.CHAT, "s", "", "m", DECISION), "x", _final(), 3, LPS)["choices"][0]["logprobs"] is None
 
 
 def test_completion_logprobs_legacy_shape_with_offsets_across_chunks():
     r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
-    b = r.body("Hi \ufffd", _final(reason=FinishReason.LENGTH), 3, LPS[:2])["choices"][0]["logprobs"]
+    b = _body(r, "Hi \ufffd", _final(reason=FinishReason.LENGTH), 3, LPS[:2])["choices"][0]["logprobs"]
     assert b["tokens"] == ["Hi", " \ufffd"] and b["token_logprobs"] == [-0.1, -0.7]
     assert b["text_offset"] == [0, 2]
     assert b["top_logprobs"][0] == {"Hi": -0.1, "Hey": -2.5}  # the chosen token is among them (up to n + 1)
@@ -136,3 +143,28 @@ def test_wrong_model_code_and_error_event():
         "message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": None}
     ev = _event(error_event(ServiceError(grpc.StatusCode.INTERNAL, "internal error (id x)")))
     assert ev["error"]["message"] == "internal error (id x)" and ev["error"]["param"] is None
+
+
+def test_n_choices_unary_and_streamed():
+    """Each choice its own index, text, finish reason and logprobs (completion offsets per choice);
+    usage counts the prompt once and every choice's tokens; the counters are the summary's."""
+    r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
+    a = Accumulator("e", DECISION, ["Hi"], [5], LPS[:1], _final(reason=FinishReason.LENGTH))
+    b = Accumulator("e", DECISION, ["Hi", " \ufffd"], [5, 7], LPS[:2], _final(reason=FinishReason.STOP))
+    summary = _final(spec=False)
+    body = r.body([a, b], summary)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hi", "length"), (1, "Hi \ufffd", "stop")]
+    assert [c["logprobs"]["text_offset"] for c in body["choices"]] == [[0], [0, 2]]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["specserve"]["spec"] is None  # the summary's counters, not one choice's
+    s = Responder(Kind.CHAT, "s", "", "m", DECISION)
+    events = [_event(s.chunk(RequestOutput("e-1", [5], "x"), first=True, index=1)),
+              _event(s.chunk(RequestOutput("e-0", [5], "y"), first=True, index=0)),
+              _event(s.chunk(RequestOutput("e-1", [6], "z"), first=False, index=1))]
+    assert [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in events] == [
+        (1, {"role": "assistant", "content": "x"}), (0, {"role": "assistant", "content": "y"}), (1, {"content": "z"})]
+    c = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
+    offsets = [_event(c.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1]), first=f, index=i))
+               ["choices"][0]["logprobs"]["text_offset"] for i, f in ((0, True), (1, True), (0, False))]
+    assert offsets == [[0], [0], [2]]  # each choice's text runs on from its own last offset

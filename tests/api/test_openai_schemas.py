@@ -7,7 +7,7 @@ import pytest
 
 from cluster.api import stubs
 from cluster.api.openai_schemas import (
-    ChatCompletionRequest, CompletionRequest, chat_fields, completion_fields, parse_body,
+    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_fields, parse_body,
 )
 from cluster.api.requests import Limits, validate_fields, validate_request
 from cluster.api.status import ServiceError
@@ -19,12 +19,16 @@ pb2 = stubs.generation_pb2()
 
 def chat(**body):
     raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode()
-    return chat_fields(parse_body(raw, ChatCompletionRequest), len(raw), "m")
+    body = parse_body(raw, ChatCompletionRequest)
+    check_choices(body, LIMITS)  # as the HTTP front end reads a body
+    return chat_fields(body, len(raw), "m")
 
 
 def completion(**body):
     raw = json.dumps({"prompt": "hi", **body}).encode()
-    return completion_fields(parse_body(raw, CompletionRequest), len(raw), "m")
+    body = parse_body(raw, CompletionRequest)
+    check_choices(body, LIMITS)
+    return completion_fields(body, len(raw), "m")
 
 
 def refused(fn, match, param=None, code=grpc.StatusCode.INVALID_ARGUMENT, **body):
@@ -64,7 +68,9 @@ def test_completion_prompt_shapes():
     (dict(stream="yes"), "stream: Input should be a valid boolean", "stream"),
     (dict(messages="hi"), "messages: Input should be a valid list", "messages"),
     (dict(messages=[{"content": "x"}]), "messages.0.role: Field required", "messages"),
-    (dict(n=3), "n must be 1", "n"),
+    (dict(n=0), r"n must be in \[1, 8\], got 0", "n"),
+    (dict(n=9), r"n must be in \[1, 8\], got 9", "n"),  # limits.max_choices
+    (dict(n="2"), "n: Input should be a valid integer", "n"),
     (dict(logprobs=3), "logprobs: Input should be a valid boolean", "logprobs"),  # chat's is a switch
     (dict(top_logprobs=2), "top_logprobs needs logprobs: true", "top_logprobs"),
     (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be in \[0, 20\], got 21", "top_logprobs"),
@@ -238,3 +244,12 @@ def test_penalties_and_logit_bias_become_grpcs_fields_and_its_ranges_apply():
                         (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias names 301 tokens, limit is 300")):
         with pytest.raises(ServiceError, match=match):
             validate_fields(completion(**body), "r", LIMITS)
+
+
+def test_n_choices_within_limits_max_choices():
+    for n in (None, 1, 3, LIMITS.max_choices):  # each choice is its own engine request (the Router's)
+        chat(n=n)
+        completion(n=n)
+    raw = json.dumps({"prompt": "hi", "n": 3}).encode()
+    with pytest.raises(ServiceError, match=r"n must be in \[1, 2\], got 3"):
+        check_choices(parse_body(raw, CompletionRequest), dataclasses.replace(LIMITS, max_choices=2))

@@ -49,7 +49,7 @@ FIELDS = {
     "top_p": st.one_of(st.floats(-0.5, 1.5), st.none()),
     "seed": st.one_of(st.integers(-5, 2**65), st.none()),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), st.integers()),
-    "n": st.sampled_from([1, 2, 0, None]),
+    "n": st.sampled_from([1, 2, 3, 0, 9, -1, None, "2", 2.0]),
     "stream": st.booleans(),
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
     "response_format": st.one_of(
@@ -94,6 +94,7 @@ SANE = {
     "user": st.text(max_size=10),
     "top_k": st.integers(0, 40),
     "ignore_eos": st.booleans(),
+    "n": st.integers(1, 3),
 }
 SANE_COMPLETIONS = {"logprobs": st.integers(0, 20), "presence_penalty": st.floats(-2, 2),
                     "frequency_penalty": st.floats(-2, 2),

@@ -155,6 +155,30 @@ def test_chat_stream_with_usage(oa):
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
 
 
+def test_n_choices_unary_and_streamed(oa):
+    """``n``: n engine requests on the request's route, one body; streamed, the events of the
+    choices interleave, each choice's first carries the role and its last the finish reason."""
+    text = "choose me"
+    want = fake_output(chat_ids(text), 7)
+    args = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=7, n=3)
+    r = oa.chat.completions.create(**args)
+    assert [(c.index, c.message.content, c.finish_reason) for c in r.choices] == [(i, want, "length") for i in range(3)]
+    assert r.usage.prompt_tokens == len(chat_ids(text)) and r.usage.completion_tokens == 21  # the prompt once
+    assert r.model_extra["specserve"]["spec"]["draft_tokens"] > 0  # every choice's counters, summed
+    chunks = list(oa.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    by_index: dict[int, list] = {}
+    for c in chunks[:-1]:
+        by_index.setdefault(c.choices[0].index, []).append(c.choices[0])
+    assert sorted(by_index) == [0, 1, 2]
+    for deltas in by_index.values():
+        assert "".join(d.delta.content or "" for d in deltas) == want and deltas[0].delta.role == "assistant"
+        assert [d.finish_reason for d in deltas][-1] == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 21
+    comp = oa.completions.create(model=MODEL, prompt=text, max_tokens=5, n=2, logprobs=1)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text
+    assert [c.logprobs.text_offset for c in comp.choices] == [[0, 1, 2, 3, 4]] * 2
+
+
 def test_logprobs_through_the_official_client(oa):
     """chat's logprobs / top_logprobs and the completion's legacy logprobs, unary and streamed,
     parsed by the official client's own types: one entry per token of the text, bytes that spell
@@ -202,7 +226,7 @@ def _status(fn, **kwargs):
 
 @pytest.mark.parametrize("kwargs,status,needle,param", [
     (dict(model="gpt-4o"), 404, "the model 'gpt-4o' does not exist", "model"),
-    (dict(n=2), 400, "n must be 1", "n"),
+    (dict(n=9), 400, "n must be in [1, 8], got 9", "n"),  # limits.max_choices
     (dict(temperature="hot"), 400, "temperature: Input should be a valid number", "temperature"),
     (dict(max_tokens=1001), 400, "max_tokens must be in [1, 1000], got 1001", None),  # the shared rule
     (dict(top_p=0), 400, "top_p must be in (0, 1]", None),
@@ -259,17 +283,20 @@ def kv_full(app: str, deployment: str) -> bool:
     return s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
-def test_disconnect_mid_stream_frees_kv(addrs):
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_mid_stream_frees_kv(addrs, n):
     # plain: one token per 20 ms step, so 1000 tokens would take 20 s to finish on their own
-    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 1000, "stream": True, "mode": "plain"}
+    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 1000, "stream": True, "mode": "plain", "n": n}
     t0 = time.monotonic()
     with requests.post(f"{addrs.http}/oa/v1/completions", json=body, timeout=60, stream=True,
                        headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         lines = r.iter_lines(decode_unicode=True)
         assert next(lines).startswith("data: ")
+        wait_for(lambda: engine_stats("oa", "BatchEngine")["num_running"] == n, timeout=8,
+                 what=f"{n} choices running")
         s = engine_stats("oa", "BatchEngine")
-        assert s["num_running"] == 1 and s["kv_blocks_free"] < s["kv_blocks_total"]
-    # the client closed the connection after its first event: the request is aborted, KV freed
+        assert s["kv_blocks_free"] < s["kv_blocks_total"]
+    # the client closed the connection after its first event: every choice aborted, KV freed
     wait_for(lambda: kv_full("oa", "BatchEngine"), timeout=8, what="KV freed after the disconnect")
     assert time.monotonic() - t0 < 15  # well before the request could have finished
 
@@ -324,6 +351,9 @@ def test_real_stop_seed_and_chat(addrs, real):
     assert sampled[0] == sampled[1] != sampled[2]  # a seed reproduces its sample; another seed differs
     g = grpc_client.generate(prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7, mode=2, timeout=300)
     assert g.text == sampled[0]  # the same seed over gRPC: the same sample
+    choices = real.completions.create(model="default", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7, n=2,
+                                      extra_body=plain).choices
+    assert [c.text for c in choices] == [sampled[0], sampled[2]]  # choice i: seed + i, as its own request
     chat = real.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
                                         max_tokens=8, temperature=0)
     pb = grpc_client.pb2

@@ -118,6 +118,30 @@ def test_whole_response_dates_the_first_token_by_engine_timings(traced, metrics)
     assert span.attributes[sc.TTFT_MS] == pytest.approx((event[1] - span.start_ns) / 1e6, abs=1.0)
 
 
+def test_choices_finish_the_request_once_with_their_summary(traced, metrics):
+    """OpenAI ``n``: each choice's finished output does not close the request; the summary does
+    (one request counted, every choice's tokens)."""
+    from deployments.openai_choices import combined_final
+
+    decision = SimpleNamespace(path=Path.PLAIN, reason=SimpleNamespace(value="mode_plain"))
+    finals = [RequestOutput(f"n-1-{i}", [5], "a", finished=True, finish_reason=FinishReason.LENGTH,
+                            num_prompt_tokens=3, num_output_tokens=2) for i in range(3)]
+    with RequestTelemetry(metrics, model="smollm2", metadata=[], api=API_OPENAI) as tel:
+        tel.routed(_vreq("n-1"), decision)
+        for out in finals:
+            tel.output(out, closes=False)
+            assert tel._final is None
+        tel.output(combined_final(finals))
+    s = _scrape(metrics)
+    assert s[("specserve_requests_total", frozenset({"path": "plain", "reason": "mode_plain", "segment": "chat",
+                                                     "finish_reason": "length", "api": "openai"}.items()))] == 1
+    assert s[("specserve_output_tokens_total", frozenset({"path": "plain"}.items()))] == 6
+    tracing.force_flush()
+    span = next(x for x in traced.wait_for(lambda sp: any(y.attributes.get(sc.REQUEST_ID) == "n-1" for y in sp))
+                if x.attributes.get(sc.REQUEST_ID) == "n-1")
+    assert (span.attributes[sc.GEN_AI_USAGE_INPUT_TOKENS], span.attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS]) == (3, 6)
+
+
 def test_engine_stats_dict_and_background_exporter(metrics):
     st = EngineStats(num_running=2, num_waiting=5, kv_blocks_total=100, kv_blocks_free=75, draft_resyncs=4)
     calls = []

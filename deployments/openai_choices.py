@@ -1,0 +1,92 @@
+"""OpenAI's ``n``: one HTTP request answered with n choices, each its own engine request.
+
+Owns: turning one validated request into its n choices (``choice_requests``: choice i has the
+server id ``<id>-<i>`` — its engine request id and KVSync seq id — and, when the client set a
+``seed``, the seed ``seed + i`` mod 2^64, so a seeded request is reproducible and its choices still
+differ; greedy choices are identical, as OpenAI's), running them at once on the path the Router
+chose for the request (``choice_outputs``: every choice's outputs as (index, output) in the order
+they come; the first failure fails the request and cancels the rest, and closing it cancels every
+choice still running, which aborts its engine request and frees its KV), and the request's
+summary for telemetry (``combined_final``: the choices' token counts and speculation counters
+summed). Every choice enters the Router's in-flight count on its path, so n choices load the
+route decision and overflow balancing as n requests do. Ignores: response shapes
+(``cluster.api.openai_responses``), validation (``n``'s range is ``limits.max_choices``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import AsyncIterator, Callable
+
+from cluster.api.requests import ValidatedRequest
+from cluster.common.request import RequestOutput, SpecStats
+
+_SEEDS = 1 << 64
+
+
+def choice_requests(vreq: ValidatedRequest, n: int) -> list[ValidatedRequest]:
+    """The engine requests of a request with ``n`` choices (itself when n is 1)."""
+    if n == 1:
+        return [vreq]
+    seed = vreq.params.seed
+    return [dataclasses.replace(
+        vreq, request_id=f"{vreq.request_id}-{i}",
+        params=vreq.params if seed is None else dataclasses.replace(vreq.params, seed=(seed + i) % _SEEDS))
+        for i in range(n)]
+
+
+async def choice_outputs(
+        streams: list[Callable[[], AsyncIterator[RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every choice's stream (``streams[i]()`` opens choice i), as they
+    come; one choice's exception is raised here once, after which every other choice is cancelled."""
+    if len(streams) == 1:  # no tasks, no queue: the request's own stream
+        async with contextlib.aclosing(streams[0]()) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))  # a slow client slows the choices
+
+    async def pump(i: int) -> None:
+        try:
+            async with contextlib.aclosing(streams[i]()) as outputs:
+                async for out in outputs:
+                    await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as exc:  # noqa: BLE001 - raised in the consumer, once
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        running = len(streams)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:  # done, failed, or closed by a client that left: nothing keeps running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def combined_final(finals: list[RequestOutput]) -> RequestOutput:
+    """One finished output that stands for all the choices: the first choice's, with the output
+    tokens, prediction counts and speculation counters of all of them."""
+    first = finals[0]
+    if len(finals) == 1:
+        return first
+    spec = None
+    if any(f.spec is not None for f in finals):
+        spec = SpecStats()
+        for f in finals:
+            if f.spec is not None:
+                spec.merge(f.spec)
+    return dataclasses.replace(
+        first, new_token_ids=[], text_delta="", logprobs=[], spec=spec,
+        num_output_tokens=sum(f.num_output_tokens for f in finals),
+        accepted_prediction_tokens=sum(f.accepted_prediction_tokens for f in finals),
+        rejected_prediction_tokens=sum(f.rejected_prediction_tokens for f in finals))
