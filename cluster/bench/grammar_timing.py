@@ -2,8 +2,9 @@
 
 Owns: ``GrammarClock`` (seconds and calls per grammar operation), ``TimedGrammarCompiler`` (a
 ``GrammarCompiler`` whose matchers time themselves) and ``timed_grammar(engine)``, which installs
-both on one engine and also times ``apply_masks`` (the -inf fill on the logits) where the engine
-(plain steps) and ``cluster.engine.grammar_drafts`` (verification rows) call it. Nothing in the engine is timed unless a benchmark installs this, so
+both on one engine and also times ``apply_masks`` (the -inf fill on the logits) where
+``cluster.engine.target_rows`` calls it (plain steps and verification rows alike). Nothing in the
+engine is timed unless a benchmark installs this, so
 the serving hot path carries no timer. Ignores: what the grammar decides
 (``cluster.engine.grammar``), the step's other phases (``bench spec`` times whole steps).
 
@@ -89,10 +90,9 @@ class TimedGrammarCompiler(GrammarCompiler):
 @contextlib.contextmanager
 def timed_grammar(engines):
     """Install a shared ``GrammarClock`` on ``engines`` (``LLMEngine``s; their grammar caches
-    are kept) and time ``apply_masks`` where the engine and the grammar drafts call it; yields the
+    are kept) and time ``apply_masks`` where the target's rows are masked (``target_rows``); yields the
     clock. Restored on exit."""
-    import cluster.engine.grammar_drafts as grammar_drafts
-    import cluster.engine.llm_engine as llm_engine
+    import cluster.engine.target_rows as target_rows
 
     clock = GrammarClock()
     saved = [(e, e.grammars) for e in engines]
@@ -101,7 +101,7 @@ def timed_grammar(engines):
         timed.__dict__.update(e.grammars.__dict__)  # same tokenizer, cache and lock
         timed.clock = clock
         e.grammars = timed
-    modules = (llm_engine, grammar_drafts)
+    modules = (target_rows,)  # every step's masking: plain rows and verified rows alike
     originals = [m.apply_masks for m in modules]
     for m, fn in zip(modules, originals):
         m.apply_masks = lambda logits, allowed, _fn=fn: clock.timed("apply", _fn, logits, allowed)
