@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException
 from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
-from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, check_choices,
-                                        completion_fields, parse_body)
+from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, chat_tools,
+                                        check_choices, completion_fields, parse_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, invalid
@@ -85,7 +85,8 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
                              include_usage=body.stream and body.include_usage,
-                             logprobs=vreq.params.logprobs is not None)
+                             logprobs=vreq.params.logprobs is not None,
+                             tools=chat_tools(body) if kind is Kind.CHAT else None)
             choices = choice_requests(vreq, body.n or 1)
             accs = [Accumulator(request_id, decision) for _ in choices]
             streams = [functools.partial(router._forward, c, decision, tel.carrier(), whole=not body.stream)
@@ -93,8 +94,8 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             async with contextlib.aclosing(choice_outputs(streams)) as outputs:
                 async for i, out in outputs:
                     tel.output(out, closes=len(choices) == 1)
-                    if body.stream:
-                        yield resp.chunk(out, first=not accs[i].text, index=i)
+                    if body.stream and (event := resp.chunk(out, first=not accs[i].text, index=i)):
+                        yield event
                         started = True
                     accs[i].add(out)
             final = combined_final([a.final for a in accs])

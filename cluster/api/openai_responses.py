@@ -23,6 +23,7 @@ from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecSta
 from cluster.routing.policy import RouteDecision
 
 if TYPE_CHECKING:
+    from cluster.api.openai_tools import ToolPlan
     from cluster.api.responses import Accumulator
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
@@ -107,9 +108,11 @@ class Responder:
     decision: RouteDecision
     include_usage: bool = False
     logprobs: bool = False  # the request asked for log-probabilities
+    tools: "ToolPlan | None" = None  # the output is a tool call (``cluster.api.openai_tools``)
     created: int = field(default_factory=lambda: int(time.time()))
     # a streamed completion's characters so far, per choice (its logprobs' text_offset)
     _text_offset: dict[int, int] = field(default_factory=dict)
+    _held: dict[int, str] = field(default_factory=dict)  # a streamed required call's text, per choice
 
     @property
     def id(self) -> str:
@@ -145,10 +148,43 @@ class Responder:
                 logprobs: dict | None = None) -> dict:
         if self.kind is Kind.COMPLETION:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.tools is not None:
+            return self._tool_choice(index, text, finish, delta, first, logprobs)
         if not delta:
             return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
         body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+
+    def _tool_choice(self, index: int, text: str, finish: str | None, delta: bool, first: bool,
+                     logprobs: dict | None) -> dict:
+        """A chat choice whose output is a tool call: ``message.tool_calls`` (or, streamed, a named
+        function's arguments as they come and a required call once whole — its name is known only
+        then); a required output that does not parse (cut short) is answered as content."""
+        plan, call_id = self.tools, f"call_{self.request_id}_{index}"
+        if not delta:
+            calls = plan.calls(text, call_id)
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
+                       else {"role": "assistant", "content": text})
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": plan.finish_reason(finish) if calls else finish}
+        body: dict = {"role": "assistant", "content": None} if first else {}
+        if plan.function is not None:
+            call = ({"index": 0, "id": call_id, "type": "function",
+                     "function": {"name": plan.function, "arguments": text}} if first
+                    else {"index": 0, "function": {"arguments": text}})
+            if first or text:
+                body["tool_calls"] = [call]
+            finish = plan.finish_reason(finish)
+        else:
+            held = self._held[index] = self._held.get(index, "") + text
+            if finish is not None:
+                calls = plan.calls(held, call_id)
+                if calls:
+                    body["tool_calls"] = [{"index": 0, **calls[0]}]
+                    finish = plan.finish_reason(finish)
+                else:
+                    body["content"] = held
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
 
     # -- unary -----------------------------------------------------------------------------
@@ -163,14 +199,16 @@ class Responder:
                 "specserve": self.specserve(final)}
 
     # -- stream ----------------------------------------------------------------------------
-    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> str:
-        """One engine delta of choice ``index`` as one event; the route rides on each choice's
+    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> str | None:
+        """One engine delta of choice ``index`` as one event (None: nothing to say yet — a
+        required tool call's text is held until it is whole); the route rides on each choice's
         first, its counters on its last."""
         finish = _FINISH.get(out.finish_reason) if out.finished else None
         logprobs = self._logprobs(out.logprobs, out if out.finished else None, index)
-        obj = {**self._head(self.kind.chunk_object),
-               "choices": [self._choice(index, out.text_delta, finish, delta=True, first=first,
-                                        logprobs=logprobs)]}
+        choice = self._choice(index, out.text_delta, finish, delta=True, first=first, logprobs=logprobs)
+        if self.tools is not None and not (first or out.finished or choice["delta"] or logprobs):
+            return None
+        obj = {**self._head(self.kind.chunk_object), "choices": [choice]}
         if self.include_usage:
             obj["usage"] = None
         if first or out.finished:

@@ -4,14 +4,16 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
-(``best_of`` other than 1, echo, suffix, tools, audio,
+(``best_of`` other than 1, echo, suffix, the deprecated ``functions``, audio,
 reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
-asks for nothing: ``tool_choice`` "none"/"auto" without tools, ``modalities`` ["text"], ...),
+asks for nothing: ``modalities`` ["text"], ...), ``tools`` / ``tool_choice`` and the messages'
+calls and results (their rules, the tools' system text and the call's schema: ``openai_tools``),
 ``response_format`` (``json_object`` /
 ``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
 ``regex`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
-``logprobs`` — and the conversion into the ``RequestFields`` that
+``logprobs``, vLLM's ``stop_token_ids`` / ``min_tokens`` extensions as gRPC's fields — and the
+conversion into the ``RequestFields`` that
 ``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
 constraint rule lives there, not here).
 Ignores: transport, response shapes (``openai_responses``), error bodies (``openai_errors``).
@@ -24,6 +26,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cluster.api.openai_tools import Tool, ToolCall, ToolChoice, ToolPlan, rendered_calls, tool_plan, tools_preamble
 from cluster.api.requests import Limits, RequestFields
 from cluster.api.status import ServiceError, invalid
 from cluster.common.request import MAX_LOGPROBS, SpecMode
@@ -39,7 +42,7 @@ class _Body(BaseModel):
 # what a client of another server most likely meant by a field we do not know
 _INSTEAD = {
     "guided_json": "response_format json_schema", "guided_regex": "the regex extension",
-    "max_new_tokens": "max_tokens", "stop_sequences": "stop", "stop_token_ids": "stop (strings)",
+    "max_new_tokens": "max_tokens", "stop_sequences": "stop", "min_new_tokens": "min_tokens",
 }
 
 
@@ -77,6 +80,8 @@ class _Common(_Body):
     draft_scope: str | None = None
     regex: str | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the output like EOS
+    min_tokens: int | None = None  # vLLM's: no stop but the budget before this many tokens
 
     @property
     def include_usage(self) -> bool:
@@ -100,10 +105,10 @@ class Prediction(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # OpenAI's, accepted only empty: an assistant message sent back as the client got it carries them
     name: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
@@ -115,12 +120,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None  # each output token's log-probability ...
     top_logprobs: int | None = None  # ... and this many most likely tokens at its position (needs logprobs)
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
+    tools: list[Tool] | None = None  # functions the model may be made to call (``openai_tools``)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call is made either way (allowed by both)
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
     # OpenAI's, which change nothing here at the values _refuse lets through
-    tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -195,8 +200,7 @@ def check_model(body: _Common, served: str) -> None:
 
 
 _MESSAGE_REFUSALS = {
-    "name": "the chat template has no speaker names", "tool_calls": "tools are not supported",
-    "tool_call_id": "tools are not supported", "function_call": "functions are not supported",
+    "name": "the chat template has no speaker names", "function_call": "functions are not supported; send tools",
     "refusal": "send the refusal text as content", "audio": "audio is not supported",
     "annotations": "annotations are not supported",
 }
@@ -216,11 +220,9 @@ def _refuse(body: _Common) -> None:
         checks += [
             ("top_logprobs", bool(body.top_logprobs) and not body.logprobs,
              "top_logprobs needs logprobs: true"),
-            ("tools", bool(body.tools or body.functions), "tools and functions are not supported"),
-            ("tool_choice", body.tool_choice not in (None, "none", "auto"),
-             "tool_choice may only be 'none' or 'auto': tools are not supported"),
+            ("functions", bool(body.functions), "functions (deprecated) are not supported: send tools"),
             ("function_call", body.function_call not in (None, "none", "auto"),
-             "function_call may only be 'none' or 'auto': functions are not supported"),
+             "function_call may only be 'none' or 'auto': functions are not supported; send tools and tool_choice"),
             ("modalities", body.modalities not in (None, ["text"]), "modalities may only be ['text']"),
             ("audio", body.audio is not None, "audio output is not supported"),
             ("store", bool(body.store), "store is not supported: this server keeps no completions"),
@@ -289,8 +291,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
     stop = body.stop
     return dict(presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                logit_bias=_logit_bias(body.logit_bias),size=size, max_tokens=max_tokens, json_schema=_json_schema(body.response_format),
-                regex=body.regex or "",
+                logit_bias=_logit_bias(body.logit_bias), size=size, max_tokens=max_tokens,
+                json_schema=_json_schema(body.response_format), regex=body.regex or "",
+                stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens or 0,
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
@@ -319,16 +322,54 @@ def _num_logprobs(value: int | None, param: str) -> int | None:
     return value
 
 
+def chat_tools(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The call a chat request's ``tools`` / ``tool_choice`` make (None: none)."""
+    return tool_plan(body.tools, body.tool_choice)
+
+
+def _messages(body: ChatCompletionRequest) -> tuple[tuple[str, str], ...]:
+    """(role, text) of each message: an assistant's calls rendered after its content, a tool
+    message's result as its content (its ``tool_call_id`` must answer an earlier call); with tools,
+    their list in the first system message (one is put first where none is)."""
+    out, called = [], set()
+    for i, m in enumerate(body.messages):
+        text = _text(m.content, f"messages[{i}].content", "messages")
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls: only an assistant message makes calls", "messages")
+            text = "\n".join(filter(None, (text, rendered_calls(m.tool_calls))))
+            called.update(c.id for c in m.tool_calls)
+        if (m.role == "tool") != (m.tool_call_id is not None):
+            raise invalid(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
+                          "messages")
+        if m.tool_call_id is not None and m.tool_call_id not in called:
+            raise invalid(f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no earlier tool call", "messages")
+        out.append((m.role, text))
+    if body.tools:
+        preamble = tools_preamble(body.tools, chat_tools(body))
+        if out and out[0][0] == "system":
+            out[0] = ("system", f"{out[0][1]}\n\n{preamble}" if out[0][1] else preamble)
+        else:
+            out.insert(0, ("system", preamble))
+    return tuple(out)
+
+
 def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestFields:
     check_model(body, served)
     _refuse(body)
     top = _num_logprobs(body.top_logprobs, "top_logprobs")
-    messages = tuple((m.role, _text(m.content, f"messages[{i}].content", "messages"))
-                     for i, m in enumerate(body.messages))
+    plan = chat_tools(body)
+    messages = _messages(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prediction = "" if body.prediction is None else _text(body.prediction.content, "prediction.content", "prediction")
+    common = _common(body, size, max_tokens)
+    if plan is not None:  # the call is decoded under its schema
+        if common["json_schema"] or common["regex"]:
+            raise invalid("a tool call is decoded under its function's schema: set at most one of tool_choice "
+                          "(required or a named function), response_format and regex", "tool_choice")
+        common["json_schema"] = plan.schema
     return RequestFields(messages=messages, prediction=prediction, logprobs=(top or 0) if body.logprobs else None,
-                         **_common(body, size, max_tokens))
+                         **common)
 
 
 def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:

@@ -183,6 +183,8 @@ class RequestFields:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -235,7 +237,8 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction,
         logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None,
         presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
-        logit_bias=tuple(pb.logit_bias.items()))
+        logit_bias=tuple(pb.logit_bias.items()), stop_token_ids=tuple(pb.stop_token_ids),
+        min_tokens=int(pb.min_tokens))
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -299,9 +302,13 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
             max_tokens=int(max_tokens), temperature=_finite("temperature", float(f.temperature)),
             top_p=_finite("top_p", float(f.top_p)) if f.top_p is not None else 1.0, top_k=int(f.top_k),
             seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs,
-            presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty, logit_bias=f.logit_bias)
+            presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty, logit_bias=f.logit_bias,
+            stop_token_ids=tuple(f.stop_token_ids), min_tokens=f.min_tokens)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
+    if params.min_tokens and (f.json_schema or f.regex):
+        raise invalid("min_tokens cannot be combined with json_schema / regex: the grammar decides where "
+                      "the output may end")
     segment = f.segment.strip() or "default"
     _check_label("segment", segment)  # it becomes a metric tag and a stats key: keep it plain
     scope = f.draft_scope

@@ -29,10 +29,33 @@ def add_parser(sub) -> None:
                    "being edited): the speculative path drafts from it; the output is the same without it")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each output token's log-probability and its N most likely alternatives (0..20)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--logit-bias", type=_logit_bias, default={}, metavar="ID:BIAS[,ID:BIAS...]",
+                   help="add BIAS (in [-100, 100]) to token ID's logit, e.g. 42:-100,7:5")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop but --max-tokens before this many tokens")
+    p.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="ID[,ID...]",
+                   help="token ids that end the output like EOS")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
     p.set_defaults(func=run)
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """``42:-100,7:5`` -> {42: -100.0, 7: 5.0} (the server checks the ranges)."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(k): float(v) for k, v in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS[,ID:BIAS...], got {text!r}") from None
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID[,ID...], got {text!r}") from None
 
 
 def build_request(args):
@@ -42,7 +65,9 @@ def build_request(args):
     req = pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
                               mode=_MODES[args.mode], segment=args.segment,
                               json_schema=args.json_schema, draft_scope=args.draft_scope,
-                              prediction=args.prediction)
+                              prediction=args.prediction, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, logit_bias=args.logit_bias,
+                              min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids)
     if args.logprobs is not None:
         req.logprobs = args.logprobs
     if args.chat:

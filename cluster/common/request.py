@@ -46,6 +46,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0
 PENALTY_RANGE = 2.0
+# most token ids a request may stop on (``SamplingParams.stop_token_ids``; each is checked per token)
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _finite_number(name: str, value) -> float:
@@ -64,8 +66,11 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # a token that ends the output (kept in it, as EOS is)
     ignore_eos: bool = False
+    # no stop condition but the budget before this many output tokens: EOS and stop_token_ids are
+    # masked from the rows below it, stop strings ending before it do not count (vLLM's)
+    min_tokens: int = 0
     # None: no log-probabilities; n >= 0: each output token's log-probability under the target's
     # raw distribution (before logit_bias and the penalties) and its n most likely alternatives (``cluster.sampling.logprobs``)
     logprobs: int | None = None
@@ -81,8 +86,16 @@ class SamplingParams:
             self.stop_token_ids = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError:
             raise InvalidRequestError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}") from None
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids, limit is {MAX_STOP_TOKEN_IDS}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids (>= 0), got {self.stop_token_ids!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                                      f"got {self.min_tokens!r}")
         self.temperature = _finite_number("temperature", self.temperature)
         if self.temperature < 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -127,8 +140,9 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Logit bias or a penalty: the target's rows are shaped before sampling (``penalize``)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        """Logit bias, a penalty or min_tokens: the target's rows are shaped before sampling
+        (``penalize``)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -337,6 +351,12 @@ class ModelLimits:
         biased = [t for t, _ in request.params.logit_bias if t >= vocab]
         if biased:
             raise InvalidRequestError(f"logit_bias token id {biased[0]} outside the vocabulary [0, {vocab})")
+        stops = [t for t in request.params.stop_token_ids if t >= vocab]
+        if stops:
+            raise InvalidRequestError(f"stop_token_ids token id {stops[0]} outside the vocabulary [0, {vocab})")
+        if request.params.min_tokens and request.constraint is not None:
+            raise InvalidRequestError("min_tokens cannot be combined with json_schema / regex: the grammar "
+                                      "decides where the output may end")
         total = len(ids) + request.params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

@@ -3,8 +3,9 @@
 Owns: turning a growing list of output token ids into text deltas without re-decoding the whole
 output each step (a window of already-emitted tokens is re-decoded as left context; a trailing
 U+FFFD means an incomplete UTF-8 character and is held back), stop strings (text ends just before
-the first one), and holding back a tail that could still become a stop string so that streamed
-text never has to be retracted. Ignores: token-level stop conditions (scheduler).
+the first one; a request's ``min_tokens`` disarms them until the output is that long: a stop
+string ending before then is text like any other), and holding back a tail that could still become
+a stop string so that streamed text never has to be retracted. Ignores: token-level stop conditions (scheduler).
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ class Detokenizer:
     _emitted: int = 0  # len(text) already handed out as deltas
     _ids: list[int] = field(default_factory=list)
     _read_offset: int = 0
+    _stop_from: int = 0  # a stop string must end past this many characters (min_tokens' text)
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append one output token; returns (text delta safe to emit, stop_string_hit)."""
+    def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Append one output token; returns (text delta safe to emit, stop_string_hit).
+        ``check_stop=False``: the output is still under ``min_tokens``; its text so far cannot hold
+        the end of a stop string."""
         self._ids.append(token_id)
         left = max(0, self._read_offset - _CONTEXT_TOKENS)
         prefix = self.tokenizer.decode(self._ids[left : self._read_offset], skip_special_tokens=True)
@@ -33,9 +37,12 @@ class Detokenizer:
         self._read_offset = len(self._ids)
         old_len = len(self.text)
         self.text += full[len(prefix) :]
+        if not check_stop:
+            self._stop_from = len(self.text)
         if self.stop:
             start = max(0, old_len - max(map(len, self.stop)) + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [i for s in self.stop
+                    if (i := self.text.find(s, max(start, self._stop_from - len(s) + 1))) >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 return self.flush(), True

@@ -84,7 +84,9 @@ class Sequence:
         of ``logprobs``, the tokens' ``TokenLogprobs`` when the request asked for them). A
         constrained sequence feeds each token to its grammar first (a token the grammar forbids
         raises GrammarError before it is appended), ends on EOS (the mask allowed it only where
-        the output can end) and finishes STOP once the grammar is complete."""
+        the output can end) and finishes STOP once the grammar is complete. Under ``min_tokens``
+        no stop condition but the budget ends the output (EOS and stop token ids are masked from
+        the target's rows there: ``cluster.sampling.penalties``)."""
         p = self.request.params
         kept = 0
         for i, t in enumerate(tokens):
@@ -98,15 +100,16 @@ class Sequence:
             kept += 1
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            if is_eos and (not p.ignore_eos or self.grammar is not None):
+            armed = self.num_output >= p.min_tokens
+            if is_eos and armed and (not p.ignore_eos or self.grammar is not None):
                 self.finish(FinishReason.EOS)
                 break
-            text, hit = self.detok.add(t)
+            text, hit = self.detok.add(t, check_stop=armed)
             self.pending_text += text
             if hit:
                 self.finish(FinishReason.STOP)
                 break
-            if t in p.stop_token_ids:
+            if armed and t in p.stop_token_ids:
                 self.finish(FinishReason.STOP)
                 break
             if self.grammar is not None and self.grammar.complete:

@@ -1,7 +1,8 @@
 """The target's rows as each request's sampling sees them, before a token is chosen from them.
 
 Owns: ``process_rows``, a step's target logits [sum(K_i + 1), V] with each sequence's rows shaped
-by its request — logit bias and presence / frequency penalties (``cluster.sampling.penalties``,
+by its request — logit bias, presence / frequency penalties and ``min_tokens``' masking of the
+tokens that end the output (``cluster.sampling.penalties``,
 row j counting the first j draft tokens) and then, for a constrained sequence, row j masked by
 its grammar state after its first j draft tokens (the draft walk's masks; a sequence without
 drafts gets its committed state's mask). The plain step is the case without drafts (one row per
@@ -34,7 +35,8 @@ def process_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDra
                 out = logits.clone()
             rows = out[start : start + k + 1]  # [K_i + 1, V]
             if params.shapes_logits:
-                rows = penalize(rows, params, seq.output_token_ids, [] if draft is None else draft.token_ids)
+                rows = penalize(rows, params, seq.output_token_ids, [] if draft is None else draft.token_ids,
+                                seq.eos_token_ids)
             if seq.grammar is not None:
                 allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
                 if allowed is None:

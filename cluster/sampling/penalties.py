@@ -1,4 +1,5 @@
-"""Logit bias and presence / frequency penalties: the target's logits as the request shapes them.
+"""Logit bias, presence / frequency penalties and min_tokens: the target's logits as the request
+shapes them.
 
 Owns: ``penalize``, one sequence's target rows with its ``SamplingParams.logit_bias`` added to
 every row and, per row, its presence and frequency penalties subtracted (OpenAI's definition:
@@ -6,7 +7,9 @@ every row and, per row, its presence and frequency penalties subtracted (OpenAI'
 in the output before that row's position). Row j of a verification stands after the committed
 output and the first j draft tokens, so its counts include those drafts: every path (plain, any K,
 any drafter) then samples position n from the same shaped distribution, and speculation stays
-lossless against the shaped target. Ignores: temperature / top-k / top-p (``sampler``), grammar
+lossless against the shaped target. Under ``min_tokens`` the tokens that end the output (EOS
+unless ``ignore_eos``, and ``stop_token_ids``) are masked (-inf) from every row whose position n
+(output tokens before it) is below it, as vLLM's and HF's ``min_new_tokens``. Ignores: temperature / top-k / top-p (``sampler``), grammar
 masks (``cluster.engine.grammar``), which rows belong to whom (``cluster.engine.target_rows``).
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ def penalize(
     params: SamplingParams,
     output_ids: list[int],  # the committed output (the prompt is not counted)
     drafts: list[int],  # [>= R - 1] the draft tokens the rows stand after
+    eos_ids: frozenset[int] = frozenset(),  # the model's end-of-sequence tokens
 ) -> torch.Tensor:  # [R, V] a new tensor (rows is not written)
     assert rows.dim() == 2 and len(drafts) >= rows.shape[0] - 1, (
         f"rows {tuple(rows.shape)} after {len(drafts)} drafts")
@@ -41,4 +45,9 @@ def penalize(
             ids = torch.tensor(list(counts), dtype=torch.int64, device=out.device)
             c = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
             out[j, ids] -= params.presence_penalty + params.frequency_penalty * c
+    held = params.min_tokens - len(output_ids)  # rows 0..held-1 may not end the output
+    if held > 0:
+        ends = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+        if ends:
+            out[:held, torch.tensor(ends, dtype=torch.int64, device=out.device)] = float("-inf")
     return out

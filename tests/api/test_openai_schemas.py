@@ -76,7 +76,7 @@ def test_completion_prompt_shapes():
     (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be in \[0, 20\], got 21", "top_logprobs"),
     (dict(presence_penalty="high"), "presence_penalty: Input should be a valid number", "presence_penalty"),
     (dict(logit_bias={"fifty": 1}), "logit_bias keys must be token ids, got 'fifty'", "logit_bias"),
-    (dict(tools=[{"type": "function"}]), "tools and functions are not supported", "tools"),
+    (dict(tools=[{"type": "function"}]), "tools.0.function: Field required", "tools"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format json_schema needs json_schema.schema", "response_format"),
     (dict(response_format={"type": "xml"}), "response_format.type: Input should be", "response_format"),
@@ -126,8 +126,8 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
 
 
 @pytest.mark.parametrize("body,match,param", [
-    (dict(tool_choice="required"), "tool_choice may only be 'none' or 'auto'", "tool_choice"),
-    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice may only", "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice needs tools", "tool_choice"),  # the rest: test_openai_tools.py
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice needs tools", "tool_choice"),
     (dict(function_call={"name": "f"}), "function_call may only", "function_call"),
     (dict(modalities=["text", "audio"]), r"modalities may only be \['text'\]", "modalities"),
     (dict(audio={"voice": "alloy", "format": "wav"}), "audio output is not supported", "audio"),
@@ -150,7 +150,7 @@ def test_openai_fields_that_ask_for_nothing_are_accepted():
     (dict(messages=[{"role": "user", "content": "x", "name": "bob"}]), r"messages\[0\].name is not supported",
      "messages"),
     (dict(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "1", "tool_call_id": "c"}]),
-     r"messages\[1\].tool_call_id is not supported: tools", "messages"),
+     r"messages\[1\].tool_call_id 'c' answers no earlier tool call", "messages"),
 ])
 def test_openai_fields_we_do_not_do_are_refused(body, match, param):
     refused(lambda **b: validate_fields(chat(**b), "r", LIMITS), match, param, **body)
@@ -244,6 +244,21 @@ def test_penalties_and_logit_bias_become_grpcs_fields_and_its_ranges_apply():
                         (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias names 301 tokens, limit is 300")):
         with pytest.raises(ServiceError, match=match):
             validate_fields(completion(**body), "r", LIMITS)
+
+
+def test_min_tokens_and_stop_token_ids_are_vllms_extensions():
+    f = completion(min_tokens=3, stop_token_ids=[5, 7], max_tokens=9)
+    params = validate_fields(f, "r", LIMITS).params
+    assert (params.min_tokens, params.stop_token_ids) == (3, (5, 7))
+    assert validate_fields(chat(), "r", LIMITS).params.min_tokens == 0
+    for body, match in ((dict(min_tokens=10, max_tokens=9), r"min_tokens must be an integer in \[0, max_tokens = 9\]"),
+                        (dict(min_tokens=-1), r"min_tokens must be an integer in \[0"),
+                        (dict(min_tokens=2, response_format={"type": "json_object"}),
+                         "min_tokens cannot be combined with json_schema / regex")):
+        with pytest.raises(ServiceError, match=match):
+            validate_fields(chat(**body), "r", LIMITS, constraints=False)
+    refused(chat, "stop_token_ids.0: Input should be a valid integer", "stop_token_ids", stop_token_ids=["a"])
+    refused(chat, r"\(min_new_tokens: use min_tokens\)", "min_new_tokens", min_new_tokens=3)
 
 
 def test_n_choices_within_limits_max_choices():

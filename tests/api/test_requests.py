@@ -177,6 +177,25 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_next_to_the_model():
         ModelLimits(engine.vocab_size, 1024, 4096).check(req)
 
 
+def test_min_tokens_and_stop_token_ids_are_checked():
+    v = validate_request(pb2.GenerateRequest(prompt="abc", max_tokens=8, min_tokens=8, stop_token_ids=[3]), "r", LIMITS)
+    assert (v.params.min_tokens, v.params.stop_token_ids, v.params.shapes_logits) == (8, (3,), True)
+    for pb, match in (
+            (pb2.GenerateRequest(prompt="abc", max_tokens=8, min_tokens=9),
+             r"min_tokens must be an integer in \[0, max_tokens = 8\], got 9"),
+            (pb2.GenerateRequest(prompt="abc", min_tokens=17), r"max_tokens = 16\]"),  # the default budget
+            (pb2.GenerateRequest(prompt="abc", stop_token_ids=[-1]), r"stop_token_ids must be token ids \(>= 0\)"),
+            (pb2.GenerateRequest(prompt="abc", stop_token_ids=list(range(65))), "stop_token_ids has 65 ids, limit is 64"),
+            (pb2.GenerateRequest(prompt="abc", min_tokens=2, regex="[a-z]+"),
+             "min_tokens cannot be combined with json_schema / regex")):
+        with pytest.raises(ServiceError, match=match):
+            validate_request(pb, "r", LIMITS)
+    engine = FakeEngine(EngineConfig())
+    far = validate_request(pb2.GenerateRequest(prompt="abc", stop_token_ids=[engine.vocab_size]), "r", LIMITS)
+    with pytest.raises(InvalidRequestError, match=f"stop_token_ids token id {engine.vocab_size} outside the vocabulary"):
+        ModelLimits(engine.vocab_size, 1024, 4096).check(to_generation_request(far, engine, LIMITS, engine.vocab_size))
+
+
 def test_auth():
     check_bearer([], None)  # auth off
     check_bearer([("authorization", "Bearer s3cret")], "s3cret")
@@ -241,8 +260,8 @@ def _nested(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("raw,where", [
     (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(99), "GenerateRequest carries field number 99"),
-    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(21) + _unknown(40),
-     "GenerateRequest carries field number 21, 40"),
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(23) + _unknown(40),
+     "GenerateRequest carries field number 23, 40"),
     (_nested(3, pb2.TokenIds(ids=[1, 2]).SerializeToString() + _unknown(2)), "prompt_token_ids carries field number 2"),
     (_nested(2, pb2.ChatMessage(role="user", content="x").SerializeToString() + _unknown(7)),
      "messages.0. carries field number 7"),
@@ -255,13 +274,17 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "logit_bias"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 20
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "min_tokens"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 22
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
                              prediction="hi there", logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
-                             logit_bias={7: -1.5})
+                             logit_bias={7: -1.5}, stop_token_ids=[5, 9])
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
     assert (v.draft_scope, v.prediction, v.params.logprobs) == ("t1", "hi there", 2)
+    ok.ClearField("regex")  # min_tokens is refused with a constraint
+    ok.min_tokens = 2
+    v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
+    assert (v.params.stop_token_ids, v.params.min_tokens) == ((5, 9), 2)
     assert (v.params.presence_penalty, v.params.frequency_penalty, v.params.logit_bias) == (0.5, 0.25, ((7, -1.5),))

@@ -91,6 +91,8 @@ WILD = {
     "frequency_penalty": floats32,
     "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 49_160), st.sampled_from([-2**31, 2**31 - 1])),
                                   floats32, max_size=310),
+    "stop_token_ids": st.lists(st.one_of(st.integers(-3, 49_160), st.sampled_from([-2**31, 2**31 - 1])), max_size=70),
+    "min_tokens": st.one_of(st.integers(0, 40), st.sampled_from([UINT32_MAX])),
     "json_schema": schemas,
     "regex": regexes,
     "ignore_eos": st.booleans(),
@@ -115,6 +117,8 @@ SANE = {
     "presence_penalty": st.floats(-2.0, 2.0, width=32),
     "frequency_penalty": st.floats(-2.0, 2.0, width=32),
     "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100.0, 100.0, width=32), max_size=4),
+    "stop_token_ids": st.lists(st.integers(0, 258), max_size=3),
+    "min_tokens": st.integers(0, 1),
 }
 sane_prompt = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=60)
 

@@ -34,13 +34,17 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.flo
 json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                              st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                            max_leaves=12)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
      "content": st.one_of(st.text(max_size=40), st.none(),
                           st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
                                                           "text": st.text(max_size=10)}), max_size=3))},
-    optional={"name": st.text(max_size=5), "refusal": st.none(), "tool_calls": st.none(),
-              "extra": json_values}), max_size=4)
+    optional={"name": st.text(max_size=5), "refusal": st.none(),
+              "tool_calls": st.one_of(st.none(), st.just([CALL]), json_values),
+              "tool_call_id": st.sampled_from(["call_1", "call_9", ""]), "extra": json_values}), max_size=4)
 FIELDS = {
     "model": st.sampled_from(["fake", "fake", "gpt-4o", "", None]),
     "max_tokens": st.one_of(st.integers(-2, 40), st.sampled_from([10**6, True, "8", 1.5])),
@@ -59,7 +63,14 @@ FIELDS = {
         json_values),
     "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
                             json_values),
-    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function"}]),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any", {"type": "function"}]),
+                             st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                                 {"name": st.sampled_from(["f", "g", ""])})}), json_values),
+    "tools": st.one_of(st.lists(st.one_of(st.just(TOOL), st.fixed_dictionaries({"type": st.just("function"),
+                                          "function": st.fixed_dictionaries({"name": st.text(max_size=70)},
+                                                                            optional={"parameters": json_values})})),
+                                max_size=3), json_values),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_values),
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), st.none()),
     "top_logprobs": st.one_of(st.integers(-1, 25), st.none(), st.just("3")),
     "presence_penalty": st.one_of(st.floats(-3, 3), st.sampled_from(["1", None, float("1e308")])),
@@ -67,6 +78,9 @@ FIELDS = {
     "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 300).map(str), st.text(max_size=3)),
                                             st.one_of(st.floats(-150, 150), st.text(max_size=2)), max_size=5),
                             json_values),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-2, 300), max_size=4), st.lists(st.integers(0, 9), min_size=65),
+                                json_values),
+    "min_tokens": st.one_of(st.integers(-1, 1100), st.just("2"), st.none()),
     "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
@@ -97,12 +111,14 @@ SANE = {
     "n": st.integers(1, 3),
 }
 SANE_COMPLETIONS = {"logprobs": st.integers(0, 20), "presence_penalty": st.floats(-2, 2),
+                    "stop_token_ids": st.lists(st.integers(0, 258), max_size=3), "min_tokens": st.integers(0, 1),
                     "frequency_penalty": st.floats(-2, 2),
                     "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3)}
 SANE_CHAT = {
     "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
     "prediction": st.fixed_dictionaries({"type": st.just("content"), "content": st.text(max_size=30)}),
-    "tool_choice": st.sampled_from(["none", "auto"]), "store": st.just(False),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "tools": st.just([TOOL]), "store": st.just(False),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
 sane_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(str.strip)
@@ -121,6 +137,13 @@ def bodies(draw) -> tuple[str, dict, bool]:
                 body[name] = draw(strategy)
         if "top_logprobs" in body:  # OpenAI asks for both: top_logprobs alone is refused
             body["logprobs"] = True
+        if endpoint == "chat" and ("tools" in body) != (body.get("tool_choice") not in (None, "none", "auto")):
+            # a call needs tools, and tools need a choice other than auto (refused); a call with
+            # another constraint is refused too
+            body["tools"], body["tool_choice"] = [TOOL], draw(st.sampled_from(["none", "required"]))
+        if (body.get("tool_choice") not in (None, "none", "auto")
+                and (body.get("response_format") or {}).get("type") == "json_object"):
+            body["tool_choice"] = "none"
         if body.get("stream") and draw(st.booleans()):
             body["stream_options"] = {"include_usage": True}
         odd = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=1))
@@ -168,7 +191,8 @@ def judge(status: int, ctype: str, text: str, endpoint: str, body: dict, stream:
             return "stream did not end with data: [DONE]"
         return None
     choice = json.loads(text)["choices"][0]
-    return None if choice["finish_reason"] in ("stop", "length") else f"finish_reason {choice['finish_reason']}"
+    return (None if choice["finish_reason"] in ("stop", "length", "tool_calls")
+            else f"finish_reason {choice['finish_reason']}")
 
 
 def test_fuzz_openai_http_fake_engine_app(chaos_service, chaos_report, fuzz_examples):

@@ -121,9 +121,9 @@ def test_completions_string_and_token_ids_and_mode(oa):
     c = oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, n=1, user="u1")
     assert c.choices[0].text == fake_output(FAKE.tokenize("xyz"), 5)
     with pytest.raises(openai.BadRequestError) as e:  # a field we do not know: refused, never ignored
-        oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, extra_body={"min_tokens": 3})
-    assert "unrecognized request argument supplied: min_tokens" in e.value.body["message"]
-    assert e.value.body["param"] == "min_tokens"
+        oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, extra_body={"repetition_penalty": 1.1})
+    assert "unrecognized request argument supplied: repetition_penalty" in e.value.body["message"]
+    assert e.value.body["param"] == "repetition_penalty"
     r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "xyz"}], max_tokens=5,
                                    tool_choice="none", store=False, metadata={"k": "v"}, service_tier="auto",
                                    modalities=["text"])  # OpenAI's fields at their do-nothing values
@@ -451,3 +451,69 @@ def test_real_response_format_json_schema_validates(real):
     r = real.completions.create(model="default", prompt="Year:", max_tokens=8, temperature=0,
                                 extra_body={"regex": "(19|20)[0-9]{2}"})
     assert re.fullmatch("(19|20)[0-9]{2}", r.choices[0].text), r.choices[0].text
+
+
+@pytest.mark.model
+def test_real_logit_bias_shapes_the_answer_on_both_paths(addrs, real):
+    """logit_bias through the official client on the real model, greedy, both paths: -100 on the
+    answer's first token makes another token first; +100 on one token makes it every token. gRPC's
+    map field gives the same answer. (The values against HF: tests/sampling/test_penalties.py.)"""
+    grpc_client = Client(addrs.grpc, "real")
+    ids = list(grpc_client.generate(prompt=PROMPT, max_tokens=6, mode=MODES["plain"], timeout=300).token_ids)
+    forced = ids[2] if ids[2] != ids[0] else ids[1]
+    for mode in ("speculative", "plain"):
+        args = dict(model="default", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"mode": mode})
+        banned = real.completions.create(**args, logit_bias={str(ids[0]): -100}).choices[0].text
+        g = grpc_client.generate(prompt=PROMPT, max_tokens=6, mode=MODES[mode], logit_bias={ids[0]: -100},
+                                 timeout=300)
+        assert g.token_ids[0] != ids[0] and g.text == banned  # the same shaping on both front ends
+        every = grpc_client.generate(prompt=PROMPT, max_tokens=6, mode=MODES[mode], logit_bias={forced: 100},
+                                     timeout=300)
+        assert list(every.token_ids) == [forced] * 6
+
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                           "parameters": {"type": "object", "properties": {
+                                               "zone": {"type": "string", "maxLength": 24}}, "required": ["zone"],
+                                               "additionalProperties": False}}}]
+
+
+@pytest.mark.model
+def test_real_tool_calls_through_the_official_client(real):
+    """tools on the real model, parsed by the official client's own types: a named function's
+    arguments validate against its schema (unary, and streamed as the same argument deltas);
+    ``required`` calls one of the tools with valid arguments on both paths; the call and its result
+    sent back get a text answer; ``auto`` is refused, never half done."""
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model="default", messages=ask, max_tokens=64, temperature=0, tools=TOOLS)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = real.chat.completions.create(**args, tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None  # OpenAI's, named
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+    deltas = [tc for c in real.chat.completions.create(**args, tool_choice=named, stream=True) if c.choices
+              for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # greedy: the same call
+    for mode in ("speculative", "plain"):
+        c = real.chat.completions.create(**args, tool_choice="required", extra_body={"mode": mode}).choices[0]
+        (made,) = c.message.tool_calls
+        assert c.finish_reason == "tool_calls" and made.function.name in ("get_weather", "get_time"), c
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == made.function.name)
+        jsonschema.validate(json.loads(made.function.arguments), schema)
+    back = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"}]
+    answer = real.chat.completions.create(model="default", messages=back, max_tokens=24, temperature=0, tools=TOOLS,
+                                          tool_choice="none").choices[0]
+    assert answer.message.content and answer.message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:
+        real.chat.completions.create(**args)  # tool_choice unset with tools: OpenAI's "auto"
+    assert "tool_choice 'auto'" in e.value.body["message"] and e.value.body["param"] == "tool_choice"

@@ -30,3 +30,18 @@ def test_stop_string_cuts_and_never_streams_part_of_it(tok):
         if hit:
             break
     assert hit and streamed == "alpha beta " and d.text == "alpha beta "
+
+
+def test_a_stop_string_ending_under_min_tokens_is_text(tok):
+    """``check_stop=False`` (the output is under min_tokens): a stop string that ends there is kept
+    as text, and only one ending later stops the output."""
+    ids = tok("a STOP b STOP c", add_special_tokens=False)["input_ids"]
+    first_end = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[: i + 1]))
+    d = Detokenizer(tok, stop=("STOP",))
+    out, hit = "", False
+    for i, t in enumerate(ids):
+        delta, hit = d.add(t, check_stop=i > first_end)  # min_tokens reaches past the first STOP
+        out += delta
+        if hit:
+            break
+    assert hit and out == "a STOP b "

@@ -32,15 +32,16 @@ def test_a_constrained_sequences_rows_are_masked_by_its_draft_walk_and_no_other(
 
 
 def test_a_penalised_sequences_rows_count_its_drafts_and_the_others_are_untouched():
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((9, 3.0),))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((9, 3.0),), min_tokens=3)
     shaped = SimpleNamespace(seq_id="p", grammar=None, request=SimpleNamespace(params=params),
-                             output_token_ids=[4, 4])
+                             output_token_ids=[4, 4], eos_token_ids=frozenset({11}))
     other = SimpleNamespace(seq_id="o", grammar=None, request=SimpleNamespace(params=SamplingParams()),
-                            output_token_ids=[4])
+                            output_token_ids=[4], eos_token_ids=frozenset({11}))
     logits = torch.zeros(3 + 1, 12)  # p: K = 2 (drafts 4, 7) -> 3 rows; o: 1 row
     drafts = StepDrafts({"p": SeqDraft([4, 7])})
     out = process_rows(logits, [SimpleNamespace(seq=shaped), SimpleNamespace(seq=other)], drafts)
     assert out[:3, 4].tolist() == [-1.0, -1.25, -1.25]  # 2, 3, 3 fours before rows 0, 1, 2
     assert out[:3, 7].tolist() == [0.0, 0.0, -0.75]  # the second draft counts from row 2 on
     assert out[:3, 9].tolist() == [3.0, 3.0, 3.0] and torch.equal(out[3], logits[3])
+    assert out[:3, 11].tolist() == [float("-inf"), 0.0, 0.0]  # min_tokens 3: EOS held back at position 2 only
     assert bool((logits == 0).all())  # the input is not written

@@ -1,7 +1,8 @@
-"""Logit bias and presence / frequency penalties: the unit (``penalize`` on hand-made rows) and the
-contract through the engine on the real default model — greedy output under them equals Hugging
-Face ``generate`` with the same shaping written here as a logits processor (an independent
-implementation), on the plain path, n-gram at K = 4 and the portfolio at auto K; they change the
+"""Logit bias, presence / frequency penalties, min_tokens and stop_token_ids: the unit
+(``penalize`` on hand-made rows) and the contract through the engine on the real default model —
+greedy output under them equals Hugging Face ``generate`` with the same shaping (written here as a
+logits processor, or HF's own ``min_new_tokens`` and ``eos_token_id`` list: independent
+implementations), on the plain path, n-gram at K = 4 and the portfolio at auto K; they change the
 output; seeded sampling under them gives the same tokens on every path."""
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def test_penalize_counts_the_output_and_the_drafts_before_each_row():
     assert neg[0].tolist() == [0.0, 0.0, 1.0]  # a negative penalty favours repeats
 
 
+def test_min_tokens_masks_the_ends_of_the_rows_below_it():
+    inf = float("-inf")
+    p = SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=(4,))
+    out = penalize(torch.zeros(3, 6), p, output_ids=[1], drafts=[2, 3], eos_ids=frozenset({5}))
+    assert out[0].tolist() == [0.0, 0.0, 0.0, 0.0, inf, inf]  # position 1: EOS and the stop id held back
+    assert out[1].tolist() == [0.0, 0.0, 0.0, 0.0, inf, inf]  # position 2
+    assert out[2].tolist() == [0.0] * 6  # position 3: the output may end
+    ignoring = SamplingParams(max_tokens=9, min_tokens=3, ignore_eos=True)
+    assert penalize(torch.zeros(1, 6), ignoring, [], [], frozenset({5}))[0].tolist() == [0.0] * 6  # EOS ends nothing
+
+
 class _OpenAIShaping:
     """HF logits processor: OpenAI's logit bias and penalties over the generated tokens."""
 
@@ -48,11 +60,14 @@ class _OpenAIShaping:
 
 
 def _hf_shaped(hf_model, eos, prompt: list[int], params: SamplingParams):
+    """HF greedy with the request's shaping: its bias and penalties (the processor above), its
+    min_tokens as HF's ``min_new_tokens`` and its stop_token_ids as more end-of-sequence ids."""
     from transformers import LogitsProcessorList
 
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                                max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos[0],
+                                eos_token_id=eos + list(params.stop_token_ids), min_new_tokens=params.min_tokens,
                                 logits_processor=LogitsProcessorList([_OpenAIShaping(len(prompt), params)]),
                                 output_scores=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.scores]
@@ -108,3 +123,55 @@ def test_seeded_sampling_under_penalties_is_the_same_on_every_path(default_model
     outs = [run_to_completion(_engine(default_model, d, k), [GenerationRequest("s", ids, params)])["s"]["ids"]
             for d, k in ((None, 0), ("ngram", 4), ("portfolio", "auto"))]
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 20
+
+
+@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("portfolio", "auto")])
+def test_greedy_min_tokens_and_stop_token_ids_equal_hf_on_every_path(default_model, hf_reference, drafter, k):
+    """Each prompt's own greedy answer picks the shaping: a stop id from its third token (so it
+    would stop there) held back by min_tokens 6, and min_tokens past where the answer ended (EOS
+    held back); HF's min_new_tokens / eos_token_id list decide the reference."""
+    short = [{"segment": "chat", "chat": True, "prompt": p} for p in ("Say hi.", "Is the sky blue? Yes or no.")]
+    rows = workload_rows(per_segment=1) + short  # answers that end (EOS) inside the budget
+    tok = default_model.tokenizer
+    prompts = {f"p{i}": prompt_ids(tok, row) for i, row in enumerate(rows)}
+    natural = run_to_completion(_engine(default_model, None, 0),
+                                [GenerationRequest(r, ids, SamplingParams(max_tokens=MAX_TOKENS))
+                                 for r, ids in prompts.items()])
+    eos = sorted(default_model.eos_token_ids)
+    reqs = []
+    for i, (rid, ids) in enumerate(prompts.items()):
+        nat = natural[rid]["ids"]
+        if i % 2 == 0 and len(nat) > 3 and nat[2] not in eos and i < len(rows) - len(short):
+            params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(nat[2],), min_tokens=6)
+        else:
+            params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=min(MAX_TOKENS, len(nat) + 4))
+        reqs.append(GenerationRequest(rid, ids, params, segment=rows[i]["segment"]))
+    assert any(r.params.stop_token_ids for r in reqs)
+    assert any(natural[r.request_id]["ids"][-1] in eos for r in reqs if not r.params.stop_token_ids)  # EOS held
+    res = run_to_completion(_engine(default_model, drafter, k), reqs)
+    for r in reqs:
+        want, scores = _hf_shaped(hf_reference.model, eos, r.prompt_token_ids, r.params)
+        got = res[r.request_id]["ids"]
+        assert _same_or_near_tie(got, want, scores), (r.request_id, got, want)
+        assert len(got) >= r.params.min_tokens and not set(got[: r.params.min_tokens]) & set(eos)
+        if r.params.stop_token_ids and got[-1] == r.params.stop_token_ids[0] and len(got) < MAX_TOKENS:
+            assert res[r.request_id]["finish"].name == "STOP"
+
+
+def test_a_stop_string_ending_under_min_tokens_does_not_stop(default_model):
+    """Stop strings change no token: with min_tokens 8, the output is the greedy answer cut at the
+    first stop string that ends past its first 7 tokens' text (one ending earlier is text)."""
+    tok = default_model.tokenizer
+    ids = prompt_ids(tok, workload_rows(per_segment=1)[0])
+    nat = run_to_completion(_engine(default_model, None, 0),
+                            [GenerationRequest("n", ids, SamplingParams(max_tokens=MAX_TOKENS))])["n"]
+    early = tok.decode(nat["ids"][:7], skip_special_tokens=True)
+    stop = next(w for w in early.split() if len(w) >= 2)  # occurs inside the first 7 tokens' text
+    got = run_to_completion(_engine(default_model, "ngram", 4), [GenerationRequest(
+        "m", ids, SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), min_tokens=8))])["m"]
+    at = nat["text"].find(stop, max(0, len(early) - len(stop) + 1))
+    assert got["text"] == (nat["text"] if at < 0 else nat["text"][:at])
+    assert len(got["ids"]) >= 8 and got["ids"] == nat["ids"][: len(got["ids"])]
+    plain_stop = run_to_completion(_engine(default_model, None, 0), [GenerationRequest(
+        "s", ids, SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)))])["s"]
+    assert len(plain_stop["ids"]) <= 7  # without min_tokens the early one stops it
