@@ -15,7 +15,8 @@ import argparse
 import sys
 import time
 
-from cluster.bench.side_by_side import add_side_by_side_arguments, load_target, median, report, write_report
+from cluster.bench.side_by_side import (add_side_by_side_arguments, both_paths, load_target, median, prompt_walk,
+                                        report, write_report)
 
 ASKS = {"none": None, "logprobs0": 0, "logprobs20": 20}
 PATHS = ("plain", "spec")
@@ -26,37 +27,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench.timed_run import engine_for, request_for, run_ours
-    from cluster.common.config import SpecConfig
-    from cluster.common.prompt_rows import read_prompt_rows
-    from cluster.models.tokenizer import prompt_token_ids
+    from cluster.bench.timed_run import request_for, run_ours
 
     target, segments = load_target(args)
-    engines = {"plain": engine_for(target),
-               "spec": engine_for(target, SpecConfig(drafter=args.drafter, num_draft_tokens="auto"))}
+    engines = both_paths(target, args.drafter)
     runs: list[dict] = []
     mismatches: list[str] = []
     t_start = time.perf_counter()
-    for rnd in range(args.rounds):
-        for seg in segments:
-            for row in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment):
-                ids = prompt_token_ids(target.tokenizer, row)
-                max_tokens = min(int(row.get("max_tokens", args.max_tokens)), args.max_tokens)
-                asks = list(ASKS)
-                asks = asks[rnd % len(asks):] + asks[: rnd % len(asks)]  # rotating order
-                for path in PATHS:
-                    outputs = {}
-                    for ask in asks:
-                        req = request_for(f"{row['id']}-r{rnd}-{path}-{ask}", ids, max_tokens, seg)
-                        req.params.logprobs = ASKS[ask]
-                        req.draft_scope = f"bench-logprobs/r{rnd}/{path}/{ask}"  # no run drafts from another's answer
-                        r = run_ours(engines[path], req)
-                        outputs[ask] = r.ids
-                        runs.append(dict(round=rnd, segment=seg, prompt=row["id"], path=path, ask=ask,
-                                         tokens=r.tokens, wall_s=r.wall_s))
-                        print(f"r{rnd} {seg} {row['id']} {path} {ask}: {r.tokens / r.wall_s:.1f} tok/s",
-                              file=sys.stderr, flush=True)
-                    mismatches += [f"{row['id']}-r{rnd}-{path}-{a}" for a in asks if outputs[a] != outputs["none"]]
+    for rnd, seg, row, ids, max_tokens, asks in prompt_walk(args, target, segments, tuple(ASKS)):
+        for path in PATHS:
+            outputs = {}
+            for ask in asks:
+                req = request_for(f"{row['id']}-r{rnd}-{path}-{ask}", ids, max_tokens, seg)
+                req.params.logprobs = ASKS[ask]
+                req.draft_scope = f"bench-logprobs/r{rnd}/{path}/{ask}"  # no run drafts from another's answer
+                r = run_ours(engines[path], req)
+                outputs[ask] = r.ids
+                runs.append(dict(round=rnd, segment=seg, prompt=row["id"], path=path, ask=ask,
+                                 tokens=r.tokens, wall_s=r.wall_s))
+                print(f"r{rnd} {seg} {row['id']} {path} {ask}: {r.tokens / r.wall_s:.1f} tok/s",
+                      file=sys.stderr, flush=True)
+            mismatches += [f"{row['id']}-r{rnd}-{path}-{a}" for a in asks if outputs[a] != outputs["none"]]
     result = build_report(args, segments, runs, mismatches, time.perf_counter() - t_start)
     return write_report(args, result, format_table(result))
 

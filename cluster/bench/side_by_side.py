@@ -1,9 +1,11 @@
 """What the single-request, side-by-side engine benchmarks share (``bench prediction``,
-``bench logprobs``): their common flags, loading the target with the asked torch threads, the
+``bench logprobs``, ``bench shaping``): their common flags, loading the target with the asked torch threads, the
 median they report, and the report's head (model, drafter, rounds, threads, lossless and the runs
 that were not) with writing it out.
 
-Owns: those shared pieces only. Ignores: what each benchmark runs and tabulates.
+Owns: those shared pieces only — and, for the benchmarks that run each prompt on both paths
+(``logprobs``, ``shaping``), the two engines and the walk over rounds, segments and prompts.
+Ignores: what each benchmark runs and tabulates.
 """
 from __future__ import annotations
 
@@ -37,6 +39,28 @@ def load_target(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(args.model, EngineConfig()), [s.strip() for s in args.segments.split(",") if s.strip()]
+
+
+def both_paths(target, drafter: str) -> dict:
+    """{"plain": an engine without drafts, "spec": one drafting with ``drafter`` at auto K}."""
+    from cluster.bench.timed_run import engine_for
+    from cluster.common.config import SpecConfig
+
+    return {"plain": engine_for(target), "spec": engine_for(target, SpecConfig(drafter=drafter, num_draft_tokens="auto"))}
+
+
+def prompt_walk(args: argparse.Namespace, target, segments: list[str], variants: tuple[str, ...]):
+    """(round, segment, row, prompt ids, max_tokens, the variants in this round's rotating order)
+    for every round, segment and prompt asked."""
+    from cluster.common.prompt_rows import read_prompt_rows
+    from cluster.models.tokenizer import prompt_token_ids
+
+    for rnd in range(args.rounds):
+        order = list(variants[rnd % len(variants):] + variants[: rnd % len(variants)])
+        for seg in segments:
+            for row in read_prompt_rows(args.workloads / f"{seg}.jsonl", args.prompts_per_segment):
+                max_tokens = min(int(row.get("max_tokens", args.max_tokens)), args.max_tokens)
+                yield rnd, seg, row, prompt_token_ids(target.tokenizer, row), max_tokens, order
 
 
 def median(xs: list[float]) -> float | None:

@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -22,6 +22,8 @@ BENCHES = {
                   "(edit) original-code predictions, side by side, lossless checked",
     "logprobs": "what asking for log-probabilities (0 or 20 alternatives) costs on the plain and the "
                 "speculative path, side by side, with the tokens checked unchanged",
+    "shaping": "what penalties, logit_bias and min_tokens cost on each path and whether speculation still "
+               "pays under them, side by side, spec tokens checked equal to plain",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

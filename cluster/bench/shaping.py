@@ -1,0 +1,115 @@
+"""`specserve bench shaping`: what shaping the target's logits costs, and whether speculation still
+pays under it, side by side on both paths.
+
+Owns: per workload prompt and round, one greedy request through an ``LLMEngine`` on the real
+target for each path (``plain``; ``spec``: ``--drafter`` at auto K) and each shaping (``none``;
+``penalties``: presence 0.5 and frequency 0.5; ``bias``: +1 on 50 token ids; ``min_tokens``: half
+the budget), the shapings in a rotating order; each shaping's spec tokens checked against its plain
+tokens (speculation verifies against the shaped target: any difference is reported and fails the
+run). Reported per segment: the median over prompts and rounds of each shaping's tokens/s over
+the ``none`` run of the same prompt, round and path (what the shaping costs; its output differs,
+so this is per token), and of spec tokens/s over plain tokens/s for the same prompt, round and
+shaping (whether speculation still pays under it), and pooled tokens/s. Prints a table and writes
+JSON. Ignores: concurrency (one request at a time), sampling, the service.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cluster.bench.side_by_side import (add_side_by_side_arguments, both_paths, load_target, median, prompt_walk,
+                                        report, write_report)
+
+BIASED_IDS = range(1000, 1050)  # ordinary tokens of SmolLM2's vocabulary, none special
+SHAPINGS = ("none", "penalties", "bias", "min_tokens")
+PATHS = ("plain", "spec")
+
+
+def shaped(params, shaping: str):
+    """``params`` (a fresh request's) with ``shaping`` applied."""
+    if shaping == "penalties":
+        params.presence_penalty, params.frequency_penalty = 0.5, 0.5
+    elif shaping == "bias":
+        params.logit_bias = tuple((t, 1.0) for t in BIASED_IDS)
+    elif shaping == "min_tokens":
+        params.min_tokens = params.max_tokens // 2
+    return params
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_side_by_side_arguments(p, "code,chat,json", "the spec path's drafter (K: auto)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.bench.timed_run import request_for, run_ours
+
+    target, segments = load_target(args)
+    engines = both_paths(target, args.drafter)
+    runs: list[dict] = []
+    mismatches: list[str] = []
+    t_start = time.perf_counter()
+    for rnd, seg, row, ids, max_tokens, order in prompt_walk(args, target, segments, SHAPINGS):
+        for shaping in order:
+            outputs = {}
+            for path in PATHS:
+                req = request_for(f"{row['id']}-r{rnd}-{path}-{shaping}", ids, max_tokens, seg)
+                shaped(req.params, shaping)
+                req.draft_scope = f"bench-shaping/r{rnd}/{path}/{shaping}"  # no run drafts from another's answer
+                r = run_ours(engines[path], req)
+                outputs[path] = r.ids
+                runs.append(dict(round=rnd, segment=seg, prompt=row["id"], path=path, shaping=shaping,
+                                 tokens=r.tokens, wall_s=r.wall_s))
+                print(f"r{rnd} {seg} {row['id']} {path} {shaping}: {r.tokens / r.wall_s:.1f} tok/s",
+                      file=sys.stderr, flush=True)
+            if outputs["spec"] != outputs["plain"]:
+                mismatches.append(f"{row['id']}-r{rnd}-{shaping}")
+    result = build_report(args, segments, runs, mismatches, time.perf_counter() - t_start)
+    return write_report(args, result, format_table(result))
+
+
+def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict], mismatches: list[str],
+                 seconds: float) -> dict:
+    """Per segment (and ``all``) and shaping: each path's median tokens/s ratio to its ``none``
+    run, the median spec-over-plain ratio, and pooled tokens/s per path."""
+    by_key = {(r["round"], r["prompt"], r["path"], r["shaping"]): r for r in runs}
+
+    def rate(r: dict | None) -> float:
+        return r["tokens"] / r["wall_s"] if r and r["wall_s"] > 0 else 0.0
+
+    table: dict[str, dict] = {}
+    for seg in [*segments, "all"]:
+        table[seg] = {}
+        for shaping in SHAPINGS:
+            mine = [r for r in runs if r["shaping"] == shaping and seg in ("all", r["segment"])]
+            cell: dict = {}
+            for path in PATHS:
+                own = [r for r in mine if r["path"] == path]
+                ratios = [rate(r) / rate(b) for r in own
+                          if rate(b := by_key.get((r["round"], r["prompt"], path, "none"))) > 0]
+                cell[path] = {"runs": len(own), "vs_none": median(ratios),
+                              "pooled_tok_per_s": round(sum(r["tokens"] for r in own) / sum(r["wall_s"] for r in own), 2)
+                              if own else None}
+            speedups = [rate(r) / rate(p) for r in mine if r["path"] == "spec"
+                        if rate(p := by_key.get((r["round"], r["prompt"], "plain", shaping))) > 0]
+            cell["spec_over_plain"] = median(speedups)
+            table[seg][shaping] = cell
+    return report(args, "shaping", seconds, mismatches, table, runs)
+
+
+def format_table(report: dict) -> str:
+    lines = [f"bench shaping: spec path drafter {report['drafter']}, {report['rounds']} round(s); medians over "
+             f"prompts and rounds: each path's tok/s relative to the same prompt's run without shaping, and "
+             f"spec tok/s over plain tok/s [pooled tok/s plain / spec]; spec tokens = plain tokens: "
+             f"{report['lossless']}",
+             f"{'segment':<8} {'shaping':<11} {'plain/none':>11} {'spec/none':>10} {'spec/plain':>11} {'pooled':>14}"]
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for seg, shapings in report["table"].items():
+        for shaping, c in shapings.items():
+            pooled = f"{c['plain']['pooled_tok_per_s'] or 0:.1f} / {c['spec']['pooled_tok_per_s'] or 0:.1f}"
+            lines.append(f"{seg:<8} {shaping:<11} {num(c['plain']['vs_none']):>11} {num(c['spec']['vs_none']):>10} "
+                         f"{num(c['spec_over_plain']):>11} {pooled:>14}")
+    return "\n".join(lines)
