@@ -140,9 +140,13 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Logit bias, a penalty or min_tokens: the target's rows are shaped before sampling
-        (``penalize``)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens)
+        """Logit bias or a penalty: the target's rows are shaped before sampling (``penalize``)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+    def holds_ends(self, num_output: int) -> bool:
+        """Under ``min_tokens`` after ``num_output`` output tokens: the rows from here on have the
+        tokens that end the output masked until it is reached (``penalize``)."""
+        return self.min_tokens > num_output
 
     @property
     def greedy(self) -> bool:

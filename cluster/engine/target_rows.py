@@ -30,11 +30,12 @@ def process_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDra
         draft = drafts.get(seq.seq_id)
         k = 0 if draft is None else draft.k
         params = seq.request.params
-        if params.shapes_logits or seq.grammar is not None:
+        shape = params.shapes_logits or params.holds_ends(seq.num_output)  # min_tokens: only while it holds
+        if shape or seq.grammar is not None:
             if out is logits:
                 out = logits.clone()
             rows = out[start : start + k + 1]  # [K_i + 1, V]
-            if params.shapes_logits:
+            if shape:
                 rows = penalize(rows, params, seq.output_token_ids, [] if draft is None else draft.token_ids,
                                 seq.eos_token_ids)
             if seq.grammar is not None:

@@ -179,7 +179,8 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_next_to_the_model():
 
 def test_min_tokens_and_stop_token_ids_are_checked():
     v = validate_request(pb2.GenerateRequest(prompt="abc", max_tokens=8, min_tokens=8, stop_token_ids=[3]), "r", LIMITS)
-    assert (v.params.min_tokens, v.params.stop_token_ids, v.params.shapes_logits) == (8, (3,), True)
+    assert (v.params.min_tokens, v.params.stop_token_ids) == (8, (3,))
+    assert v.params.holds_ends(7) and not v.params.holds_ends(8) and not v.params.shapes_logits
     for pb, match in (
             (pb2.GenerateRequest(prompt="abc", max_tokens=8, min_tokens=9),
              r"min_tokens must be an integer in \[0, max_tokens = 8\], got 9"),

@@ -22,7 +22,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 def seq(compiler, params: SamplingParams | None = None, constrained: bool = True):
     grammar = compiler.matcher(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))) if constrained else None
     request = SimpleNamespace(params=params or SamplingParams(max_tokens=32))
-    return SimpleNamespace(seq_id="s", grammar=grammar, request=request)
+    return SimpleNamespace(seq_id="s", grammar=grammar, request=request, num_output=0)
 
 
 def encode(tiny, text: str) -> list[int]:

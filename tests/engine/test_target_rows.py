@@ -34,9 +34,9 @@ def test_a_constrained_sequences_rows_are_masked_by_its_draft_walk_and_no_other(
 def test_a_penalised_sequences_rows_count_its_drafts_and_the_others_are_untouched():
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((9, 3.0),), min_tokens=3)
     shaped = SimpleNamespace(seq_id="p", grammar=None, request=SimpleNamespace(params=params),
-                             output_token_ids=[4, 4], eos_token_ids=frozenset({11}))
+                             output_token_ids=[4, 4], num_output=2, eos_token_ids=frozenset({11}))
     other = SimpleNamespace(seq_id="o", grammar=None, request=SimpleNamespace(params=SamplingParams()),
-                            output_token_ids=[4], eos_token_ids=frozenset({11}))
+                            output_token_ids=[4], num_output=1, eos_token_ids=frozenset({11}))
     logits = torch.zeros(3 + 1, 12)  # p: K = 2 (drafts 4, 7) -> 3 rows; o: 1 row
     drafts = StepDrafts({"p": SeqDraft([4, 7])})
     out = process_rows(logits, [SimpleNamespace(seq=shaped), SimpleNamespace(seq=other)], drafts)
