@@ -1,13 +1,12 @@
-"""Drafts under a grammar: what a constrained sequence verifies in one step, and the masks
-verification applies to its rows.
+"""Drafts under a grammar: what a constrained sequence verifies in one step, with the masks
+along it.
 
 Owns: ``forced_prefix`` (jump-forward: the tokens the grammar forces next, proposed as free
 drafts), ``ForcedText`` (the target's tokenization of forced text the grammar engine holds back,
 learnt and drafted after the forced tokens), ``grammar_draft`` (the forced tokens followed by the drafter's draft for the context
 *after* them, cut where the grammar rejects it, with the masks along it and q extended by one-hot
-rows for the forced tokens) and ``mask_rows`` (a batch's verification logits, each constrained
-sequence's row j masked by its grammar state after its first j draft tokens).
-Ignores: which sequences draft and how many tokens (``cluster.engine.speculation`` plans the
+rows for the forced tokens). Ignores: applying the masks to a step's rows
+(``cluster.engine.target_rows``), which sequences draft and how many tokens (``cluster.engine.speculation`` plans the
 forced tokens plus the drafter's K), the grammar engine itself (``cluster.engine.grammar``).
 
 Why forced tokens and a draft in one step: a JSON object alternates text the grammar fixes
