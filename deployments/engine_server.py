@@ -6,7 +6,7 @@ real readiness, tokenizing + checking prompts next to the model, and streaming `
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
 the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
-log with the request's server id, the record says only ``internal error (id ...)``. Each output token's log-probabilities (when asked) get the token's bytes here, next to the
+log with the request's server id, the record says only ``internal error (id ...)``. Each output (and prompt) token's log-probabilities (when asked) get the token's bytes here, next to the
 tokenizer. A request
 that sent a prediction gets, on its final output, how much of it the output kept
 (``prediction_overlap``, off the event loop). Closing the stream (client cancelled, deadline) aborts the request,
@@ -34,15 +34,18 @@ log = logging.getLogger("specserve.engine")
 
 
 def _with_token_bytes(out: RequestOutput, token_bytes) -> RequestOutput:
-    """An output's log-probabilities with each token's bytes (``engine.token_bytes``) filled in."""
-    if not out.logprobs:
+    """An output's log-probabilities (output and prompt) with each token's bytes
+    (``engine.token_bytes``) filled in."""
+    if not (out.logprobs or out.prompt_logprobs):
         return out
 
     def fill(lp: Logprob) -> Logprob:
         return dataclasses.replace(lp, token=token_bytes(lp.token_id))
 
-    return dataclasses.replace(out, logprobs=[TokenLogprobs(fill(t.chosen), tuple(map(fill, t.top)))
-                                              for t in out.logprobs])
+    def filled(entries: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        return [TokenLogprobs(fill(t.chosen), tuple(map(fill, t.top))) for t in entries]
+
+    return dataclasses.replace(out, logprobs=filled(out.logprobs), prompt_logprobs=filled(out.prompt_logprobs))
 
 
 async def _prediction_usage(out: RequestOutput, prediction: tuple[int, ...], output: list[int]) -> RequestOutput:

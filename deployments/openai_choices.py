@@ -8,8 +8,10 @@ chose for the request (``choice_outputs``: every choice's outputs as (index, out
 they come; the first failure fails the request and cancels the rest, and closing it cancels every
 choice still running, which aborts its engine request and frees its KV), and the request's
 summary for telemetry (``combined_final``: the choices' token counts and speculation counters
-summed). Every choice enters the Router's in-flight count on its path, so n choices load the
-route decision and overflow balancing as n requests do. Ignores: response shapes
+summed). A completion's ``best_of``: that many candidates run as choices do, each reporting its
+tokens' log-probabilities, and ``best_choices`` picks the n answered. Every choice enters the
+Router's in-flight count on its path, so n choices load the route decision and overflow balancing
+as n requests do. Ignores: response shapes
 (``cluster.api.openai_responses``), validation (``n``'s range is ``limits.max_choices``).
 """
 from __future__ import annotations
@@ -17,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from typing import AsyncIterator, Callable
 
 from cluster.api.requests import ValidatedRequest
-from cluster.common.request import RequestOutput, SpecStats
+from cluster.common.request import RequestOutput, SpecStats, TokenLogprobs
 
 _SEEDS = 1 << 64
 
 
-def choice_requests(vreq: ValidatedRequest, n: int) -> list[ValidatedRequest]:
-    """The engine requests of a request with ``n`` choices (itself when n is 1)."""
+def choice_requests(vreq: ValidatedRequest, n: int, ranked: bool = False) -> list[ValidatedRequest]:
+    """The engine requests of a request with ``n`` choices (itself when n is 1); ``ranked``
+    (best_of): each also reports its tokens' log-probabilities, which ``best_choices`` ranks by."""
+    if ranked and vreq.params.logprobs is None:
+        vreq = dataclasses.replace(vreq, params=dataclasses.replace(vreq.params, logprobs=0))
     if n == 1:
         return [vreq]
     seed = vreq.params.seed
@@ -71,6 +77,18 @@ async def choice_outputs(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def best_choices(candidates: list[list[TokenLogprobs]], n: int) -> list[int]:
+    """OpenAI's ``best_of``: the indices of the ``n`` candidates with the highest log-probability
+    per token (the mean of their output tokens' log-probabilities under the target's raw
+    distribution), best first; ties keep the candidates' order, and a candidate with no tokens
+    ranks last."""
+    def score(i: int) -> float:
+        lps = candidates[i]
+        return sum(t.chosen.logprob for t in lps) / len(lps) if lps else -math.inf
+
+    return sorted(range(len(candidates)), key=lambda i: -score(i))[:n]
 
 
 def combined_final(finals: list[RequestOutput]) -> RequestOutput:

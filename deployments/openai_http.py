@@ -10,7 +10,7 @@ header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the r
 so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
 error event; a failure after that is one error event and ``data: [DONE]``. ``n`` choices are n engine requests on the route the request
 got, run at once (``deployments.openai_choices``); the response waits for all of them, a stream
-interleaves their events. A client that disconnects cancels the response task: every ``_forward``
+interleaves their events; ``best_of`` runs that many and answers the n best (never streamed). A client that disconnects cancels the response task: every ``_forward``
 is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
 one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
@@ -30,13 +30,14 @@ from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, chat_tools,
-                                        check_choices, completion_fields, parse_body)
+                                        check_choices, completion_fields, echoed_prompt, num_candidates,
+                                        parse_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, invalid
 from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
-from deployments.openai_choices import choice_outputs, choice_requests, combined_final
+from deployments.openai_choices import best_choices, choice_outputs, choice_requests, combined_final
 
 if TYPE_CHECKING:
     from deployments.router import Router
@@ -86,8 +87,10 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
                              include_usage=body.stream and body.include_usage,
                              logprobs=vreq.params.logprobs is not None,
-                             tools=chat_tools(body) if kind is Kind.CHAT else None)
-            choices = choice_requests(vreq, body.n or 1)
+                             tools=chat_tools(body) if kind is Kind.CHAT else None,
+                             echo=echoed_prompt(body) if kind is Kind.COMPLETION else None)
+            ranked = num_candidates(body) > (body.n or 1)  # best_of: more candidates than answers
+            choices = choice_requests(vreq, num_candidates(body), ranked=ranked)
             accs = [Accumulator(request_id, decision) for _ in choices]
             streams = [functools.partial(router._forward, c, decision, tel.carrier(), whole=not body.stream)
                        for c in choices]
@@ -101,7 +104,10 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             final = combined_final([a.final for a in accs])
             if len(choices) > 1:
                 tel.output(final)  # the request's usage and counters: all its choices'
-            if not body.stream:
+            if ranked:
+                best = [accs[i] for i in best_choices([a.logprobs for a in accs], body.n or 1)]
+                last = resp.body(best, final, completion_tokens=sum(len(a.token_ids) for a in accs))
+            elif not body.stream:
                 last = resp.body(accs, final)
             elif resp.include_usage:
                 yield resp.usage_chunk(final, sum(len(a.token_ids) for a in accs))

@@ -5,7 +5,8 @@ Owns: ``chat.completion`` / ``text_completion`` bodies (unary), their ``*.chunk`
 chunk carries ``"usage": null`` and one more chunk with empty ``choices`` carries the usage), the
 finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``),
 the choice's ``logprobs`` when asked (chat's ``content`` entries, the completion's legacy
-tokens / token_logprobs / top_logprobs / text_offset), ``n`` choices (each with its ``index``;
+tokens / token_logprobs / top_logprobs / text_offset), a completion's ``echo`` (each choice's text
+and logprobs begin with the prompt's; its first token has no log-probability: null), ``n`` choices (each with its ``index``;
 streamed, each event carries one choice's delta; usage counts the prompt once and every choice's
 tokens) and the ``specserve`` object every response carries: the route (path, reason), the ids (the
 server's and the client's label) and, once finished, the speculation counters (draft and accepted
@@ -93,8 +94,14 @@ def completion_logprobs(logprobs: list[TokenLogprobs], offset: int) -> dict:
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": [t.chosen.logprob for t in logprobs],
-            "top_logprobs": [{_token(a): a.logprob for a in (*t.top, t.chosen)} for t in logprobs],
+            "top_logprobs": [None if t.chosen.logprob is None else {_token(a): a.logprob for a in (*t.top, t.chosen)}
+                             for t in logprobs],  # a prompt's first token has neither (echo)
             "text_offset": offsets}
+
+
+def spelled(entries: list[TokenLogprobs]) -> str:
+    """The text of tokens from their entries' bytes (an echoed prompt sent as token ids)."""
+    return b"".join(t.chosen.token for t in entries).decode("utf-8", errors="replace")
 
 
 @dataclass(slots=True)
@@ -109,6 +116,9 @@ class Responder:
     include_usage: bool = False
     logprobs: bool = False  # the request asked for log-probabilities
     tools: "ToolPlan | None" = None  # the output is a tool call (``cluster.api.openai_tools``)
+    # a completion's echo: each choice's text (and logprobs) start with the prompt's — this text, or
+    # for a prompt of token ids ("") the text its entries spell (``openai_schemas.echoed_prompt``)
+    echo: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # a streamed completion's characters so far, per choice (its logprobs' text_offset)
     _text_offset: dict[int, int] = field(default_factory=dict)
@@ -130,9 +140,20 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None, index: int) -> dict | None:
+    def _echoed(self, prompt: list[TokenLogprobs], index: int) -> str:
+        """The prompt text choice ``index`` starts with (echo; "" without it); its output's
+        text_offset starts after it."""
+        if self.echo is None:
+            return ""
+        text = self.echo or spelled(prompt)
+        self._text_offset[index] = len(text)
+        return text
+
+    def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None, index: int,
+                  prompt: list[TokenLogprobs] = ()) -> dict | None:
         """Choice ``index``'s ``logprobs`` (None when not asked); ``last``: the final output when
-        these are its last tokens — an end-of-sequence token ends no text, so it has no entry."""
+        these are its last tokens — an end-of-sequence token ends no text, so it has no entry;
+        ``prompt``: an echoed prompt's entries, first (their offsets from 0)."""
         if not self.logprobs:
             return None
         if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
@@ -142,6 +163,9 @@ class Responder:
         offset = self._text_offset.get(index, 0)
         body = completion_logprobs(logprobs, offset)
         self._text_offset[index] = offset + sum(map(len, body["tokens"]))
+        if self.echo is not None and prompt:
+            head = completion_logprobs(list(prompt), 0)
+            body = {key: head[key] + body[key] for key in body}
         return body
 
     def _choice(self, index: int, text: str, finish: str | None, delta: bool, first: bool = False,
@@ -188,14 +212,18 @@ class Responder:
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
 
     # -- unary -----------------------------------------------------------------------------
-    def body(self, choices: "list[Accumulator]", final: RequestOutput) -> dict:
+    def body(self, choices: "list[Accumulator]", final: RequestOutput, completion_tokens: int | None = None) -> dict:
         """The whole response: one choice per accumulated request, in order; ``final`` stands for
-        all of them (``deployments.openai_choices.combined_final``: usage and counters)."""
-        out = [self._choice(i, "".join(a.text), _FINISH.get(a.final.finish_reason), delta=False,
-                            logprobs=self._logprobs(a.logprobs, a.final, i))
-               for i, a in enumerate(choices)]
+        all of them (``deployments.openai_choices.combined_final``: usage and counters);
+        ``completion_tokens``: every candidate's where more ran than are answered (best_of)."""
+        out = []
+        for i, a in enumerate(choices):
+            text = self._echoed(a.prompt_logprobs, i) + "".join(a.text)
+            out.append(self._choice(i, text, _FINISH.get(a.final.finish_reason), delta=False,
+                                    logprobs=self._logprobs(a.logprobs, a.final, i, a.prompt_logprobs)))
         return {**self._head(self.kind.value), "choices": out,
-                "usage": usage_dict(final, sum(len(a.token_ids) for a in choices)),
+                "usage": usage_dict(final, sum(len(a.token_ids) for a in choices)
+                                    if completion_tokens is None else completion_tokens),
                 "specserve": self.specserve(final)}
 
     # -- stream ----------------------------------------------------------------------------
@@ -204,8 +232,10 @@ class Responder:
         required tool call's text is held until it is whole); the route rides on each choice's
         first, its counters on its last."""
         finish = _FINISH.get(out.finish_reason) if out.finished else None
-        logprobs = self._logprobs(out.logprobs, out if out.finished else None, index)
-        choice = self._choice(index, out.text_delta, finish, delta=True, first=first, logprobs=logprobs)
+        echoed = self._echoed(out.prompt_logprobs, index) if first else ""
+        logprobs = self._logprobs(out.logprobs, out if out.finished else None, index,
+                                  out.prompt_logprobs if first else ())
+        choice = self._choice(index, echoed + out.text_delta, finish, delta=True, first=first, logprobs=logprobs)
         if self.tools is not None and not (first or out.finished or choice["delta"] or logprobs):
             return None
         obj = {**self._head(self.kind.chunk_object), "choices": [choice]}

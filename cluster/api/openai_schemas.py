@@ -4,7 +4,7 @@ Owns: the JSON shapes the OpenAI-compatible front end accepts (pydantic, strict 
 where a number belongs is a 400, an int where a float belongs is fine; a field we do not know is a
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
-(``best_of`` other than 1, echo, suffix, the deprecated ``functions``, audio,
+(suffix, the deprecated ``functions``, audio,
 reasoning effort, stored completions, speaker names, non-text content parts,
 batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``modalities`` ["text"], ...), ``tools`` / ``tool_choice`` and the messages'
@@ -12,7 +12,8 @@ calls and results (their rules, the tools' system text and the call's schema: ``
 ``response_format`` (``json_object`` /
 ``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
 ``regex`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
-``logprobs``, vLLM's ``stop_token_ids`` / ``min_tokens`` extensions as gRPC's fields — and the
+``logprobs``, a completion's ``echo`` as gRPC's ``prompt_logprobs`` where its entries are needed
+(``max_tokens`` 0 with it: the prompt scored, nothing generated), vLLM's ``stop_token_ids`` / ``min_tokens`` extensions as gRPC's fields — and the
 conversion into the ``RequestFields`` that
 ``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
 constraint rule lives there, not here).
@@ -238,8 +239,8 @@ def _refuse(body: _Common) -> None:
                 if getattr(m, field):
                     checks.append(("messages", True, f"messages[{i}].{field} is not supported: {why}"))
     if isinstance(body, CompletionRequest):
-        checks += [("best_of", body.best_of not in (None, 1), "best_of must be 1"),
-                   ("echo", bool(body.echo), "echo is not supported"),
+        checks += [("max_tokens", body.max_tokens == 0 and not body.echo,
+                    "max_tokens 0 needs echo: true (the prompt comes back, scored when logprobs is set)"),
                    ("suffix", bool(body.suffix), "suffix is not supported")]
     for param, refused, message in checks:
         if refused:
@@ -248,9 +249,25 @@ def _refuse(body: _Common) -> None:
 
 def check_choices(body: _Common, limits: Limits) -> None:
     """``n``: how many choices, each its own engine request (``limits.max_choices`` at most: n
-    choices load the engines as n requests do)."""
+    choices load the engines as n requests do); a completion's ``best_of``: how many candidates
+    the n are chosen from (n to ``limits.max_choices``; not streamed, as OpenAI's)."""
     if body.n is not None and not 1 <= body.n <= limits.max_choices:
         raise invalid(f"n must be in [1, {limits.max_choices}], got {body.n}", "n")
+    best_of = getattr(body, "best_of", None)
+    if best_of is None:
+        return
+    if not 1 <= best_of <= limits.max_choices:
+        raise invalid(f"best_of must be in [1, {limits.max_choices}], got {best_of}", "best_of")
+    if best_of < (body.n or 1):
+        raise invalid(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+    if best_of > 1 and body.stream:
+        raise invalid("best_of cannot be streamed: the best candidates are known only once all have finished",
+                      "best_of")
+
+
+def num_candidates(body: _Common) -> int:
+    """Engine requests a body asks for: ``best_of`` candidates where set (a completion), else ``n``."""
+    return getattr(body, "best_of", None) or body.n or 1
 
 
 def _mode(value: str | None) -> SpecMode:
@@ -375,14 +392,33 @@ def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestF
 def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:
     check_model(body, served)
     _refuse(body)
+    prompt = _one_prompt(body)
+    common = _common(body, size, body.max_tokens)
+    common["logprobs"] = _num_logprobs(body.logprobs, "logprobs")
+    if body.echo:  # the prompt's entries: scored when logprobs is set, the echoed text of token ids
+        needed = common["logprobs"] is not None or not isinstance(prompt, str) or body.max_tokens == 0
+        common["prompt_logprobs"] = (common["logprobs"] or 0) if needed else None
+    if isinstance(prompt, str):
+        return RequestFields(prompt=prompt, **common)
+    return RequestFields(token_ids=tuple(prompt), **common)
+
+
+def echoed_prompt(body: CompletionRequest) -> str | None:
+    """The text a completion with ``echo`` puts before each choice's output: a text prompt as it was
+    sent; "" for token ids (their text is spelled from the prompt's entries, ``openai_responses``);
+    None without echo."""
+    if not body.echo:
+        return None
+    prompt = _one_prompt(body)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _one_prompt(body: CompletionRequest) -> str | list[int]:
+    """The prompt: a string or token ids (a batch of one is its one prompt; a larger batch is refused)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:  # a batch of prompts: one prompt per request here
             raise invalid(f"prompt must be one prompt (a string or a list of token ids), got a "
-                               f"batch of {len(prompt)}", "prompt")
+                          f"batch of {len(prompt)}", "prompt")
         prompt = prompt[0]
-    common = _common(body, size, body.max_tokens)
-    common["logprobs"] = _num_logprobs(body.logprobs, "logprobs")
-    if isinstance(prompt, str):
-        return RequestFields(prompt=prompt, **common)
-    return RequestFields(token_ids=tuple(prompt), **common)
+    return prompt

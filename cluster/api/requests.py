@@ -180,6 +180,7 @@ class RequestFields:
     draft_scope: str = ""
     prediction: str = ""
     logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
@@ -236,6 +237,7 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
         ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction,
         logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None,
+        prompt_logprobs=int(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None,
         presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
         logit_bias=tuple(pb.logit_bias.items()), stop_token_ids=tuple(pb.stop_token_ids),
         min_tokens=int(pb.min_tokens))
@@ -280,8 +282,10 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     check_size(f.size, limits)
     prompt = _prompt(f)
     max_tokens = f.max_tokens if f.max_tokens is not None else limits.default_max_tokens
-    if not 1 <= max_tokens <= limits.max_tokens:
-        raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+    scoring = max_tokens == 0 and f.prompt_logprobs is not None  # the prompt's log-probabilities, no output
+    if not scoring and not 1 <= max_tokens <= limits.max_tokens:
+        raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}"
+                      + (" (0 only scores the prompt: it needs prompt_logprobs)" if max_tokens == 0 else ""))
     if f.json_schema and f.regex:
         raise invalid("set at most one of json_schema and regex")
     for name in ("json_schema", "regex"):
@@ -302,6 +306,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
             max_tokens=int(max_tokens), temperature=_finite("temperature", float(f.temperature)),
             top_p=_finite("top_p", float(f.top_p)) if f.top_p is not None else 1.0, top_k=int(f.top_k),
             seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs,
+            prompt_logprobs=f.prompt_logprobs,
             presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty, logit_bias=f.logit_bias,
             stop_token_ids=tuple(f.stop_token_ids), min_tokens=f.min_tokens)
     except InvalidRequestError as exc:

@@ -1,6 +1,6 @@
 """Response building: engine deltas + route decision -> ``GenerateResponse`` / stream chunks.
 
-Owns: the mapping of finish reasons, route, speculation counters and log-probabilities onto the proto, and the
+Owns: the mapping of finish reasons, route, speculation counters and log-probabilities (output and prompt) onto the proto, and the
 accumulation of a stream of ``RequestOutput`` deltas into one unary response. The ``request_id``
 a response carries is the one the caller passes (the client's label, else the server's id), never
 the engine's. Ignores: transport.
@@ -49,11 +49,13 @@ class Accumulator:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     final: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text_delta)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs)
+        self.prompt_logprobs.extend(out.prompt_logprobs)
         if out.finished:
             self.final = out
 
@@ -65,7 +67,8 @@ class Accumulator:
             finish_reason=_FINISH.get(f.finish_reason, 0) if f else 0,
             usage=usage_pb(pb2, f, len(self.token_ids)),
             route=route_pb(self.decision), spec=spec_pb(f.spec if f else None),
-            request_id=self.request_id, logprobs=logprobs_pb(pb2, self.logprobs))
+            request_id=self.request_id, logprobs=logprobs_pb(pb2, self.logprobs),
+            prompt_logprobs=logprobs_pb(pb2, self.prompt_logprobs[1:]))
 
 
 def usage_pb(pb2, final: RequestOutput | None, completion_tokens: int):
@@ -82,7 +85,8 @@ def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens
     pb2 = stubs.generation_pb2()
     msg = pb2.GenerateStreamChunk(text_delta=out.text_delta, token_ids=out.new_token_ids,
                                   finished=out.finished, request_id=request_id,
-                                  logprobs=logprobs_pb(pb2, out.logprobs))
+                                  logprobs=logprobs_pb(pb2, out.logprobs),
+                                  prompt_logprobs=logprobs_pb(pb2, out.prompt_logprobs[1:]))
     if first or out.finished:
         msg.route.CopyFrom(route_pb(decision))
     if out.finished:

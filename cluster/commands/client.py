@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
                    "being edited): the speculative path drafts from it; the output is the same without it")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each output token's log-probability and its N most likely alternatives (0..20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="print each prompt token's log-probability (after the first) and its N most likely "
+                        "alternatives; with --max-tokens 0 the prompt is only scored")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     p.add_argument("--logit-bias", type=_logit_bias, default={}, metavar="ID:BIAS[,ID:BIAS...]",
@@ -70,6 +73,8 @@ def build_request(args):
                               min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids)
     if args.logprobs is not None:
         req.logprobs = args.logprobs
+    if args.prompt_logprobs is not None:
+        req.prompt_logprobs = args.prompt_logprobs
     if args.chat:
         req.messages.append(pb2.ChatMessage(role="user", content=args.prompt))
     else:
@@ -107,25 +112,29 @@ def run(args: argparse.Namespace) -> int:
             check_request_fields(request, stub.ModelInfo(pb2.ModelInfoRequest(), metadata=md, timeout=args.timeout))
             if args.stream:
                 last = route = None
-                logprobs = []
+                logprobs, prompt_logprobs = [], []
                 for ch in stub.GenerateStream(request, metadata=md, timeout=args.timeout):
                     if route is None and ch.HasField("route"):
                         route = ch.route
                     print(ch.text_delta, end="", flush=True)
                     logprobs += ch.logprobs
+                    prompt_logprobs += ch.prompt_logprobs
                     last = ch
                 print()
                 result = last
             else:
                 result = stub.Generate(request, metadata=md, timeout=args.timeout)
                 print(result.text)
-                logprobs = result.logprobs
+                logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         except grpc.RpcError as exc:
             print(f"specserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         except UnsupportedField as exc:
             print(f"specserve client: {exc}", file=sys.stderr)
             return 2
+    if args.prompt_logprobs is not None:
+        print("prompt:", file=sys.stderr)
+        print(format_logprobs(prompt_logprobs), file=sys.stderr)
     if args.logprobs is not None:
         print(format_logprobs(logprobs), file=sys.stderr)
     if result is not None:

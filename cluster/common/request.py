@@ -74,6 +74,11 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each output token's log-probability under the target's
     # raw distribution (before logit_bias and the penalties) and its n most likely alternatives (``cluster.sampling.logprobs``)
     logprobs: int | None = None
+    # None: none; n >= 0: each prompt token after the first gets its log-probability under the
+    # target's raw distribution given the tokens before it, and its n most likely alternatives,
+    # computed from the prefill's rows (``RequestOutput.prompt_logprobs``). With it max_tokens may
+    # be 0: a scoring request, the prompt prefilled and nothing generated.
+    prompt_logprobs: int | None = None
     # the target's logits as the request shapes them (``cluster.sampling.penalties``): added per
     # token id, and subtracted per token the output holds (presence: once; frequency: per time)
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -90,8 +95,16 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids, limit is {MAX_STOP_TOKEN_IDS}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be token ids (>= 0), got {self.stop_token_ids!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidRequestError("max_tokens must be a positive integer, got 0 (0 only scores the prompt: "
+                                      "it needs prompt_logprobs)")
         if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
                 or not 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
@@ -108,9 +121,6 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _finite_number(name, getattr(self, name))
             if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
@@ -147,6 +157,11 @@ class SamplingParams:
         """Under ``min_tokens`` after ``num_output`` output tokens: the rows from here on have the
         tokens that end the output masked until it is reached (``penalize``)."""
         return self.min_tokens > num_output
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0: the prompt's log-probabilities and no output (the engine samples nothing)."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:
@@ -287,7 +302,7 @@ class Logprob:
     (``cluster.models.token_bytes``); the engine leaves it empty."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token: nothing comes before it
     token: bytes = b""
 
 
@@ -314,6 +329,10 @@ class RequestOutput:
     spec: SpecStats | None = None
     # one per new_token_ids entry when the request asked for logprobs (SamplingParams.logprobs), else []
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # when the request asked for prompt_logprobs, on its first output (the one that ends the
+    # prefill): one per prompt token, in order — the first's has logprob None and no alternatives
+    # (nothing comes before it; it carries the token's bytes like the rest) — else []
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with a prediction, on the final output: its tokens that appear in the output in order, and
     # the rest (``cluster.speculative.prediction.prediction_overlap``)
     accepted_prediction_tokens: int = 0
@@ -333,7 +352,8 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     """Two consecutive deltas of one request as one (the later one's status and counters)."""
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
                                text_delta=earlier.text_delta + later.text_delta,
-                               logprobs=earlier.logprobs + later.logprobs)
+                               logprobs=earlier.logprobs + later.logprobs,
+                               prompt_logprobs=earlier.prompt_logprobs + later.prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Owns: believable engine behaviour without a model — a byte tokenizer, a deterministic target
 (the next token repeats the prompt cyclically, so prompt-lookup drafting hits), a bounded waiting
-queue (EngineOverloadedError), stand-in log-probabilities when asked (``fake_logprobs``), a KV block pool that fills and frees (so cancellation tests can
+queue (EngineOverloadedError), stand-in log-probabilities of output and prompt when asked (``fake_logprobs``; max_tokens 0 answers the prompt's alone), a KV block pool that fills and frees (so cancellation tests can
 watch it), readiness after a configurable start delay, and speculation counters per segment.
 With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propose``/``release``
 each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,
@@ -162,7 +162,14 @@ class FakeEngine:
         text_prompt = self.detokenize(prompt)
         fail, crash = FAIL_MARKER in text_prompt, CRASH_MARKER in text_prompt
         hold = HOLD_MARKER in text_prompt
+        prompt_lp = [] if req.params.prompt_logprobs is None else (  # on the first output
+            [TokenLogprobs(Logprob(prompt[0], None))] + self.fake_logprobs(prompt[1:], req.params.prompt_logprobs))
         try:
+            if req.params.scores_only:
+                await asyncio.sleep(self.token_delay_s)
+                yield RequestOutput(rid, [], "", finished=True, finish_reason=FinishReason.LENGTH,
+                                    prompt_logprobs=prompt_lp, num_prompt_tokens=len(prompt),
+                                    queue_time=queued, finish_time=time.monotonic() - arrival)
             while len(out) < req.params.max_tokens:
                 if (fail or crash) and len(out) >= _FAIL_AFTER:
                     if crash:
@@ -188,6 +195,7 @@ class FakeEngine:
                 yield RequestOutput(rid, new, text, finished=done,
                                     finish_reason=finish if done else None,
                                     logprobs=self.fake_logprobs(new, req.params.logprobs),
+                                    prompt_logprobs=[] if len(out) > len(new) else prompt_lp,
                                     num_prompt_tokens=len(prompt), num_output_tokens=len(out),
                                     spec=stats if done and self.spec_enabled and req.mode.value != "plain" else None,
                                     queue_time=queued if done else 0.0,

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cluster.common.config import EngineConfig
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import (
-    FinishReason, GenerationRequest, ModelLimits, RequestOutput, SpecMode, SpecStats,
+    FinishReason, GenerationRequest, Logprob, ModelLimits, RequestOutput, SpecMode, SpecStats, TokenLogprobs,
 )
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
@@ -50,6 +50,9 @@ class TargetPass:
     logits: torch.Tensor  # [sum(K_i + 1), V]: the sampling sequences' rows, in batch order
     seconds: float
     num_tokens: int  # tokens fed (prefill chunks + new tokens + drafts)
+    # per sequence that asked for prompt_logprobs and was owed some in this pass: the positions
+    # and their rows ([len(positions), V]; the row at position p is prompt token p + 1's)
+    prompt_rows: dict[str, tuple[range, torch.Tensor]] = field(default_factory=dict)
 
 
 log = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ class LLMEngine:
         """Admit a request; a constraint is compiled here (the step thread, never an event
         loop), InvalidRequestError when it is unsupported or over the compile limits."""
         self.validate(request)
-        speculate = self.spec is not None and request.mode is not SpecMode.PLAIN
+        speculate = (self.spec is not None and request.mode is not SpecMode.PLAIN
+                     and not request.params.scores_only)
         grammar = self.grammars.matcher(request.constraint) if request.constraint is not None else None
         seq = Sequence(
             request=request,
@@ -95,6 +99,8 @@ class LLMEngine:
             speculate=speculate,
             grammar=grammar,
         )
+        if request.params.prompt_logprobs is not None:  # the first prompt token: nothing before it
+            seq.pending_prompt_logprobs.append(TokenLogprobs(Logprob(request.prompt_token_ids[0], None)))
         seq.trace = start_request_trace(request.trace_carrier, request.request_id,
                                         engine="spec" if self.spec is not None else "batch",
                                         segment=request.segment,
@@ -123,7 +129,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
             return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message) for s in batch]
         verdicts = self._verify(batch, drafts, target)  # 4. accepted prefix + recovered/bonus token
-        self._commit(batch, drafts, verdicts, target.logits)  # 5. advance KV and tokens
+        self._commit(batch, drafts, verdicts, target)  # 5. advance KV and tokens
         return self._emit(batch)  # 6. deltas and finished outputs
 
     def _schedule(self) -> list[ScheduledSeq]:
@@ -134,6 +140,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(num_draft_tokens)
         now = time.monotonic()
         for s in scheduled:
+            if s.seq.request.params.scores_only:  # its prefill's end samples nothing: it finishes there
+                s.samples = False
             if s.seq.scheduled_at is None:
                 s.seq.scheduled_at = now
                 s.seq.trace.admitted()
@@ -144,16 +152,34 @@ class LLMEngine:
 
     def _forward(self, batch: list[ScheduledSeq], drafts: StepDrafts) -> TargetPass:
         """Each chunk feeds its new tokens + its drafts and asks for K_i + 1 logits rows when it
-        samples (0 for a prefill chunk that samples nothing yet)."""
-        chunks = []
+        samples (0 for a prefill chunk that samples nothing yet); a chunk owed prompt
+        log-probabilities asks for every row from the first owed position on, and those rows are
+        split off (``TargetPass.prompt_rows``) so the rest is the sampling rows alone."""
+        chunks, owed = [], []  # owed: per chunk, (positions owed, rows asked, sampling rows)
         for s in batch:
             seq = s.seq
-            new = seq.token_ids[seq.num_cached : seq.num_cached + s.num_new_tokens]
+            start, end = seq.num_cached, seq.num_cached + s.num_new_tokens
+            new = seq.token_ids[start:end]
             d = drafts.token_ids(seq.seq_id)
-            chunks.append(SeqChunk(seq.seq_id, new + d, seq.num_cached, len(d) + 1 if s.samples else 0))
+            sampling = len(d) + 1 if s.samples else 0
+            positions = seq.prompt_rows(start, end)
+            asked = (end - positions.start + len(d)) if positions else sampling
+            chunks.append(SeqChunk(seq.seq_id, new + d, start, asked))
+            owed.append((positions, asked, sampling))
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks)  # [sum(K_i + 1), V]
-        return TargetPass(logits, time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks))
+        logits = self.runner.forward(chunks)  # [sum(asked), V]
+        seconds = time.perf_counter() - t0
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if not any(positions for positions, _, _ in owed):
+            return TargetPass(logits, seconds, num_tokens)
+        keep, prompt_rows, row = [], {}, 0
+        for c, (positions, asked, sampling) in zip(chunks, owed):
+            if positions:
+                prompt_rows[c.seq_id] = (positions, logits[row : row + len(positions)])
+            keep.extend(range(row + asked - sampling, row + asked))
+            row += asked
+        index = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+        return TargetPass(logits.index_select(0, index), seconds, num_tokens, prompt_rows)
 
     def _verify(self, batch: list[ScheduledSeq], drafts: StepDrafts, target: TargetPass) -> list[Verdict | SeqFault]:
         """Per sampling sequence (batch order) its committed tokens and accepted count, or its fault."""
@@ -180,15 +206,24 @@ class LLMEngine:
         return per_row(len(sampling), run, FaultStage.SAMPLE, [s.seq.seq_id for s in sampling])
 
     def _commit(self, batch: list[ScheduledSeq], drafts: StepDrafts, verdicts: list[Verdict | SeqFault],
-                logits: torch.Tensor) -> None:
+                target: TargetPass) -> None:
         """Advance every scheduled sequence by what it committed; a fault (its verdict, its
         log-probabilities, or its detokenizer / stop check here) fails that sequence alone.
-        logits: [sum(K_i + 1), V], the sampling sequences' rows in batch order."""
+        target.logits: [sum(K_i + 1), V], the sampling sequences' rows in batch order."""
+        logits = target.logits
         verdict = iter(verdicts)
         row = 0  # the sequence's first row in logits
         for s in batch:
-            if not s.samples:  # a prefill chunk that samples nothing yet
+            owed = target.prompt_rows.get(s.seq.seq_id)
+            if owed is not None:
+                try:
+                    self._score_prompt(s.seq, *owed)
+                except Exception as exc:  # noqa: BLE001 (a non-finite row: this sequence's fault)
+                    s.seq.fail(fault(FaultStage.COMMIT, exc, s.seq.seq_id).message)
+            if not s.samples:  # a prefill chunk that samples nothing (yet, or ever: scores_only)
                 s.seq.num_cached += s.num_new_tokens
+                if s.seq.request.params.scores_only and s.seq.num_cached >= s.seq.prompt_len:
+                    s.seq.finish(FinishReason.LENGTH)  # scored: the budget was no output
                 continue
             draft = drafts.get(s.seq.seq_id)
             rows = logits[row : row + (0 if draft is None else draft.k) + 1]  # [K_i + 1, V]
@@ -196,6 +231,9 @@ class LLMEngine:
             v = next(verdict)
             if isinstance(v, SeqFault):
                 s.seq.fail(v.message)
+                continue
+            if s.seq.finished:  # its prompt's log-probabilities failed it above
+                s.seq.num_cached += s.num_new_tokens
                 continue
             try:
                 self._commit_one(s, v, draft, rows)
@@ -215,6 +253,15 @@ class LLMEngine:
             seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
         seq.append_committed(committed, logprobs)
         seq.trace.prefill_done()  # idempotent: marks the first token only
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, positions: range, rows: torch.Tensor) -> None:
+        """rows: [len(positions), V]; the row at position p gives prompt token p + 1 its
+        log-probability (``SamplingParams.prompt_logprobs``), reported with the first output after
+        the first token's entry (it has none: ``add_request`` puts it first)."""
+        tokens = seq.token_ids[positions.start + 1 : positions.stop + 1]
+        seq.pending_prompt_logprobs.extend(token_logprobs(rows, tokens, seq.request.params.prompt_logprobs))
+        seq.num_prompt_scored = positions.stop
 
     def _emit(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         """A finished sequence's last output (it is retired), else its delta if it has one."""
@@ -238,6 +285,7 @@ class LLMEngine:
             new_token_ids=seq.pending_ids,
             text_delta=seq.pending_text,
             logprobs=seq.pending_logprobs,
+            prompt_logprobs=seq.pending_prompt_logprobs,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.prompt_len,
@@ -245,7 +293,7 @@ class LLMEngine:
             spec=seq.spec if seq.speculate else None,
             error=seq.error if seq.finish_reason is FinishReason.ERROR else None,
         )
-        seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
+        seq.pending_ids, seq.pending_text, seq.pending_logprobs, seq.pending_prompt_logprobs = [], "", [], []
         return out
 
     def _retire(self, seq: Sequence) -> RequestOutput:

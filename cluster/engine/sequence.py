@@ -1,7 +1,7 @@
 """One request's state inside the engine.
 
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
-KV), status, detokenizer, the log-probabilities of output not yet reported, error message, finish reason, timings and speculation counters, and
+KV), status, detokenizer, the log-probabilities of output (and prompt) not yet reported, error message, finish reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
 max_tokens, a complete grammar) and feeding them to the sequence's grammar matcher. Ignores: scheduling and model execution.
 """
@@ -37,6 +37,11 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)  # new output ids not yet reported
     pending_text: str = ""
     pending_logprobs: list = field(default_factory=list)  # TokenLogprobs of pending_ids (logprobs asked)
+    # prompt_logprobs asked: TokenLogprobs of prompt tokens 0..num_prompt_scored not yet reported
+    # (RequestOutput.prompt_logprobs), and how many prompt tokens after the first have theirs (the
+    # prefill's rows give them once: a preempted sequence's recompute does not again)
+    pending_prompt_logprobs: list = field(default_factory=list)
+    num_prompt_scored: int = 0
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -65,6 +70,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def prompt_rows(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose target rows give prompt log-probabilities still owed
+        (the row at position p is the distribution of prompt token p + 1); empty when the request
+        did not ask for them."""
+        if self.request.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, self.num_prompt_scored), min(end, self.prompt_len - 1))
 
     @property
     def num_pending_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Log-probabilities of output tokens: what a request with ``SamplingParams.logprobs`` gets back.
+"""Log-probabilities of output tokens: what a request with ``SamplingParams.logprobs`` gets back
+(and, from its prefill's rows, a prompt's with ``SamplingParams.prompt_logprobs``).
 
 Owns: turning the target rows that chose a sequence's committed tokens into each token's
 log-probability and the n most likely tokens at its position. The distribution is the target's raw
@@ -16,6 +17,8 @@ import torch
 
 from cluster.common.request import Logprob, TokenLogprobs
 
+_BLOCK_ROWS = 256  # rows log-softmaxed at once ([256, V] float32: 50 MB at V = 49152)
+
 
 def token_logprobs(
     logits: torch.Tensor,  # [N, V] the target rows that chose tokens[0..N-1]
@@ -29,6 +32,9 @@ def token_logprobs(
         f"logits {tuple(logits.shape)} for {len(tokens)} tokens")
     if not tokens:
         return []
+    if len(tokens) > _BLOCK_ROWS:  # a prompt's rows: a block at a time, so the log-softmax copy stays small
+        return [entry for i in range(0, len(tokens), _BLOCK_ROWS)
+                for entry in token_logprobs(logits[i : i + _BLOCK_ROWS], tokens[i : i + _BLOCK_ROWS], num_top)]
     logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logp.device)[:, None])[:, 0]  # [N]
     top_vals = top_ids = None

@@ -120,6 +120,37 @@ def test_completion_logprobs_legacy_shape_with_offsets_across_chunks():
     assert one["text_offset"] == [0] and two["text_offset"] == [2]
 
 
+PROMPT = [TokenLogprobs(Logprob(11, None, b"Say")), _lp(12, b" hi", -3.0, (13, b" it", -1.0), (12, b" hi", -3.0))]
+
+
+def test_echo_puts_the_prompt_and_its_entries_first():
+    """A completion's echo: the prompt's text, then the output's; its logprobs have the prompt's
+    entries first (the first token's log-probability and alternatives null, as OpenAI's) and the
+    output's offsets continue after the prompt's text — unary, and streamed on the first chunk."""
+    final = RequestOutput("e", [7], " \ufffd", finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=2,
+                          num_output_tokens=2)
+    r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")
+    acc = Accumulator("e", DECISION, ["Hi", " \ufffd"], [5, 7], LPS[:2], final, PROMPT)
+    choice = r.body([acc], final)["choices"][0]
+    assert choice["text"] == "Say hiHi \ufffd"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["Say", " hi", "Hi", " \ufffd"] and lp["token_logprobs"] == [None, -3.0, -0.1, -0.7]
+    assert lp["top_logprobs"][:2] == [None, {" it": -1.0, " hi": -3.0}] and lp["text_offset"] == [0, 3, 6, 8]
+    assert r.body([acc], final)["usage"]["completion_tokens"] == 2  # the echoed prompt is not output
+    spelled = Responder(Kind.COMPLETION, "s", "", "m", DECISION, echo="")  # token ids: spelled from the entries
+    assert spelled.body([acc], final)["choices"][0] == {"index": 0, "text": "Say hiHi \ufffd", "logprobs": None,
+                                                       "finish_reason": "length"}
+    s = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")
+    one = _event(s.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1], prompt_logprobs=PROMPT), first=True))
+    two = _event(s.chunk(RequestOutput("e", [7], " \ufffd", logprobs=LPS[1:2]), first=False))
+    assert one["choices"][0]["text"] == "Say hiHi" and two["choices"][0]["text"] == " \ufffd"
+    assert one["choices"][0]["logprobs"]["text_offset"] == [0, 3, 6] and two["choices"][0]["logprobs"]["text_offset"] == [8]
+    scored = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")  # max_tokens 0
+    only = _event(scored.chunk(RequestOutput("e", [], "", finished=True, finish_reason=FinishReason.LENGTH,
+                                             prompt_logprobs=PROMPT), first=True))["choices"][0]
+    assert (only["text"], only["finish_reason"], only["logprobs"]["tokens"]) == ("Say hi", "length", ["Say", " hi"])
+
+
 @pytest.mark.parametrize("code,status,etype", [
     (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),

@@ -7,7 +7,8 @@ import pytest
 
 from cluster.api import stubs
 from cluster.api.openai_schemas import (
-    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_fields, parse_body,
+    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_fields, echoed_prompt, num_candidates,
+    parse_body,
 )
 from cluster.api.requests import Limits, validate_fields, validate_request
 from cluster.api.status import ServiceError
@@ -180,8 +181,7 @@ def test_response_format_and_regex_are_grpcs_constraints():
 
 
 def test_completion_refusals_and_model():
-    refused(completion, "best_of must be 1", "best_of", best_of=2)
-    refused(completion, "echo is not supported", "echo", echo=True)
+    refused(completion, "max_tokens 0 needs echo: true", "max_tokens", max_tokens=0)
     refused(completion, "suffix is not supported", "suffix", suffix="x")
     refused(completion, "the model 'other' does not exist; this server serves 'm'", "model",
             grpc.StatusCode.NOT_FOUND, model="other")
@@ -268,3 +268,35 @@ def test_n_choices_within_limits_max_choices():
     raw = json.dumps({"prompt": "hi", "n": 3}).encode()
     with pytest.raises(ServiceError, match=r"n must be in \[1, 2\], got 3"):
         check_choices(parse_body(raw, CompletionRequest), dataclasses.replace(LIMITS, max_choices=2))
+
+
+def test_best_of_is_n_to_max_choices_and_never_streamed():
+    for best_of, n in ((1, None), (3, 2), (LIMITS.max_choices, 1), (2, 2)):
+        completion(best_of=best_of, n=n)
+    refused(completion, r"best_of must be in \[1, 8\], got 9", "best_of", best_of=9)
+    refused(completion, r"best_of must be in \[1, 8\], got 0", "best_of", best_of=0)
+    refused(completion, r"best_of \(2\) must be at least n \(3\)", "best_of", best_of=2, n=3)
+    refused(completion, "best_of cannot be streamed", "best_of", best_of=2, stream=True)
+    completion(best_of=1, stream=True)  # one candidate: nothing to choose, streams as usual
+    refused(chat, "unrecognized request argument supplied: best_of", "best_of", best_of=2)  # completions only
+    assert num_candidates(parse_body(b'{"prompt": "x", "best_of": 3, "n": 2}', CompletionRequest)) == 3
+    assert num_candidates(parse_body(b'{"prompt": "x", "n": 2}', CompletionRequest)) == 2
+
+
+def test_echo_asks_for_the_prompts_entries_where_they_are_needed():
+    """A text prompt echoes as sent (no entries needed unless scored); token ids are spelled from
+    their entries' bytes; logprobs scores the prompt with as many alternatives; max_tokens 0 is a
+    scoring request (prompt_logprobs set, so the shared rules let it through)."""
+    assert completion(echo=True).prompt_logprobs is None
+    assert completion(echo=True, logprobs=3).prompt_logprobs == 3
+    assert completion(echo=True, prompt=[5, 6, 7]).prompt_logprobs == 0
+    assert completion(logprobs=3).prompt_logprobs is None  # no echo: the output's alone
+    scoring = completion(echo=True, max_tokens=0, logprobs=1)
+    assert (scoring.max_tokens, scoring.prompt_logprobs) == (0, 1)
+    v = validate_fields(scoring, "r", LIMITS)
+    assert v.params.scores_only and v.params.logprobs == 1
+    assert completion(echo=True, max_tokens=0).prompt_logprobs == 0
+    for prompt, want in (("say hi", "say hi"), (["say hi"], "say hi"), ([1, 2], ""), ([[1, 2]], "")):
+        assert echoed_prompt(parse_body(json.dumps({"prompt": prompt, "echo": True}).encode(), CompletionRequest)) == want
+    assert echoed_prompt(parse_body(b'{"prompt": "x"}', CompletionRequest)) is None
+    refused(chat, "unrecognized request argument supplied: echo", "echo", echo=True)  # OpenAI's chat has none

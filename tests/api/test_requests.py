@@ -261,8 +261,8 @@ def _nested(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("raw,where", [
     (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(99), "GenerateRequest carries field number 99"),
-    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(23) + _unknown(40),
-     "GenerateRequest carries field number 23, 40"),
+    (pb2.GenerateRequest(prompt="hi").SerializeToString() + _unknown(41) + _unknown(40),
+     "GenerateRequest carries field number 40, 41"),
     (_nested(3, pb2.TokenIds(ids=[1, 2]).SerializeToString() + _unknown(2)), "prompt_token_ids carries field number 2"),
     (_nested(2, pb2.ChatMessage(role="user", content="x").SerializeToString() + _unknown(7)),
      "messages.0. carries field number 7"),
@@ -275,17 +275,28 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "min_tokens"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 22
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "prompt_logprobs"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 23
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
                              prediction="hi there", logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
-                             logit_bias={7: -1.5}, stop_token_ids=[5, 9])
+                             logit_bias={7: -1.5}, stop_token_ids=[5, 9], prompt_logprobs=1)
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
-    assert (v.draft_scope, v.prediction, v.params.logprobs) == ("t1", "hi there", 2)
+    assert (v.draft_scope, v.prediction, v.params.logprobs, v.params.prompt_logprobs) == ("t1", "hi there", 2, 1)
     ok.ClearField("regex")  # min_tokens is refused with a constraint
     ok.min_tokens = 2
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
     assert (v.params.stop_token_ids, v.params.min_tokens) == ((5, 9), 2)
     assert (v.params.presence_penalty, v.params.frequency_penalty, v.params.logit_bias) == (0.5, 0.25, ((7, -1.5),))
+
+
+def test_max_tokens_zero_is_a_scoring_request_only_with_prompt_logprobs():
+    scoring = validate_request(pb2.GenerateRequest(prompt="hi there", max_tokens=0, prompt_logprobs=0), "r", LIMITS)
+    assert scoring.params.scores_only and scoring.params.prompt_logprobs == 0
+    with pytest.raises(ServiceError, match=r"0 only scores the prompt: it needs prompt_logprobs"):
+        validate_request(pb2.GenerateRequest(prompt="hi", max_tokens=0), "r", LIMITS)
+    with pytest.raises(ServiceError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+        validate_request(pb2.GenerateRequest(prompt="hi", prompt_logprobs=21), "r", LIMITS)
+    unset = validate_request(pb2.GenerateRequest(prompt="hi"), "r", LIMITS)
+    assert unset.params.prompt_logprobs is None and not unset.params.scores_only

@@ -93,6 +93,7 @@ WILD = {
                                   floats32, max_size=310),
     "stop_token_ids": st.lists(st.one_of(st.integers(-3, 49_160), st.sampled_from([-2**31, 2**31 - 1])), max_size=70),
     "min_tokens": st.one_of(st.integers(0, 40), st.sampled_from([UINT32_MAX])),
+    "prompt_logprobs": st.one_of(st.integers(0, 25), st.sampled_from([20, 21, UINT32_MAX])),
     "json_schema": schemas,
     "regex": regexes,
     "ignore_eos": st.booleans(),
@@ -119,6 +120,7 @@ SANE = {
     "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100.0, 100.0, width=32), max_size=4),
     "stop_token_ids": st.lists(st.integers(0, 258), max_size=3),
     "min_tokens": st.integers(0, 1),
+    "prompt_logprobs": st.integers(0, 20),
 }
 sane_prompt = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=60)
 

@@ -31,9 +31,11 @@ REFERENCE = dict(prompt="The capital of France is", max_tokens=8, mode=1, ignore
 
 def call(client, fields: dict, auth, stream: bool, timeout: float) -> tuple[grpc.StatusCode, str, int]:
     """(code, details, finish_reason) of one call; DEADLINE_EXCEEDED means the service hung; an OK
-    answer whose log-probabilities (asked or not) do not match its tokens one for one counts as -1."""
+    answer whose log-probabilities (asked or not) do not match its tokens one for one, or whose
+    prompt log-probabilities are not one per prompt token after the first (on the first chunk
+    alone), counts as -1."""
     md = [("application", client.md[0][1])] + ([("authorization", auth)] if auth else [])
-    want = "logprobs" in fields
+    want, want_prompt = "logprobs" in fields, "prompt_logprobs" in fields
     try:
         if stream:
             chunks = list(client.stream(timeout=timeout, md=md, **fields))
@@ -42,10 +44,16 @@ def call(client, fields: dict, auth, stream: bool, timeout: float) -> tuple[grpc
                 return grpc.StatusCode.OK, "stream ended without a finished chunk", -1
             if any(len(c.logprobs) != (len(c.token_ids) if want else 0) for c in chunks):
                 return grpc.StatusCode.OK, "log-probabilities do not match the chunk's tokens", -1
+            if last.finish_reason != FINISH_REASON_ERROR and (
+                    any(c.prompt_logprobs for c in chunks[1:])
+                    or len(chunks[0].prompt_logprobs) != (last.usage.prompt_tokens - 1 if want_prompt else 0)):
+                return grpc.StatusCode.OK, "prompt log-probabilities do not match the prompt", -1
             return grpc.StatusCode.OK, "", last.finish_reason
         r = client.generate(timeout=timeout, md=md, **fields)
         if len(r.logprobs) != (len(r.token_ids) if want else 0):
             return grpc.StatusCode.OK, "log-probabilities do not match the tokens", -1
+        if len(r.prompt_logprobs) != (r.usage.prompt_tokens - 1 if want_prompt else 0):
+            return grpc.StatusCode.OK, "prompt log-probabilities do not match the prompt", -1
         return grpc.StatusCode.OK, "", r.finish_reason
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or "", 0

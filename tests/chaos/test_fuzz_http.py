@@ -81,6 +81,8 @@ FIELDS = {
     "stop_token_ids": st.one_of(st.lists(st.integers(-2, 300), max_size=4), st.lists(st.integers(0, 9), min_size=65),
                                 json_values),
     "min_tokens": st.one_of(st.integers(-1, 1100), st.just("2"), st.none()),
+    "echo": st.one_of(st.booleans(), st.none(), json_values),
+    "best_of": st.one_of(st.integers(-1, 10), st.none(), st.just("2")),
     "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
@@ -110,7 +112,7 @@ SANE = {
     "ignore_eos": st.booleans(),
     "n": st.integers(1, 3),
 }
-SANE_COMPLETIONS = {"logprobs": st.integers(0, 20), "presence_penalty": st.floats(-2, 2),
+SANE_COMPLETIONS = {"logprobs": st.integers(0, 20), "echo": st.booleans(), "presence_penalty": st.floats(-2, 2),
                     "stop_token_ids": st.lists(st.integers(0, 258), max_size=3), "min_tokens": st.integers(0, 1),
                     "frequency_penalty": st.floats(-2, 2),
                     "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3)}

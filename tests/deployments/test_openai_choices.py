@@ -1,13 +1,16 @@
 """OpenAI's ``n`` on the Router side: the choices' engine requests, running them at once (outputs
-as they come, a failure failing the request, closing cancelling every choice) and their summary.
+as they come, a failure failing the request, closing cancelling every choice), their summary, and
+``best_of``'s ranking of candidates.
 End to end through the official client: tests/deployments/test_openai_service.py."""
 import asyncio
 
 import pytest
 
 from cluster.api.requests import PromptInput, ValidatedRequest
-from cluster.common.request import FinishReason, RequestOutput, SamplingParams, SpecMode, SpecStats
-from deployments.openai_choices import choice_outputs, choice_requests, combined_final
+from cluster.common.request import (
+    FinishReason, Logprob, RequestOutput, SamplingParams, SpecMode, SpecStats, TokenLogprobs,
+)
+from deployments.openai_choices import best_choices, choice_outputs, choice_requests, combined_final
 
 
 def vreq(seed: int | None) -> ValidatedRequest:
@@ -106,3 +109,21 @@ def test_combined_final_sums_the_choices():
     assert c.new_token_ids == [] and c.text_delta == ""  # a summary, not a delta
     assert combined_final(finals[:1]) is finals[0]
     assert combined_final([RequestOutput("p", [], "", finished=True, num_output_tokens=1)] * 2).spec is None
+
+
+def test_ranked_candidates_report_logprobs_and_the_best_per_token_win():
+    """best_of's candidates each report their tokens' log-probabilities (0 alternatives unless the
+    client asked for more); the n best by log-probability per token are answered, best first —
+    a long candidate with a better mean beats a short one with a better sum."""
+    ranked = choice_requests(vreq(5), 3, ranked=True)
+    assert [r.params.logprobs for r in ranked] == [0, 0, 0] and [r.params.seed for r in ranked] == [5, 6, 7]
+    assert choice_requests(vreq(5), 3)[0].params.logprobs is None  # n alone asks for none
+
+    def lps(*values):
+        return [TokenLogprobs(Logprob(1, v)) for v in values]
+
+    candidates = [lps(-0.5), lps(-0.3, -0.3, -0.3, -0.3), lps(-3.0), lps()]
+    assert best_choices(candidates, 1) == [1]  # mean -0.3 beats -0.5, though its sum (-1.2) is lower
+    assert best_choices(candidates, 3) == [1, 0, 2]
+    assert best_choices(candidates, 4)[-1] == 3  # no tokens: last
+    assert best_choices([lps(-0.5), lps(-0.5)], 2) == [0, 1]  # a tie keeps the candidates' order

@@ -206,6 +206,58 @@ def test_logprobs_through_the_official_client(oa):
     assert offsets == [0, 1, 2, 3, 4, 5]  # the offsets run on across the stream's chunks
 
 
+def test_echo_and_scoring_through_the_official_client_and_grpc(addrs, oa):
+    """A completion's echo: the prompt's text, then the output's; with logprobs the prompt's tokens
+    come first (the first with null log-probability and alternatives), unary and streamed; with
+    max_tokens 0 the prompt alone, scored (lm-eval-harness's loglikelihood request); token ids are
+    echoed as their text. gRPC's prompt_logprobs give one entry per prompt token after the first,
+    max_tokens 0 scores only. Stand-in values from the fake engine: the shapes are checked here, the
+    values against HF in tests/sampling/test_logprobs.py."""
+    text = "echo me"
+    want = fake_output(FAKE.tokenize(text), 4)
+    comp = oa.completions.create(model=MODEL, prompt=text, max_tokens=4, echo=True, logprobs=1)
+    c = comp.choices[0]
+    assert c.text == text + want and comp.usage.completion_tokens == 4 and comp.usage.prompt_tokens == len(text)
+    assert "".join(c.logprobs.tokens) == c.text and c.logprobs.text_offset == list(range(len(c.text)))
+    assert c.logprobs.token_logprobs == [None] + [-0.25] * (len(c.text) - 1)
+    assert c.logprobs.top_logprobs[0] is None and all(len(t) == 1 for t in c.logprobs.top_logprobs[1:])
+    assert oa.completions.create(model=MODEL, prompt=text, max_tokens=4, echo=True).choices[0].text == text + want
+    streamed = list(oa.completions.create(model=MODEL, prompt=text, max_tokens=4, echo=True, logprobs=0, stream=True))
+    assert streamed[0].choices[0].text.startswith(text) and "".join(e.choices[0].text for e in streamed) == c.text
+    assert [o for e in streamed for o in e.choices[0].logprobs.text_offset] == list(range(len(c.text)))
+    scored = oa.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    s0 = scored.choices[0]
+    assert (s0.text, s0.finish_reason, scored.usage.completion_tokens) == (text, "length", 0)
+    assert s0.logprobs.tokens == list(text) and s0.logprobs.token_logprobs == [None] + [-0.25] * (len(text) - 1)
+    ids = oa.completions.create(model=MODEL, prompt=FAKE.tokenize(text), max_tokens=2, echo=True)
+    assert ids.choices[0].text == text + want[:2] and ids.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        oa.completions.create(model=MODEL, prompt=text, max_tokens=0)
+    c = Client(addrs.grpc, "oa", TOKEN)
+    g = c.generate(prompt=text, max_tokens=0, prompt_logprobs=2)
+    assert (g.text, list(g.token_ids), g.finish_reason, g.usage.completion_tokens) == ("", [], 1, 0)
+    assert [e.chosen.token for e in g.prompt_logprobs] == [b.encode() for b in text[1:]]
+    assert all(len(e.top) == 2 for e in g.prompt_logprobs)
+    chunks = list(c.stream(prompt=text, max_tokens=3, prompt_logprobs=0))
+    assert len(chunks[0].prompt_logprobs) == len(text) - 1 and all(not k.prompt_logprobs for k in chunks[1:])
+    with pytest.raises(grpc.RpcError) as e:
+        c.generate(prompt=text, max_tokens=0)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs prompt_logprobs" in e.value.details()
+
+
+def test_best_of_through_the_official_client(oa):
+    """best_of runs that many candidates and answers the n best (the fake engine's are equal: the
+    ranking itself is tests/deployments/test_openai_choices.py, on the real model below); usage
+    counts every candidate's tokens, as OpenAI bills them; logprobs only where asked."""
+    r = oa.completions.create(model=MODEL, prompt="pick me", max_tokens=5, best_of=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 15
+    assert all(c.logprobs is None and c.text == fake_output(FAKE.tokenize("pick me"), 5) for c in r.choices)
+    asked = oa.completions.create(model=MODEL, prompt="pick me", max_tokens=5, best_of=2, logprobs=1)
+    assert len(asked.choices) == 1 and len(asked.choices[0].logprobs.tokens) == 5
+    with pytest.raises(openai.BadRequestError, match="best_of cannot be streamed"):
+        oa.completions.create(model=MODEL, prompt="pick me", max_tokens=5, best_of=2, stream=True)
+
+
 def test_completion_stream_raw_sse(addrs):
     with requests.post(f"{addrs.http}/oa/v1/completions", timeout=60, stream=True,
                        headers={"Authorization": f"Bearer {TOKEN}"},
@@ -430,6 +482,46 @@ def test_real_logprobs_spell_the_answer_and_equal_grpcs(addrs, real):
                                             max_tokens=16, logprobs=2, mode=MODES["plain"], timeout=300)
     assert [o.chosen.logprob for o in g.logprobs][: len(content)] == pytest.approx(
         [c.logprob for c in content], abs=2e-3)  # the other path, other batch shapes: float noise only
+
+
+@pytest.mark.model
+def test_real_scoring_agrees_with_generation(addrs, real):
+    """lm-eval-harness's loglikelihood request on the real model (echo, logprobs 1, max_tokens 0):
+    scoring a prompt followed by the model's own greedy answer gives each answer token the
+    log-probability generation reported for it (prefill rows vs decode rows: float noise only),
+    each one its position's most likely token (is_greedy); gRPC's prompt_logprobs give the same."""
+    prompt = "The capital of France is"
+    gen = real.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                                  extra_body={"mode": "plain", "ignore_eos": True})
+    answer, lp = gen.choices[0].text, gen.choices[0].logprobs
+    scored = real.completions.create(model="default", prompt=prompt + answer, max_tokens=0, echo=True, logprobs=1,
+                                     temperature=0)
+    s = scored.choices[0]
+    assert s.text == prompt + answer and s.finish_reason == "length" and scored.usage.completion_tokens == 0
+    n = len(lp.tokens)
+    assert s.logprobs.tokens[-n:] == lp.tokens and s.logprobs.token_logprobs[0] is None
+    assert s.logprobs.token_logprobs[-n:] == pytest.approx(lp.token_logprobs, abs=2e-3)
+    for token, value, top in zip(s.logprobs.tokens[-n:], s.logprobs.token_logprobs[-n:], s.logprobs.top_logprobs[-n:]):
+        assert max(top.values()) == pytest.approx(value, abs=1e-6) and token in top  # greedy: its own top
+    pb = Client(addrs.grpc, "real")
+    g = pb.generate(prompt=prompt + answer, max_tokens=0, prompt_logprobs=0, mode=MODES["speculative"], timeout=300)
+    assert [e.chosen.logprob for e in g.prompt_logprobs] == pytest.approx(s.logprobs.token_logprobs[1:], abs=2e-3)
+    assert b"".join(e.chosen.token for e in g.prompt_logprobs).decode() == "".join(s.logprobs.tokens[1:])
+
+
+@pytest.mark.model
+def test_real_best_of_answers_the_candidate_with_the_best_logprob_per_token(real):
+    """best_of 3 seeded on the plain path: candidate i is what seed + i alone gives there (as n's
+    choices are), so the three are reproduced one by one and the answer is the one whose tokens'
+    mean log-probability is highest; usage counts all three."""
+    args = dict(model="default", prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                extra_body={"mode": "plain", "ignore_eos": True})
+    best = real.completions.create(**args, seed=11, best_of=3)
+    alone = [real.completions.create(**args, seed=11 + i, logprobs=0).choices[0] for i in range(3)]
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in alone]
+    assert len({c.text for c in alone}) > 1, "seeded candidates differ"
+    assert best.choices[0].text == alone[means.index(max(means))].text, (means, [c.text for c in alone])
+    assert best.usage.completion_tokens == 36 and len(best.choices) == 1
 
 
 @pytest.mark.model

@@ -288,6 +288,11 @@ def test_logprobs_ride_with_their_tokens_unary_and_stream_on_both_paths(addr, ma
     assert args.func(args) == 0
     err = capsys.readouterr().err
     assert "'t'   -0.2500   't' -0.250" in err and "'h'   -0.2500" in err
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--token", TOKEN,
+                                      "--max-tokens", "0", "--prompt-logprobs", "0", "abc"])
+    assert args.func(args) == 0  # scored only: no output, each prompt token after the first printed
+    err = capsys.readouterr().err
+    assert err.startswith("prompt:\n") and "'b'   -0.2500" in err and "'c'   -0.2500" in err and "'a'" not in err
 
 
 def test_constrained_routes_like_any_request(main):

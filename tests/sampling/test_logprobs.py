@@ -13,7 +13,7 @@ import torch
 from cluster.common.config import EngineConfig, SpecConfig
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import (
-    Constraint, ConstraintKind, GenerationRequest, MAX_LOGPROBS, SamplingParams, SpecMode,
+    Constraint, ConstraintKind, FinishReason, GenerationRequest, Logprob, MAX_LOGPROBS, SamplingParams, SpecMode,
 )
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.speculation import build_spec_controller
@@ -136,3 +136,112 @@ def test_logprobs_with_a_prediction_a_grammar_and_a_seed(default_model, hf_refer
     assert eng.stats().drafter_steps["prediction"]["accepted_tokens"] > 0
     for r in reqs:
         _check_against_hf(hf_reference.model, ids, res[r.request_id], r.params.logprobs)
+
+
+# -- prompt log-probabilities ------------------------------------------------------------------
+
+def _chunked_engine(model, drafter=None, k=4, num_blocks=None, batched=24) -> LLMEngine:
+    """An engine whose prefills run in chunks of at most ``batched`` tokens (a prompt's rows come
+    from several passes), optionally with a KV pool of ``num_blocks`` (preemption)."""
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
+    config = EngineConfig(spec=spec, max_num_batched_tokens=batched)
+    m = model.with_fresh_kv(config, num_blocks)
+    return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+
+
+def _run_prompt(engine, reqs) -> dict[str, dict]:
+    """Like _run, also collecting prompt_logprobs (and where they came: the first output only)."""
+    res = {r.request_id: {"ids": [], "plp": [], "outputs": 0, "finish": None} for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for out in engine.step():
+            got = res[out.request_id]
+            if got["outputs"]:
+                assert out.prompt_logprobs == [], "prompt log-probabilities ride on the first output only"
+            got["outputs"] += 1
+            got["ids"] += out.new_token_ids
+            got["plp"] += out.prompt_logprobs
+            if out.finished:
+                got["finish"] = out.finish_reason
+    assert engine.runner.kv.num_free_blocks == engine.runner.kv.num_blocks
+    return res
+
+
+def _check_prompt_against_hf(hf_model, prompt: list[int], plp, num_top: int) -> None:
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [P, V]
+    assert len(plp) == len(prompt), "one entry per prompt token"
+    assert plp[0].chosen == Logprob(prompt[0], None) and plp[0].top == (), "the first has nothing before it"
+    for i, lp in enumerate(plp[1:]):
+        t = prompt[i + 1]
+        assert lp.chosen.token_id == t
+        assert lp.chosen.logprob == pytest.approx(float(ref[i, t]), abs=TOL), f"prompt position {i + 1}"
+        assert len(lp.top) == num_top
+        assert [a.logprob for a in lp.top] == pytest.approx(torch.topk(ref[i], num_top).values.tolist(), abs=TOL)
+        for a in lp.top:
+            assert a.logprob == pytest.approx(float(ref[i, a.token_id]), abs=TOL)
+
+
+@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4)])
+def test_prompt_logprobs_equal_hf_through_chunked_prefill_and_change_no_token(default_model, hf_reference, rows,
+                                                                              drafter, k):
+    """Prompts longer than the step's token budget (their rows come from 2+ passes, batched with
+    other sequences' decode and verification rows): every prompt token after the first gets HF's
+    log-softmax of the raw target at its position, on the first output only; a scoring request
+    (max_tokens 0) gets them and no output; no request's tokens change."""
+    tok = default_model.tokenizer
+    reqs, plain = [], []
+    for i, row in enumerate(rows[:4]):
+        ids = prompt_ids(tok, row)
+        assert len(ids) > 24
+        n = (0, 3, MAX_LOGPROBS, 1)[i]
+        max_tokens = 0 if i == 3 else 16
+        reqs.append(GenerationRequest(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, prompt_logprobs=n),
+                                      segment=row["segment"]))
+        if max_tokens:
+            plain.append(GenerationRequest(f"p{i}", ids, SamplingParams(max_tokens=max_tokens), segment=row["segment"]))
+    got = _run_prompt(_chunked_engine(default_model, drafter, k), reqs)
+    want = _run_prompt(_chunked_engine(default_model, drafter, k), plain)
+    for r in reqs:
+        g = got[r.request_id]
+        _check_prompt_against_hf(hf_reference.model, r.prompt_token_ids, g["plp"], r.params.prompt_logprobs)
+        if r.params.max_tokens == 0:
+            assert g["ids"] == [] and g["outputs"] == 1 and g["finish"] is FinishReason.LENGTH
+        else:
+            assert g["ids"] == want[r.request_id]["ids"] and want[r.request_id]["plp"] == []
+
+
+def test_prompt_logprobs_are_reported_once_across_preemption(default_model, hf_reference, rows):
+    """A tight KV pool preempts sequences mid-prefill and after it; the recompute does not report
+    a prompt's log-probabilities again, and what is reported still equals HF."""
+    tok = default_model.tokenizer
+    picked = rows[:4]
+    reqs = [GenerationRequest(f"q{i}", prompt_ids(tok, r), SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                          prompt_logprobs=1))
+            for i, r in enumerate(picked)]
+    expected = _run_prompt(_chunked_engine(default_model),
+                           [GenerationRequest(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=24, ignore_eos=True))
+                            for r in reqs])
+    longest = max(len(r.prompt_token_ids) for r in reqs) + 24
+    tight = _chunked_engine(default_model, num_blocks=-(-longest // 16) + 2)
+    got = _run_prompt(tight, reqs)
+    assert tight.scheduler.num_preemptions > 0
+    for r in reqs:
+        assert got[r.request_id]["ids"] == expected[r.request_id]["ids"]
+        _check_prompt_against_hf(hf_reference.model, r.prompt_token_ids, got[r.request_id]["plp"], 1)
+
+
+def test_max_tokens_zero_needs_prompt_logprobs():
+    with pytest.raises(InvalidRequestError, match="needs prompt_logprobs"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).scores_only
+
+
+def test_a_one_token_prompt_has_only_its_first_entry(default_model):
+    res = _run_prompt(_engine(default_model), [
+        GenerationRequest("one", [default_model.tokenizer("Hi", add_special_tokens=False)["input_ids"][0]],
+                          SamplingParams(max_tokens=0, prompt_logprobs=2))])
+    assert [e.chosen.logprob for e in res["one"]["plp"]] == [None] and res["one"]["finish"] is FinishReason.LENGTH and res["one"]["outputs"] == 1
