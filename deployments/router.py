@@ -212,7 +212,7 @@ class Router:
             vreq = dataclasses.replace(vreq, segment=segment)
         decision = self.policy.decide(
             RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment,
-                            predicted=bool(vreq.prediction)),
+                            predicted=bool(vreq.prediction), scoring=vreq.params.scores_only),
             self._view())
         ready = self.spec_ready if decision.path is Path.SPECULATIVE else self.batch_ready
         if not ready:

@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping,scoring}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -24,6 +24,8 @@ BENCHES = {
                 "speculative path, side by side, with the tokens checked unchanged",
     "shaping": "what penalties, logit_bias and min_tokens cost on each path and whether speculation still "
                "pays under them, side by side, spec tokens checked equal to plain",
+    "scoring": "what scoring a text (prompt_logprobs / echo with max_tokens 0) costs next to prefilling it "
+               "and to generating it, the scored values checked against generation's",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

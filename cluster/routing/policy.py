@@ -8,7 +8,9 @@ Ignores: where in-flight counts and α come from (the Router deployment feeds th
 request travels (Ray handles, gRPC).
 
 Rule order (first match wins):
-1. mode PLAIN -> plain (MODE_PLAIN).
+1. mode PLAIN -> plain (MODE_PLAIN); a scoring request (``max_tokens`` 0: the prompt's
+   log-probabilities, nothing generated, so nothing to draft) in mode AUTO -> plain (SCORING): a
+   prefill-only request would only slow the SpecEngine's interactive requests.
 2. constrained (json_schema / regex) -> plain (CONSTRAINED) only when ``grammar_speculation`` is
    off. By default constrained requests route like any other: the SpecEngine speculates under the
    grammar (drafts cut where the grammar rejects them, verification under the grammar's masks:
@@ -75,6 +77,7 @@ class Path(enum.Enum):
 
 class RouteReason(enum.Enum):
     MODE_PLAIN = "mode_plain"
+    SCORING = "scoring"  # max_tokens 0: nothing is generated, so nothing to speculate
     MODE_SPECULATIVE = "mode_speculative"
     CONSTRAINED = "constrained"
     SPEC_UNAVAILABLE = "spec_unavailable"
@@ -194,6 +197,7 @@ class RequestFeatures:
     constrained: bool = False
     segment: str = "default"
     predicted: bool = False  # it sent a prediction (drafted from whatever the segment's α)
+    scoring: bool = False  # max_tokens 0: the prompt scored, nothing generated
 
 
 @dataclass(slots=True, frozen=True)
@@ -276,6 +280,8 @@ class RouterPolicy:
     def decide(self, req: RequestFeatures, view: EngineView) -> RouteDecision:
         if req.mode is SpecMode.PLAIN:
             return RouteDecision(Path.PLAIN, RouteReason.MODE_PLAIN)
+        if req.scoring and req.mode is SpecMode.AUTO:
+            return RouteDecision(Path.PLAIN, RouteReason.SCORING)
         if req.constrained and not self.config.grammar_speculation:
             return RouteDecision(Path.PLAIN, RouteReason.CONSTRAINED)
         if not view.spec_available:

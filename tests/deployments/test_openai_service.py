@@ -229,6 +229,7 @@ def test_echo_and_scoring_through_the_official_client_and_grpc(addrs, oa):
     s0 = scored.choices[0]
     assert (s0.text, s0.finish_reason, scored.usage.completion_tokens) == (text, "length", 0)
     assert s0.logprobs.tokens == list(text) and s0.logprobs.token_logprobs == [None] + [-0.25] * (len(text) - 1)
+    assert scored.model_extra["specserve"]["route"] == {"path": "plain", "reason": "scoring"}  # nothing to draft
     ids = oa.completions.create(model=MODEL, prompt=FAKE.tokenize(text), max_tokens=2, echo=True)
     assert ids.choices[0].text == text + want[:2] and ids.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
@@ -236,6 +237,7 @@ def test_echo_and_scoring_through_the_official_client_and_grpc(addrs, oa):
     c = Client(addrs.grpc, "oa", TOKEN)
     g = c.generate(prompt=text, max_tokens=0, prompt_logprobs=2)
     assert (g.text, list(g.token_ids), g.finish_reason, g.usage.completion_tokens) == ("", [], 1, 0)
+    assert (g.route.path, g.route.reason) == (2, "scoring")
     assert [e.chosen.token for e in g.prompt_logprobs] == [b.encode() for b in text[1:]]
     assert all(len(e.top) == 2 for e in g.prompt_logprobs)
     chunks = list(c.stream(prompt=text, max_tokens=3, prompt_logprobs=0))

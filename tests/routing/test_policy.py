@@ -43,6 +43,16 @@ def test_mode_overrides_and_hysteresis_state_untouched():
     assert p.spec_open  # overrides never flip the hysteresis bit
 
 
+def test_a_scoring_request_goes_plain_unless_its_mode_says_otherwise():
+    """max_tokens 0 generates nothing, so there is nothing to draft: AUTO sends it to the
+    BatchEngine (an idle SpecEngine too), an explicit mode is the client's."""
+    p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4))
+    assert decide(p, 0, scoring=True) == (PLAIN, RouteReason.SCORING)
+    assert decide(p, 0, scoring=True, mode=SpecMode.SPECULATIVE) == (SPEC, RouteReason.MODE_SPECULATIVE)
+    assert decide(p, 0, scoring=True, mode=SpecMode.PLAIN) == (PLAIN, RouteReason.MODE_PLAIN)
+    assert decide(p, 0) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD) and p.spec_open  # the bit untouched
+
+
 def test_constrained_routes_like_any_request_by_default():
     p = RouterPolicy(RouterConfig(enter_threshold=2, exit_threshold=4))
     assert decide(p, constrained=True) == (SPEC, RouteReason.BELOW_ENTER_THRESHOLD)
