@@ -9,7 +9,8 @@ they come; the first failure fails the request and cancels the rest, and closing
 choice still running, which aborts its engine request and frees its KV), and the request's
 summary for telemetry (``combined_final``: the choices' token counts and speculation counters
 summed). A completion's ``best_of``: that many candidates run as choices do, each reporting its
-tokens' log-probabilities, and ``best_choices`` picks the n answered. Every choice enters the
+tokens' log-probabilities, and ``best_choices`` picks the n answered. A completion's batch of
+prompts: one request per prompt (``prompt_requests``), each with its choices, prompt-major. Every choice enters the
 Router's in-flight count on its path, so n choices load the route decision and overflow balancing
 as n requests do. Ignores: response shapes
 (``cluster.api.openai_responses``), validation (``n``'s range is ``limits.max_choices``).
@@ -22,10 +23,21 @@ import dataclasses
 import math
 from typing import AsyncIterator, Callable
 
-from cluster.api.requests import ValidatedRequest
+from cluster.api.requests import Limits, RequestFields, ValidatedRequest, validate_fields
 from cluster.common.request import RequestOutput, SpecStats, TokenLogprobs
 
 _SEEDS = 1 << 64
+
+
+def prompt_requests(vreq: ValidatedRequest, batch: list[RequestFields], limits: Limits) -> list[ValidatedRequest]:
+    """A completion's batch of prompts: the admitted request (its first prompt's) once per prompt,
+    prompt i with the server id ``<id>-<i>`` and its own prompt, checked by the shared rules
+    (``validate_fields``); itself for a batch of one."""
+    if len(batch) == 1:
+        return [vreq]
+    return [dataclasses.replace(vreq, request_id=f"{vreq.request_id}-{i}",
+                                prompt=validate_fields(f, vreq.request_id, limits).prompt)
+            for i, f in enumerate(batch)]
 
 
 def choice_requests(vreq: ValidatedRequest, n: int, ranked: bool = False) -> list[ValidatedRequest]:
@@ -79,6 +91,13 @@ async def choice_outputs(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def best_of_each(candidates: list[list[TokenLogprobs]], each: int, n: int) -> list[int]:
+    """``best_choices`` for every prompt of a batch: candidates are prompt-major, ``each`` to a
+    prompt; the answered indices, prompt by prompt."""
+    return [start + i for start in range(0, len(candidates), each)
+            for i in best_choices(candidates[start : start + each], n)]
+
+
 def best_choices(candidates: list[list[TokenLogprobs]], n: int) -> list[int]:
     """OpenAI's ``best_of``: the indices of the ``n`` candidates with the highest log-probability
     per token (the mean of their output tokens' log-probabilities under the target's raw
@@ -91,12 +110,14 @@ def best_choices(candidates: list[list[TokenLogprobs]], n: int) -> list[int]:
     return sorted(range(len(candidates)), key=lambda i: -score(i))[:n]
 
 
-def combined_final(finals: list[RequestOutput]) -> RequestOutput:
+def combined_final(finals: list[RequestOutput], per_prompt: int | None = None) -> RequestOutput:
     """One finished output that stands for all the choices: the first choice's, with the output
-    tokens, prediction counts and speculation counters of all of them."""
+    tokens, prediction counts and speculation counters of all of them; ``per_prompt``: the choices
+    are a batch's, prompt-major, this many to a prompt (the prompt tokens of each prompt, once)."""
     first = finals[0]
     if len(finals) == 1:
         return first
+    prompt_tokens = sum(f.num_prompt_tokens for f in finals[:: per_prompt or len(finals)])
     spec = None
     if any(f.spec is not None for f in finals):
         spec = SpecStats()
@@ -104,7 +125,7 @@ def combined_final(finals: list[RequestOutput]) -> RequestOutput:
             if f.spec is not None:
                 spec.merge(f.spec)
     return dataclasses.replace(
-        first, new_token_ids=[], text_delta="", logprobs=[], spec=spec,
+        first, new_token_ids=[], text_delta="", logprobs=[], spec=spec, num_prompt_tokens=prompt_tokens,
         num_output_tokens=sum(f.num_output_tokens for f in finals),
         accepted_prediction_tokens=sum(f.accepted_prediction_tokens for f in finals),
         rejected_prediction_tokens=sum(f.rejected_prediction_tokens for f in finals))

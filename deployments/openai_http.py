@@ -10,7 +10,8 @@ header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the r
 so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
 error event; a failure after that is one error event and ``data: [DONE]``. ``n`` choices are n engine requests on the route the request
 got, run at once (``deployments.openai_choices``); the response waits for all of them, a stream
-interleaves their events; ``best_of`` runs that many and answers the n best (never streamed). A client that disconnects cancels the response task: every ``_forward``
+interleaves their events; ``best_of`` runs that many and answers the n best (never streamed); a
+completion's batch of prompts runs each prompt's choices, prompt-major (choice i * n + j). A client that disconnects cancels the response task: every ``_forward``
 is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
 one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
@@ -30,14 +31,15 @@ from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, chat_tools,
-                                        check_choices, completion_fields, echoed_prompt, num_candidates,
+                                        check_choices, completion_batch, echoed_prompts, num_candidates,
                                         parse_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, invalid
 from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
-from deployments.openai_choices import best_choices, choice_outputs, choice_requests, combined_final
+from deployments.openai_choices import (best_of_each, choice_outputs, choice_requests, combined_final,
+                                        prompt_requests)
 
 if TYPE_CHECKING:
     from deployments.router import Router
@@ -63,18 +65,20 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
                      request_id: str) -> AsyncIterator[ServiceError | dict | str]:
     """One request: yields a ``ServiceError`` (nothing was sent yet), or the unary body, or the
     stream's events (the first only once the engine produced output)."""
-    cls, to_fields = ((ChatCompletionRequest, chat_fields) if kind is Kind.CHAT
-                      else (CompletionRequest, completion_fields))
+    cls = ChatCompletionRequest if kind is Kind.CHAT else CompletionRequest
     operation = sc.OP_CHAT if kind is Kind.CHAT else sc.OP_TEXT_COMPLETION
     body = None
+    batch: list = []  # a completion's prompts' RequestFields; the first is admitted
     started = False
 
     def read():
-        nonlocal body
+        nonlocal body, batch
         check_size(len(raw), router.limits)  # before parsing what may be a huge body
         body = parse_body(raw, cls)
         check_choices(body, router.limits)
-        return to_fields(body, len(raw), router.served_model)
+        batch = ([chat_fields(body, len(raw), router.served_model)] if kind is Kind.CHAT
+                 else completion_batch(body, len(raw), router.served_model))
+        return batch[0]
 
     last: ServiceError | dict | str | None = None  # sent after the telemetry closed: the consumer
     #                                              closes this generator once it has it
@@ -84,13 +88,15 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             vreq, decision = await router._admit(metadata, request_id, read)
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
+            n, each = body.n or 1, num_candidates(body)
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
                              include_usage=body.stream and body.include_usage,
                              logprobs=vreq.params.logprobs is not None,
                              tools=chat_tools(body) if kind is Kind.CHAT else None,
-                             echo=echoed_prompt(body) if kind is Kind.COMPLETION else None)
-            ranked = num_candidates(body) > (body.n or 1)  # best_of: more candidates than answers
-            choices = choice_requests(vreq, num_candidates(body), ranked=ranked)
+                             echo=echoed_prompts(body) if kind is Kind.COMPLETION else None, per_prompt=n)
+            ranked = each > n  # best_of: more candidates than answers
+            choices = [c for p in prompt_requests(vreq, batch, router.limits)
+                       for c in choice_requests(p, each, ranked=ranked)]
             accs = [Accumulator(request_id, decision) for _ in choices]
             streams = [functools.partial(router._forward, c, decision, tel.carrier(), whole=not body.stream)
                        for c in choices]
@@ -101,11 +107,11 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
                         yield event
                         started = True
                     accs[i].add(out)
-            final = combined_final([a.final for a in accs])
+            final = combined_final([a.final for a in accs], per_prompt=each)
             if len(choices) > 1:
                 tel.output(final)  # the request's usage and counters: all its choices'
             if ranked:
-                best = [accs[i] for i in best_choices([a.logprobs for a in accs], body.n or 1)]
+                best = [accs[i] for i in best_of_each([a.logprobs for a in accs], each, n)]
                 last = resp.body(best, final, completion_tokens=sum(len(a.token_ids) for a in accs))
             elif not body.stream:
                 last = resp.body(accs, final)

@@ -6,7 +6,8 @@ chunk carries ``"usage": null`` and one more chunk with empty ``choices`` carrie
 finish-reason mapping (EOS and stop strings are OpenAI's ``stop``, the token budget ``length``),
 the choice's ``logprobs`` when asked (chat's ``content`` entries, the completion's legacy
 tokens / token_logprobs / top_logprobs / text_offset), a completion's ``echo`` (each choice's text
-and logprobs begin with the prompt's; its first token has no log-probability: null), ``n`` choices (each with its ``index``;
+and logprobs begin with its prompt's; the first token has no log-probability: null), a completion's
+batch of prompts (choice ``i * n + j`` is prompt i's choice j, as OpenAI's), ``n`` choices (each with its ``index``;
 streamed, each event carries one choice's delta; usage counts the prompt once and every choice's
 tokens) and the ``specserve`` object every response carries: the route (path, reason), the ids (the
 server's and the client's label) and, once finished, the speculation counters (draft and accepted
@@ -116,9 +117,11 @@ class Responder:
     include_usage: bool = False
     logprobs: bool = False  # the request asked for log-probabilities
     tools: "ToolPlan | None" = None  # the output is a tool call (``cluster.api.openai_tools``)
-    # a completion's echo: each choice's text (and logprobs) start with the prompt's — this text, or
-    # for a prompt of token ids ("") the text its entries spell (``openai_schemas.echoed_prompt``)
-    echo: str | None = None
+    # a completion's echo: each choice's text (and logprobs) start with its prompt's — per prompt of
+    # the batch, this text, or for a prompt of token ids ("") the text its entries spell
+    # (``openai_schemas.echoed_prompts``); choices are prompt-major, ``per_prompt`` to a prompt
+    echo: tuple[str, ...] | None = None
+    per_prompt: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     # a streamed completion's characters so far, per choice (its logprobs' text_offset)
     _text_offset: dict[int, int] = field(default_factory=dict)
@@ -145,7 +148,7 @@ class Responder:
         text_offset starts after it."""
         if self.echo is None:
             return ""
-        text = self.echo or spelled(prompt)
+        text = self.echo[index // self.per_prompt] or spelled(prompt)
         self._text_offset[index] = len(text)
         return text
 

@@ -5,8 +5,7 @@ where a number belongs is a 400, an int where a float belongs is fine; a field w
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
 (suffix, the deprecated ``functions``, audio,
-reasoning effort, stored completions, speaker names, non-text content parts,
-batched prompts — each OpenAI field that changes nothing here is accepted only at the value that
+reasoning effort, stored completions, speaker names, non-text content parts — each OpenAI field that changes nothing here is accepted only at the value that
 asks for nothing: ``modalities`` ["text"], ...), ``tools`` / ``tool_choice`` and the messages'
 calls and results (their rules, the tools' system text and the call's schema: ``openai_tools``),
 ``response_format`` (``json_object`` /
@@ -250,19 +249,25 @@ def _refuse(body: _Common) -> None:
 def check_choices(body: _Common, limits: Limits) -> None:
     """``n``: how many choices, each its own engine request (``limits.max_choices`` at most: n
     choices load the engines as n requests do); a completion's ``best_of``: how many candidates
-    the n are chosen from (n to ``limits.max_choices``; not streamed, as OpenAI's)."""
+    the n are chosen from (n to ``limits.max_choices``; not streamed, as OpenAI's); a completion's
+    batch of prompts: its prompts times their choices (or candidates) at most ``limits.max_choices``."""
     if body.n is not None and not 1 <= body.n <= limits.max_choices:
         raise invalid(f"n must be in [1, {limits.max_choices}], got {body.n}", "n")
     best_of = getattr(body, "best_of", None)
-    if best_of is None:
-        return
-    if not 1 <= best_of <= limits.max_choices:
-        raise invalid(f"best_of must be in [1, {limits.max_choices}], got {best_of}", "best_of")
-    if best_of < (body.n or 1):
-        raise invalid(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
-    if best_of > 1 and body.stream:
-        raise invalid("best_of cannot be streamed: the best candidates are known only once all have finished",
-                      "best_of")
+    if best_of is not None:
+        if not 1 <= best_of <= limits.max_choices:
+            raise invalid(f"best_of must be in [1, {limits.max_choices}], got {best_of}", "best_of")
+        if best_of < (body.n or 1):
+            raise invalid(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+        if best_of > 1 and body.stream:
+            raise invalid("best_of cannot be streamed: the best candidates are known only once all have "
+                          "finished", "best_of")
+    if isinstance(body, CompletionRequest):  # a batch of prompts: each prompt's choices are engine requests
+        prompts, each = len(completion_prompts(body)), num_candidates(body)
+        if prompts * each > limits.max_choices:
+            raise invalid(f"a batch of {prompts} prompts x {each} {'candidates' if best_of else 'choices'} is "
+                          f"{prompts * each} engine requests, over limits.max_choices ({limits.max_choices})",
+                          "prompt")
 
 
 def num_candidates(body: _Common) -> int:
@@ -389,36 +394,37 @@ def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestF
                          **common)
 
 
-def completion_fields(body: CompletionRequest, size: int, served: str) -> RequestFields:
+def completion_batch(body: CompletionRequest, size: int, served: str) -> list[RequestFields]:
+    """One ``RequestFields`` per prompt of the body's batch (a string or token ids is a batch of
+    one), the same in every field but the prompt."""
     check_model(body, served)
     _refuse(body)
-    prompt = _one_prompt(body)
     common = _common(body, size, body.max_tokens)
     common["logprobs"] = _num_logprobs(body.logprobs, "logprobs")
-    if body.echo:  # the prompt's entries: scored when logprobs is set, the echoed text of token ids
-        needed = common["logprobs"] is not None or not isinstance(prompt, str) or body.max_tokens == 0
-        common["prompt_logprobs"] = (common["logprobs"] or 0) if needed else None
-    if isinstance(prompt, str):
-        return RequestFields(prompt=prompt, **common)
-    return RequestFields(token_ids=tuple(prompt), **common)
+    out = []
+    for prompt in completion_prompts(body):
+        fields = dict(common)
+        if body.echo:  # the prompt's entries: scored when logprobs is set, the echoed text of token ids
+            needed = fields["logprobs"] is not None or not isinstance(prompt, str) or body.max_tokens == 0
+            fields["prompt_logprobs"] = (fields["logprobs"] or 0) if needed else None
+        out.append(RequestFields(prompt=prompt, **fields) if isinstance(prompt, str)
+                   else RequestFields(token_ids=tuple(prompt), **fields))
+    return out
 
 
-def echoed_prompt(body: CompletionRequest) -> str | None:
-    """The text a completion with ``echo`` puts before each choice's output: a text prompt as it was
-    sent; "" for token ids (their text is spelled from the prompt's entries, ``openai_responses``);
-    None without echo."""
+def echoed_prompts(body: CompletionRequest) -> tuple[str, ...] | None:
+    """Per prompt of the batch, the text a completion with ``echo`` puts before each of its choices'
+    outputs: a text prompt as it was sent; "" for token ids (their text is spelled from the
+    prompt's entries, ``openai_responses``); None without echo."""
     if not body.echo:
         return None
-    prompt = _one_prompt(body)
-    return prompt if isinstance(prompt, str) else ""
+    return tuple(p if isinstance(p, str) else "" for p in completion_prompts(body))
 
 
-def _one_prompt(body: CompletionRequest) -> str | list[int]:
-    """The prompt: a string or token ids (a batch of one is its one prompt; a larger batch is refused)."""
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The body's batch of prompts, each a string or token ids (OpenAI's four shapes: a string,
+    token ids, a list of strings, a list of token-id lists)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:  # a batch of prompts: one prompt per request here
-            raise invalid(f"prompt must be one prompt (a string or a list of token ids), got a "
-                          f"batch of {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    return prompt
+        return list(prompt)
+    return [prompt]

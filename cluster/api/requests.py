@@ -45,7 +45,7 @@ class Limits:
     max_stop_chars: int = 256  # per stop string
     max_constraint_chars: int = 16384  # json_schema / regex text; bounds the checker's work
     max_label_chars: int = 128  # the client's request_id metadata (a label, echoed and logged)
-    max_choices: int = 8  # OpenAI's n: choices per request, each an engine request
+    max_choices: int = 8  # engine requests per HTTP request: n (or best_of) x a completion's prompts
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "default_max_tokens", "max_prompt_tokens", "max_message_bytes",

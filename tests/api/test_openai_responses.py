@@ -129,7 +129,7 @@ def test_echo_puts_the_prompt_and_its_entries_first():
     output's offsets continue after the prompt's text — unary, and streamed on the first chunk."""
     final = RequestOutput("e", [7], " \ufffd", finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=2,
                           num_output_tokens=2)
-    r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")
+    r = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo=("Say hi",))
     acc = Accumulator("e", DECISION, ["Hi", " \ufffd"], [5, 7], LPS[:2], final, PROMPT)
     choice = r.body([acc], final)["choices"][0]
     assert choice["text"] == "Say hiHi \ufffd"
@@ -137,15 +137,15 @@ def test_echo_puts_the_prompt_and_its_entries_first():
     assert lp["tokens"] == ["Say", " hi", "Hi", " \ufffd"] and lp["token_logprobs"] == [None, -3.0, -0.1, -0.7]
     assert lp["top_logprobs"][:2] == [None, {" it": -1.0, " hi": -3.0}] and lp["text_offset"] == [0, 3, 6, 8]
     assert r.body([acc], final)["usage"]["completion_tokens"] == 2  # the echoed prompt is not output
-    spelled = Responder(Kind.COMPLETION, "s", "", "m", DECISION, echo="")  # token ids: spelled from the entries
+    spelled = Responder(Kind.COMPLETION, "s", "", "m", DECISION, echo=("",))  # token ids: spelled from the entries
     assert spelled.body([acc], final)["choices"][0] == {"index": 0, "text": "Say hiHi \ufffd", "logprobs": None,
                                                        "finish_reason": "length"}
-    s = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")
+    s = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo=("Say hi",))
     one = _event(s.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1], prompt_logprobs=PROMPT), first=True))
     two = _event(s.chunk(RequestOutput("e", [7], " \ufffd", logprobs=LPS[1:2]), first=False))
     assert one["choices"][0]["text"] == "Say hiHi" and two["choices"][0]["text"] == " \ufffd"
     assert one["choices"][0]["logprobs"]["text_offset"] == [0, 3, 6] and two["choices"][0]["logprobs"]["text_offset"] == [8]
-    scored = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo="Say hi")  # max_tokens 0
+    scored = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True, echo=("Say hi",))  # max_tokens 0
     only = _event(scored.chunk(RequestOutput("e", [], "", finished=True, finish_reason=FinishReason.LENGTH,
                                              prompt_logprobs=PROMPT), first=True))["choices"][0]
     assert (only["text"], only["finish_reason"], only["logprobs"]["tokens"]) == ("Say hi", "length", ["Say", " hi"])

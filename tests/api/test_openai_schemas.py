@@ -7,7 +7,8 @@ import pytest
 
 from cluster.api import stubs
 from cluster.api.openai_schemas import (
-    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_fields, echoed_prompt, num_candidates,
+    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_batch, echoed_prompts,
+    num_candidates,
     parse_body,
 )
 from cluster.api.requests import Limits, validate_fields, validate_request
@@ -29,7 +30,7 @@ def completion(**body):
     raw = json.dumps({"prompt": "hi", **body}).encode()
     body = parse_body(raw, CompletionRequest)
     check_choices(body, LIMITS)
-    return completion_fields(body, len(raw), "m")
+    return completion_batch(body, len(raw), "m")[0]
 
 
 def refused(fn, match, param=None, code=grpc.StatusCode.INVALID_ARGUMENT, **body):
@@ -56,7 +57,16 @@ def test_completion_prompt_shapes():
     assert completion(prompt="abc").prompt == "abc"
     assert completion(prompt=[5, 6]).token_ids == (5, 6)
     assert completion(prompt=["one"]).prompt == "one" and completion(prompt=[[7, 8]]).token_ids == (7, 8)
-    refused(completion, "got a batch of 2", "prompt", prompt=["a", "b"])
+    batch = completion_batch(parse_body(b'{"prompt": ["a", "b"], "max_tokens": 3, "echo": true}', CompletionRequest),
+                             60, "m")  # a batch: one RequestFields per prompt, the rest the same
+    assert [f.prompt for f in batch] == ["a", "b"] and {f.max_tokens for f in batch} == {3}
+    ids = completion_batch(parse_body(b'{"prompt": [[1, 2], [3]], "echo": true}', CompletionRequest), 40, "m")
+    assert [f.token_ids for f in ids] == [(1, 2), (3,)] and {f.prompt_logprobs for f in ids} == {0}  # spelled
+    refused(completion, r"a batch of 3 prompts x 3 choices is 9 engine requests, over limits.max_choices \(8\)",
+            "prompt", prompt=["a", "b", "c"], n=3)
+    refused(completion, r"a batch of 2 prompts x 5 candidates is 10 engine requests", "prompt",
+            prompt=["a", "b"], best_of=5)
+    completion(prompt=["a"] * 8)  # at the cap
     assert completion(prompt=[]).token_ids == ()  # the shared rule says "no ids" (below)
     with pytest.raises(ServiceError, match="prompt_token_ids has no ids"):
         validate_fields(completion(prompt=[]), "r", LIMITS)
@@ -296,7 +306,8 @@ def test_echo_asks_for_the_prompts_entries_where_they_are_needed():
     v = validate_fields(scoring, "r", LIMITS)
     assert v.params.scores_only and v.params.logprobs == 1
     assert completion(echo=True, max_tokens=0).prompt_logprobs == 0
-    for prompt, want in (("say hi", "say hi"), (["say hi"], "say hi"), ([1, 2], ""), ([[1, 2]], "")):
-        assert echoed_prompt(parse_body(json.dumps({"prompt": prompt, "echo": True}).encode(), CompletionRequest)) == want
-    assert echoed_prompt(parse_body(b'{"prompt": "x"}', CompletionRequest)) is None
+    for prompt, want in (("say hi", ("say hi",)), (["say hi"], ("say hi",)), ([1, 2], ("",)), ([[1, 2]], ("",)),
+                         (["a", "b"], ("a", "b")), ([[1], [2, 3]], ("", ""))):
+        assert echoed_prompts(parse_body(json.dumps({"prompt": prompt, "echo": True}).encode(), CompletionRequest)) == want
+    assert echoed_prompts(parse_body(b'{"prompt": "x"}', CompletionRequest)) is None
     refused(chat, "unrecognized request argument supplied: echo", "echo", echo=True)  # OpenAI's chat has none

@@ -83,6 +83,8 @@ FIELDS = {
     "min_tokens": st.one_of(st.integers(-1, 1100), st.just("2"), st.none()),
     "echo": st.one_of(st.booleans(), st.none(), json_values),
     "best_of": st.one_of(st.integers(-1, 10), st.none(), st.just("2")),
+    "prompt": st.one_of(st.lists(st.text(max_size=10), max_size=10),  # a batch (chat: unrecognized)
+                        st.lists(st.lists(st.integers(-1, 300), max_size=5), max_size=10)),
     "mode": st.sampled_from(["auto", "speculative", "plain", "turbo", 3]),
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),

@@ -1,16 +1,20 @@
 """OpenAI's ``n`` on the Router side: the choices' engine requests, running them at once (outputs
-as they come, a failure failing the request, closing cancelling every choice), their summary, and
-``best_of``'s ranking of candidates.
+as they come, a failure failing the request, closing cancelling every choice), their summary,
+``best_of``'s ranking of candidates, and a completion's batch of prompts.
 End to end through the official client: tests/deployments/test_openai_service.py."""
 import asyncio
+import dataclasses
 
 import pytest
 
-from cluster.api.requests import PromptInput, ValidatedRequest
+from cluster.api.requests import Limits, PromptInput, RequestFields, ValidatedRequest
+from cluster.api.status import ServiceError
 from cluster.common.request import (
     FinishReason, Logprob, RequestOutput, SamplingParams, SpecMode, SpecStats, TokenLogprobs,
 )
-from deployments.openai_choices import best_choices, choice_outputs, choice_requests, combined_final
+from deployments.openai_choices import (
+    best_choices, best_of_each, choice_outputs, choice_requests, combined_final, prompt_requests,
+)
 
 
 def vreq(seed: int | None) -> ValidatedRequest:
@@ -108,6 +112,9 @@ def test_combined_final_sums_the_choices():
     assert (c.spec.draft_tokens, c.spec.accepted_tokens, c.spec.rejections) == (8, 6, 1)
     assert c.new_token_ids == [] and c.text_delta == ""  # a summary, not a delta
     assert combined_final(finals[:1]) is finals[0]
+    other = dataclasses.replace(finals[1], num_prompt_tokens=4)  # a batch of two prompts, one choice each
+    assert combined_final([finals[0], other], per_prompt=1).num_prompt_tokens == 13
+    assert combined_final([finals[0], finals[1], other, other], per_prompt=2).num_prompt_tokens == 13
     assert combined_final([RequestOutput("p", [], "", finished=True, num_output_tokens=1)] * 2).spec is None
 
 
@@ -127,3 +134,25 @@ def test_ranked_candidates_report_logprobs_and_the_best_per_token_win():
     assert best_choices(candidates, 3) == [1, 0, 2]
     assert best_choices(candidates, 4)[-1] == 3  # no tokens: last
     assert best_choices([lps(-0.5), lps(-0.5)], 2) == [0, 1]  # a tie keeps the candidates' order
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt_checked_by_the_shared_rules():
+    one = vreq(5)
+    limits = Limits()
+    assert prompt_requests(one, [RequestFields(size=10, prompt="hi")], limits) == [one]  # a batch of one: itself
+    batch = prompt_requests(one, [RequestFields(size=10, prompt="hi"), RequestFields(size=10, token_ids=(7, 8))], limits)
+    assert [r.request_id for r in batch] == ["abc-0", "abc-1"]
+    assert [r.prompt for r in batch] == [PromptInput(text="hi"), PromptInput(token_ids=(7, 8))]
+    assert all(r.params == one.params and r.segment == one.segment for r in batch)
+    assert [r.request_id for p in batch for r in choice_requests(p, 2)] == ["abc-0-0", "abc-0-1", "abc-1-0", "abc-1-1"]
+    with pytest.raises(ServiceError, match="prompt is empty"):
+        prompt_requests(one, [RequestFields(size=10, prompt="hi"), RequestFields(size=10, prompt="  ")], limits)
+
+
+def test_best_of_each_prompt_ranks_its_own_candidates():
+    def lps(v):
+        return [TokenLogprobs(Logprob(1, v))]
+
+    # two prompts, three candidates each; one answered per prompt
+    assert best_of_each([lps(-2), lps(-1), lps(-3), lps(-0.5), lps(-4), lps(-0.1)], 3, 1) == [1, 5]
+    assert best_of_each([lps(-2), lps(-1), lps(-3), lps(-0.5)], 2, 2) == [1, 0, 3, 2]

@@ -260,6 +260,32 @@ def test_best_of_through_the_official_client(oa):
         oa.completions.create(model=MODEL, prompt="pick me", max_tokens=5, best_of=2, stream=True)
 
 
+def test_a_batch_of_prompts_through_the_official_client(oa):
+    """A completion's batch of prompts (strings or token-id lists): choice i * n + j is prompt i's
+    choice j, each prompt echoed before its own choices, usage counting each prompt once and every
+    choice's tokens; streamed, the events name those indices; best_of picks per prompt; one bad
+    prompt in the batch is a 400 naming it, and a batch over limits.max_choices is a 400."""
+    texts = ["first one", "two"]
+    r = oa.completions.create(model=MODEL, prompt=texts, max_tokens=3, n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [t + fake_output(FAKE.tokenize(t), 3) for t in texts for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(map(len, texts)) and r.usage.completion_tokens == 12
+    ids = oa.completions.create(model=MODEL, prompt=[FAKE.tokenize(t) for t in texts], max_tokens=2)
+    assert [c.text for c in ids.choices] == [fake_output(FAKE.tokenize(t), 2) for t in texts]
+    events = list(oa.completions.create(model=MODEL, prompt=texts, max_tokens=3, stream=True, echo=True))
+    by_index = {}
+    for e in events:
+        for c in e.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert by_index == {i: t + fake_output(FAKE.tokenize(t), 3) for i, t in enumerate(texts)}
+    best = oa.completions.create(model=MODEL, prompt=texts, max_tokens=2, best_of=2)
+    assert len(best.choices) == 2 and best.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="prompt is empty"):
+        oa.completions.create(model=MODEL, prompt=["fine", "  "], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="over limits.max_choices"):
+        oa.completions.create(model=MODEL, prompt=["a"] * 5, max_tokens=2, n=2)
+
+
 def test_completion_stream_raw_sse(addrs):
     with requests.post(f"{addrs.http}/oa/v1/completions", timeout=60, stream=True,
                        headers={"Authorization": f"Bearer {TOKEN}"},
