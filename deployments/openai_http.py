@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of the Router replica (the ASGI app Ray Serve's HTTP proxy calls).
 
 Owns: the routes — ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary JSON, or
-Server-Sent Events with ``stream: true``), ``GET /v1/models``, ``GET /health`` (200 when every
+Server-Sent Events with ``stream: true``), ``GET /v1/models`` and ``GET /v1/models/{model}``, ``GET /health`` (200 when every
 engine is ready, else 503; exempt from auth like gRPC's health check) — and one request's life on
 HTTP: the body goes through the Router's own ``_admit`` (bearer auth from the ``Authorization``
 header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the route decision) and
@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -186,14 +187,27 @@ def build_openai_app(router: "Router") -> FastAPI:
     async def completions(request: Request) -> Response:
         return await _complete(router, request, Kind.COMPLETION)
 
+    def card() -> dict:
+        return {"id": router.served_model, "object": "model", "created": started, "owned_by": "specserve"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
             check_bearer(_metadata(request), router.token)
         except ServiceError as err:
             return _error(err)
-        return JSONResponse({"object": "list", "data": [
-            {"id": router.served_model, "object": "model", "created": started, "owned_by": "specserve"}]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Response:
+        try:
+            check_bearer(_metadata(request), router.token)
+            if model != router.served_model:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist; this server "
+                                   f"serves {router.served_model!r}", "model")
+        except ServiceError as err:
+            return _error(err)
+        return JSONResponse(card())
 
     @app.get("/health")
     async def health() -> Response:

@@ -79,6 +79,10 @@ def test_health_models_and_auth(addrs, oa):
     r = requests.get(f"{addrs.http}/oa/v1/completions", timeout=30)
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     assert [m.id for m in oa.models.list().data] == [MODEL]
+    assert oa.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "does not exist" in e.value.body["message"]
     anon = openai.OpenAI(base_url=f"{addrs.http}/oa/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         anon.models.list()
