@@ -155,13 +155,15 @@ class Responder:
     def _logprobs(self, logprobs: list[TokenLogprobs], last: RequestOutput | None, index: int,
                   prompt: list[TokenLogprobs] = ()) -> dict | None:
         """Choice ``index``'s ``logprobs`` (None when not asked); ``last``: the final output when
-        these are its last tokens — an end-of-sequence token ends no text, so it has no entry;
+        these are its last tokens — a chat's end-of-turn token ends no text, so it has no entry (a
+        completion's legacy logprobs keep it, as OpenAI's and vLLM's do: an evaluation harness
+        that asks for one token past an echoed prompt drops the last entry, whatever it is);
         ``prompt``: an echoed prompt's entries, first (their offsets from 0)."""
         if not self.logprobs:
             return None
-        if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
-            logprobs = logprobs[:-1]
         if self.kind is Kind.CHAT:
+            if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
+                logprobs = logprobs[:-1]
             return chat_logprobs(logprobs)
         offset = self._text_offset.get(index, 0)
         body = completion_logprobs(logprobs, offset)

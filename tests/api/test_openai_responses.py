@@ -114,6 +114,9 @@ def test_completion_logprobs_legacy_shape_with_offsets_across_chunks():
     assert b["tokens"] == ["Hi", " \ufffd"] and b["token_logprobs"] == [-0.1, -0.7]
     assert b["text_offset"] == [0, 2]
     assert b["top_logprobs"][0] == {"Hi": -0.1, "Hey": -2.5}  # the chosen token is among them (up to n + 1)
+    eos = _body(Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True), "Hi \ufffd", _final(), 3, LPS)
+    lp = eos["choices"][0]["logprobs"]  # a completion keeps the end-of-sequence token's entry (OpenAI's, vLLM's)
+    assert lp["tokens"] == ["Hi", " \ufffd", "<|im_end|>"] and lp["text_offset"] == [0, 2, 4]
     s = Responder(Kind.COMPLETION, "s", "", "m", DECISION, logprobs=True)
     one = _event(s.chunk(RequestOutput("e", [5], "Hi", logprobs=LPS[:1]), first=True))["choices"][0]["logprobs"]
     two = _event(s.chunk(RequestOutput("e", [7], " \ufffd", logprobs=LPS[1:2]), first=False))["choices"][0]["logprobs"]

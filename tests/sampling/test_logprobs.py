@@ -245,3 +245,24 @@ def test_a_one_token_prompt_has_only_its_first_entry(default_model):
         GenerationRequest("one", [default_model.tokenizer("Hi", add_special_tokens=False)["input_ids"][0]],
                           SamplingParams(max_tokens=0, prompt_logprobs=2))])
     assert [e.chosen.logprob for e in res["one"]["plp"]] == [None] and res["one"]["finish"] is FinishReason.LENGTH and res["one"]["outputs"] == 1
+
+
+def test_a_prompt_that_cannot_be_scored_fails_alone(default_model, rows, monkeypatch):
+    """A fault scoring one request's prompt (a non-finite row) finishes that request alone with an
+    error, frees its KV, and leaves a request beside it unchanged."""
+    tok = default_model.tokenizer
+    ids = prompt_ids(tok, rows[0])
+    want = _run_prompt(_chunked_engine(default_model), [GenerationRequest("ok", ids, SamplingParams(max_tokens=8))])
+    real = LLMEngine._score_prompt
+
+    def score(seq, positions, prompt_rows):
+        if seq.seq_id == "bad":
+            raise ValueError("the target's log-probability of token 5 is not finite (nan)")
+        real(seq, positions, prompt_rows)
+
+    monkeypatch.setattr(LLMEngine, "_score_prompt", staticmethod(score))
+    eng = _chunked_engine(default_model)
+    got = _run_prompt(eng, [GenerationRequest("ok", ids, SamplingParams(max_tokens=8, prompt_logprobs=0)),
+                            GenerationRequest("bad", ids, SamplingParams(max_tokens=8, prompt_logprobs=0))])
+    assert got["bad"]["finish"] is FinishReason.ERROR and got["bad"]["ids"] == []
+    assert got["ok"]["ids"] == want["ok"]["ids"] and len(got["ok"]["plp"]) == len(ids)
