@@ -2,7 +2,8 @@
 
 Owns: constructing the injected engine class from ``AppConfig`` (torch threads per replica),
 starting it in the background so the replica is up at once and ``ready()`` reports the engine's
-real readiness, tokenizing + checking prompts next to the model, and streaming ``RequestOutput``
+real readiness, tokenizing + checking prompts next to the model (and, asked alone, tokenizing a
+prompt or spelling token ids: ``tokenize`` / ``detokenize``), and streaming ``RequestOutput``
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
 the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
@@ -21,7 +22,7 @@ import sys
 import time
 from typing import AsyncIterator
 
-from cluster.api.requests import ValidatedRequest, to_generation_request
+from cluster.api.requests import PromptInput, ValidatedRequest, to_generation_request, tokenize_prompt
 from cluster.api.status import EngineFailure, FailureKind
 from cluster.common.request import Logprob, RequestOutput, TokenLogprobs, merge_outputs
 from cluster.speculative.prediction import prediction_overlap
@@ -124,13 +125,38 @@ class EngineServer:
     def model_info(self) -> dict:
         return self.engine.model_info() if self.ready() else {}
 
+    def tokenize(self, prompt: PromptInput) -> dict | EngineFailure:
+        """{"token_ids": the ids ``generate`` would feed the model for ``prompt`` (text or a chat),
+        "max_model_len"}, or the failure (the engine not ready, nothing left after tokenization)."""
+        if not self.ready():
+            return EngineFailure(FailureKind.UNAVAILABLE, "engine is not ready yet")
+        try:
+            return {"token_ids": tokenize_prompt(prompt, self.engine, self._vocab_size()),
+                    "max_model_len": int(self.engine.model_info().get("max_model_len") or 0)}
+        except Exception as exc:  # noqa: BLE001 - a record, never a raise (the Router maps it)
+            return self._failure(exc, "tokenize")
+
+    def detokenize(self, token_ids: list[int]) -> str | EngineFailure:
+        """The text ``token_ids`` stand for (each token's bytes, joined and decoded as UTF-8; an
+        incomplete character is U+FFFD), or the failure (an id outside the vocabulary)."""
+        if not self.ready():
+            return EngineFailure(FailureKind.UNAVAILABLE, "engine is not ready yet")
+        vocab = self._vocab_size()
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            return EngineFailure(FailureKind.INVALID_ARGUMENT, f"token_ids out of range [0, {vocab}): {bad[:5]}")
+        return b"".join(self.engine.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def _vocab_size(self) -> int:
+        return int(self.engine.model_info().get("vocab_size") or 0) or sys.maxsize
+
     @staticmethod
-    def _failure(exc: Exception, req: ValidatedRequest) -> EngineFailure:
-        failure = EngineFailure.from_exception(exc, req.request_id)
+    def _failure(exc: Exception, request_id: str, label: str = "") -> EngineFailure:
+        failure = EngineFailure.from_exception(exc, request_id)
         if failure.kind is FailureKind.INTERNAL:  # not the engine's own user-facing error: log it all
-            log.error("request %s (label %r) failed in the engine", req.request_id, req.label, exc_info=exc)
+            log.error("request %s (label %r) failed in the engine", request_id, label, exc_info=exc)
         elif failure.kind is FailureKind.UNAVAILABLE:
-            log.warning("request %s (label %r): %s", req.request_id, req.label, exc)
+            log.warning("request %s (label %r): %s", request_id, label, exc)
         return failure
 
     async def generate(self, req: ValidatedRequest, trace_carrier: dict[str, str] | None = None,
@@ -143,8 +169,7 @@ class EngineServer:
         finished = False
         try:
             try:
-                info_vocab = int(self.engine.model_info().get("vocab_size") or 0) or sys.maxsize
-                gen_req = to_generation_request(req, self.engine, self.limits, info_vocab,
+                gen_req = to_generation_request(req, self.engine, self.limits, self._vocab_size(),
                                                 arrival_time=time.monotonic())
                 gen_req.trace_carrier = trace_carrier or {}  # Router span -> engine spans
                 stream = self.engine.generate(gen_req)
@@ -153,7 +178,7 @@ class EngineServer:
                 yield EngineFailure(FailureKind.INTERNAL, "engine produced no output")
                 return
             except Exception as exc:  # InvalidRequestError, EngineOverloadedError, ...
-                yield self._failure(exc, req)
+                yield self._failure(exc, req.request_id, req.label)
                 return
             finished = first.finished
             predicted, output = gen_req.prediction_token_ids, list(first.new_token_ids)
@@ -173,7 +198,7 @@ class EngineServer:
                     yield _with_token_bytes(await _prediction_usage(out, predicted, output), token_bytes)
             except Exception as exc:  # EngineUnavailableError: the engine's core process died
                 finished = True  # the engine has dropped the request already
-                yield self._failure(exc, req)
+                yield self._failure(exc, req.request_id, req.label)
         finally:
             self._in_flight -= 1
             if stream is not None and not finished:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the Router replica (the ASGI app Ray Serve's HTTP proxy calls).
 
 Owns: the routes — ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary JSON, or
-Server-Sent Events with ``stream: true``), ``GET /v1/models`` and ``GET /v1/models/{model}``, ``GET /health`` (200 when every
+Server-Sent Events with ``stream: true``), ``GET /v1/models`` and ``GET /v1/models/{model}``,
+vLLM's ``POST /tokenize`` and ``POST /detokenize`` (the Router's, gRPC's Tokenize / Detokenize), ``GET /health`` (200 when every
 engine is ready, else 503; exempt from auth like gRPC's health check) — and one request's life on
 HTTP: the body goes through the Router's own ``_admit`` (bearer auth from the ``Authorization``
 header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the route decision) and
@@ -31,9 +32,9 @@ from starlette.exceptions import HTTPException
 from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
-from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, chat_fields, chat_tools,
-                                        check_choices, completion_batch, echoed_prompts, num_candidates,
-                                        parse_body)
+from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody,
+                                        chat_fields, chat_tools, check_choices, check_model, completion_batch,
+                                        echoed_prompts, num_candidates, parse_body, tokenize_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError, invalid
@@ -208,6 +209,34 @@ def build_openai_app(router: "Router") -> FastAPI:
         except ServiceError as err:
             return _error(err)
         return JSONResponse(card())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:  # vLLM's: the ids a request would feed the model
+        metadata = _metadata(request)
+        try:
+            raw = await _read_body(request, router.limits)
+            out = await router.tokenize(
+                metadata, lambda: tokenize_body(parse_body(raw, TokenizeBody), router.served_model), len(raw))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+            return _error(router._plain_failure(exc, metadata))
+        return JSONResponse({"count": len(out["token_ids"]), "max_model_len": out["max_model_len"],
+                             "tokens": out["token_ids"]})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:  # vLLM's: token ids -> their text
+        metadata = _metadata(request)
+
+        def read() -> list[int]:
+            body = parse_body(raw, DetokenizeBody)
+            check_model(body, router.served_model)
+            return body.tokens
+
+        try:
+            raw = await _read_body(request, router.limits)
+            text = await router.detokenize(metadata, read, len(raw))
+        except Exception as exc:  # noqa: BLE001
+            return _error(router._plain_failure(exc, metadata))
+        return JSONResponse({"prompt": text})
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,6 +1,7 @@
 """Router: the ingress deployment behind Ray Serve's gRPC proxy and its HTTP proxy.
 
-Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelInfo) and
+Owns: the ``specserve.v1.Generation`` methods (Generate, GenerateStream, ModelInfo, Tokenize and
+Detokenize — the last two asked of a ready engine replica, where the tokenizer lives) and
 ``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
 RPC); the OpenAI-compatible HTTP API on the same replica (``@serve.ingress``: Serve routes HTTP to
 the ASGI app ``__serve_build_asgi_app__`` builds, ``deployments.openai_http``), which goes through
@@ -43,8 +44,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from cluster.api import stubs
 from cluster.api.auth import check_bearer
 from cluster.api.requests import (
-    RequestFields, ValidatedRequest, check_constraint, fields_from_proto, known_request_fields, request_label,
-    validate_fields,
+    RequestFields, ValidatedRequest, check_constraint, check_known_fields, check_size, fields_from_proto,
+    known_request_fields, prompt_input, request_label, validate_fields,
 )
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
@@ -321,12 +322,69 @@ class Router:
         try:
             check_bearer(grpc_context.invocation_metadata(), self.token)
             return await self._model_info(pb2)
-        except ServiceError as exc:
-            self._fail(grpc_context, exc)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, detail logged
-            self._fail(grpc_context, unexpected_error(exc, uuid.uuid4().hex,
-                                                      self._label(grpc_context.invocation_metadata())))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, an unexpected one's detail logged
+            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
         return pb2.ModelInfoResponse()
+
+    async def Tokenize(self, request, grpc_context):  # noqa: N802
+        pb2 = stubs.generation_pb2()
+        try:
+            def read():
+                check_known_fields(request)
+                return request.prompt, [(m.role, m.content) for m in request.messages]
+
+            out = await self.tokenize(grpc_context.invocation_metadata(), read, request.ByteSize())
+            return pb2.TokenizeResponse(token_ids=out["token_ids"], count=len(out["token_ids"]),
+                                        max_model_len=out["max_model_len"],
+                                        max_prompt_tokens=self.limits.max_prompt_tokens)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, an unexpected one's detail logged
+            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
+        return pb2.TokenizeResponse()
+
+    async def Detokenize(self, request, grpc_context):  # noqa: N802
+        pb2 = stubs.generation_pb2()
+        try:
+            def read():
+                check_known_fields(request)
+                return list(request.token_ids)
+
+            text = await self.detokenize(grpc_context.invocation_metadata(), read, request.ByteSize())
+            return pb2.DetokenizeResponse(text=text)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
+        return pb2.DetokenizeResponse()
+
+    def _plain_failure(self, exc: Exception, metadata) -> ServiceError:
+        """A failure outside a generation request (no telemetry of its own) as a ``ServiceError``."""
+        return exc if isinstance(exc, ServiceError) else unexpected_error(exc, uuid.uuid4().hex, self._label(metadata))
+
+    async def tokenize(self, metadata, read: Callable[[], tuple[str, list[tuple[str, str]]]], size: int) -> dict:
+        """The ids Generate would feed the model for a prompt or chat, from an engine replica
+        (the tokenizer lives next to the model): {"token_ids", "max_model_len"}. Auth first, then
+        the size cap, ``read()`` (the front end's wire -> (prompt, messages)) and the prompt rules:
+        the generation request's own."""
+        check_bearer(metadata, self.token)
+        check_size(size, self.limits)
+        prompt, messages = read()
+        prompt_in = prompt_input(RequestFields(size=size, prompt=prompt or None, messages=tuple(messages) or None))
+        return await self._engine_call("tokenize", prompt_in)
+
+    async def detokenize(self, metadata, read: Callable[[], list[int]], size: int) -> str:
+        """The text token ids stand for, from an engine replica (``read()``: the ids off the wire)."""
+        check_bearer(metadata, self.token)
+        check_size(size, self.limits)
+        return await self._engine_call("detokenize", read())
+
+    async def _engine_call(self, method: str, *args):
+        """``method`` of a ready engine replica (the BatchEngine's, else the SpecEngine's); its
+        ``EngineFailure`` as the ``ServiceError`` it maps to."""
+        handle = (self.batch if self.batch_ready else self.spec_engine if self.spec_ready else None)
+        if handle is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no engine is ready yet; retry later")
+        out = await asyncio.wait_for(getattr(handle, method).remote(*args), timeout=_CALL_TIMEOUT_S)
+        if isinstance(out, EngineFailure):
+            raise out.to_service_error()
+        return out
 
     async def _model_info(self, pb2):
         info: dict = {}

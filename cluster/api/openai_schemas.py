@@ -148,7 +148,24 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-def parse_body(raw: bytes, cls: type[_Common]) -> _Common:
+class TokenizeBody(_Body):
+    """vLLM's ``POST /tokenize``: a prompt or a chat -> the ids a request would feed the model."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = None  # a chat is tokenized with the assistant's turn opened
+    add_special_tokens: bool | None = None  # a prompt is tokenized as a request's: no special tokens added
+
+
+class DetokenizeBody(_Body):
+    """vLLM's ``POST /detokenize``: token ids -> their text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(raw: bytes, cls: type[_Body]) -> _Body:
     """The request body as ``cls``; a body that is not JSON, not an object, or has a field of the
     wrong type is INVALID_ARGUMENT naming the field (``ServiceError.param`` carries it)."""
     try:
@@ -193,7 +210,7 @@ def _is_type_tag(part) -> bool:
     return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part.startswith("function-"))
 
 
-def check_model(body: _Common, served: str) -> None:
+def check_model(body: _Body, served: str) -> None:
     if body.model is not None and body.model != served:
         raise ServiceError(grpc.StatusCode.NOT_FOUND,
                            f"the model {body.model!r} does not exist; this server serves {served!r}", "model")
@@ -428,3 +445,24 @@ def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         return list(prompt)
     return [prompt]
+
+
+def tokenize_body(body: TokenizeBody, served: str) -> tuple[str, list[tuple[str, str]]]:
+    """(prompt, messages) of a ``/tokenize`` body, exactly one of them set; what a generation
+    request would do differently is refused (a chat without the assistant's turn opened, special
+    tokens added to a prompt), as is anything but role and text content in a message."""
+    check_model(body, served)
+    if body.add_generation_prompt is False:
+        raise invalid("add_generation_prompt false is not supported: a chat is tokenized as a request "
+                      "feeds it, with the assistant's turn opened", "add_generation_prompt")
+    if body.add_special_tokens:
+        raise invalid("add_special_tokens true is not supported: a prompt is tokenized as a request feeds it, "
+                      "with no special tokens added", "add_special_tokens")
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("set exactly one of prompt and messages", "prompt")
+    messages = []
+    for i, m in enumerate(body.messages or ()):
+        if m.tool_calls or m.tool_call_id or any(getattr(m, f) for f in _MESSAGE_REFUSALS):
+            raise invalid(f"messages[{i}]: /tokenize takes a message's role and content only", "messages")
+        messages.append((m.role, _text(m.content, f"messages[{i}].content", "messages")))
+    return body.prompt or "", messages

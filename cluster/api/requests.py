@@ -195,12 +195,12 @@ def check_size(size: int, limits: Limits) -> None:
 
 
 def check_known_fields(pb) -> None:
-    """A ``GenerateRequest`` carrying a field this server's proto does not define (a newer client's
-    field, or one made up) is INVALID_ARGUMENT: proto3 would parse past it and the field would be
+    """A ``GenerateRequest`` (or another request message: ``TokenizeRequest``) carrying a field this
+    server's proto does not define (a newer client's field, or one made up) is INVALID_ARGUMENT: proto3 would parse past it and the field would be
     silently ignored — the request answered as if it had not been sent. Its chat messages and token
     ids likewise. ``ModelInfoResponse.request_fields`` tells a client beforehand what is known."""
-    parts = [("GenerateRequest", pb)] + [(f"messages[{i}]", m) for i, m in enumerate(pb.messages)]
-    if pb.HasField("prompt_token_ids"):
+    parts = [(pb.DESCRIPTOR.name, pb)] + [(f"messages[{i}]", m) for i, m in enumerate(getattr(pb, "messages", ()))]
+    if "prompt_token_ids" in pb.DESCRIPTOR.fields_by_name and pb.HasField("prompt_token_ids"):
         parts.append(("prompt_token_ids", pb.prompt_token_ids))
     for where, msg in parts:
         numbers = sorted({f.field_number for f in UnknownFieldSet(msg)})
@@ -249,7 +249,8 @@ def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
     return validate_fields(fields_from_proto(pb, limits), request_id, limits, label=label, constraints=constraints)
 
 
-def _prompt(f: RequestFields) -> PromptInput:
+def prompt_input(f: RequestFields) -> PromptInput:
+    """The request's one prompt (text, chat messages or token ids), by the API's prompt rules."""
     given = [name for name, present in (("prompt", f.prompt is not None), ("messages", bool(f.messages)),
                                         ("prompt_token_ids", f.token_ids is not None)) if present]
     if len(given) > 1:
@@ -280,7 +281,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     ``label`` the client's. ``constraints=False`` leaves the constraint's syntax (not its size) to
     the caller's ``check_constraint``."""
     check_size(f.size, limits)
-    prompt = _prompt(f)
+    prompt = prompt_input(f)
     max_tokens = f.max_tokens if f.max_tokens is not None else limits.default_max_tokens
     scoring = max_tokens == 0 and f.prompt_logprobs is not None  # the prompt's log-probabilities, no output
     if not scoring and not 1 <= max_tokens <= limits.max_tokens:
@@ -342,12 +343,10 @@ def _constraint(json_schema: str, regex: str) -> Constraint | None:
     return Constraint(ConstraintKind.REGEX, regex) if regex else None
 
 
-def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_size: int,
-                          arrival_time: float = 0.0) -> GenerationRequest:
-    """Tokenize with ``engine`` (EngineProtocol) and check the prompt against the limits.
-
-    Raises InvalidRequestError (INVALID_ARGUMENT at the service)."""
-    p = req.prompt
+def tokenize_prompt(p: PromptInput, engine, vocab_size: int) -> list[int]:
+    """The ids the model is fed for a prompt: text tokenized, a chat through the chat template with
+    the assistant's turn opened, token ids checked against the vocabulary. Raises
+    InvalidRequestError (an id out of range, nothing left after tokenization)."""
     if p.text is not None:
         ids = list(engine.tokenize(p.text))
     elif p.messages is not None:
@@ -359,6 +358,15 @@ def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_s
             raise InvalidRequestError(f"prompt_token_ids out of range [0, {vocab_size}): {bad[:5]}")
     if not ids:
         raise InvalidRequestError("prompt is empty after tokenization")
+    return ids
+
+
+def to_generation_request(req: ValidatedRequest, engine, limits: Limits, vocab_size: int,
+                          arrival_time: float = 0.0) -> GenerationRequest:
+    """Tokenize with ``engine`` (EngineProtocol) and check the prompt against the limits.
+
+    Raises InvalidRequestError (INVALID_ARGUMENT at the service)."""
+    ids = tokenize_prompt(req.prompt, engine, vocab_size)
     if len(ids) > limits.max_prompt_tokens:
         raise InvalidRequestError(
             f"prompt too long: {len(ids)} tokens, limit is {limits.max_prompt_tokens}")

@@ -7,9 +7,8 @@ import pytest
 
 from cluster.api import stubs
 from cluster.api.openai_schemas import (
-    ChatCompletionRequest, CompletionRequest, chat_fields, check_choices, completion_batch, echoed_prompts,
-    num_candidates,
-    parse_body,
+    ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_fields, check_choices,
+    completion_batch, echoed_prompts, num_candidates, parse_body, tokenize_body,
 )
 from cluster.api.requests import Limits, validate_fields, validate_request
 from cluster.api.status import ServiceError
@@ -311,3 +310,19 @@ def test_echo_asks_for_the_prompts_entries_where_they_are_needed():
         assert echoed_prompts(parse_body(json.dumps({"prompt": prompt, "echo": True}).encode(), CompletionRequest)) == want
     assert echoed_prompts(parse_body(b'{"prompt": "x"}', CompletionRequest)) is None
     refused(chat, "unrecognized request argument supplied: echo", "echo", echo=True)  # OpenAI's chat has none
+
+
+def test_tokenize_bodies():
+    def tok(**body):
+        return tokenize_body(parse_body(json.dumps(body).encode(), TokenizeBody), "m")
+
+    assert tok(prompt="hi") == ("hi", [])
+    assert tok(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+               add_generation_prompt=True, model="m") == ("", [("user", "ab")])
+    refused(tok, "set exactly one of prompt and messages", "prompt")
+    refused(tok, "add_special_tokens true is not supported", "add_special_tokens", prompt="x", add_special_tokens=True)
+    refused(tok, "add_generation_prompt false", "add_generation_prompt", messages=[], add_generation_prompt=False)
+    refused(tok, r"messages\[0\]: /tokenize takes a message's role and content only", "messages",
+            messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}])
+    refused(tok, "does not exist", "model", grpc.StatusCode.NOT_FOUND, prompt="x", model="other")
+    assert parse_body(b'{"tokens": [1, 2]}', DetokenizeBody).tokens == [1, 2]

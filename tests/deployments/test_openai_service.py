@@ -290,6 +290,36 @@ def test_a_batch_of_prompts_through_the_official_client(oa):
         oa.completions.create(model=MODEL, prompt=["a"] * 5, max_tokens=2, n=2)
 
 
+def test_tokenize_and_detokenize_over_http(addrs):
+    """vLLM's /tokenize and /detokenize: a prompt's or a chat's ids as a request would feed them,
+    and back; the model name, auth and the prompt rules as a completion's; what a request would do
+    differently is refused."""
+    url, auth = f"{addrs.http}/oa", {"Authorization": f"Bearer {TOKEN}"}
+
+    def post(path, body, headers=auth):
+        return requests.post(f"{url}{path}", json=body, headers=headers, timeout=30)
+
+    r = post("/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert r.status_code == 200 and r.json() == {"count": 6, "max_model_len": 2048, "tokens": FAKE.tokenize("héllo")}
+    r = post("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                           "add_generation_prompt": True})
+    assert r.json()["tokens"] == chat_ids("hi")
+    assert post("/detokenize", {"tokens": FAKE.tokenize("héllo")}).json() == {"prompt": "héllo"}
+    for path, body, status, match in (
+            ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "exactly one"),
+            ("/tokenize", {"prompt": "   "}, 400, "prompt is empty"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False}, 400,
+             "add_generation_prompt false is not supported"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": True}, 400, "add_special_tokens true"),
+            ("/tokenize", {"prompt": "a", "truncate": 3}, 400, "unrecognized request argument supplied: truncate"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, 404, "does not exist"),
+            ("/detokenize", {"tokens": [5, 99999]}, 400, r"out of range \[0, 259\)"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        r = post(path, body)
+        assert r.status_code == status and re.search(match, r.json()["error"]["message"]), (path, body, r.text)
+    assert post("/tokenize", {"prompt": "a"}, headers={}).status_code == 401
+
+
 def test_completion_stream_raw_sse(addrs):
     with requests.post(f"{addrs.http}/oa/v1/completions", timeout=60, stream=True,
                        headers={"Authorization": f"Bearer {TOKEN}"},
@@ -554,6 +584,22 @@ def test_real_best_of_answers_the_candidate_with_the_best_logprob_per_token(real
     assert len({c.text for c in alone}) > 1, "seeded candidates differ"
     assert best.choices[0].text == alone[means.index(max(means))].text, (means, [c.text for c in alone])
     assert best.usage.completion_tokens == 36 and len(best.choices) == 1
+
+
+@pytest.mark.model
+def test_real_tokenize_counts_what_a_request_feeds(addrs):
+    """On the real model: /tokenize's count is the prompt_tokens a completion and a chat of the same
+    input report, and /detokenize spells the ids back to the prompt."""
+    url = f"{addrs.http}/real"
+    prompt = "Tokenize me, then count: naïve café"
+    tok = requests.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=60).json()
+    comp = requests.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=300).json()
+    assert tok["count"] == comp["usage"]["prompt_tokens"] and tok["max_model_len"] > 0
+    assert requests.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}, timeout=60).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": prompt}]
+    chat_tok = requests.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()
+    chat = requests.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=300).json()
+    assert chat_tok["count"] == chat["usage"]["prompt_tokens"] > tok["count"]
 
 
 @pytest.mark.model

@@ -8,6 +8,7 @@ a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine), 
 message cap ``specserve serve`` gives it (``proxy_env``).
 """
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -206,6 +207,43 @@ def test_a_field_the_server_does_not_know_is_refused_not_ignored(main):
     info = main.stub.ModelInfo(pb2.ModelInfoRequest(), metadata=main.md, timeout=10)
     assert list(info.request_fields) == [f.name for f in pb2.GenerateRequest.DESCRIPTOR.fields]
     assert "draft_scope" in info.request_fields
+
+
+def test_tokenize_and_detokenize_as_generate_feeds_the_model(main):
+    """Tokenize gives the ids Generate would feed the model (a prompt's, a chat's through the chat
+    template), with the limits to check them against; Detokenize spells ids back; the prompt rules,
+    auth, unknown fields and ids outside the vocabulary are refused like a generation request's."""
+    from cluster.engine.fake_engine import FakeEngine
+    from cluster.common.config import EngineConfig
+
+    fake, pb2 = FakeEngine(EngineConfig()), main.pb2
+    r = main.stub.Tokenize(pb2.TokenizeRequest(prompt="héllo"), metadata=main.md, timeout=30)
+    assert list(r.token_ids) == fake.tokenize("héllo") and r.count == len(r.token_ids) == 6
+    assert r.max_model_len == 2048 and r.max_prompt_tokens > 0
+    chat = main.stub.Tokenize(pb2.TokenizeRequest(messages=[pb2.ChatMessage(role="user", content="hi")]),
+                              metadata=main.md, timeout=30)
+    assert list(chat.token_ids) == fake.apply_chat_template([{"role": "user", "content": "hi"}])
+    g = main.generate(prompt_token_ids=pb2.TokenIds(ids=list(r.token_ids)), max_tokens=3, mode=2)
+    assert g.usage.prompt_tokens == r.count and list(g.token_ids) == expected("héllo", 3)
+    d = main.stub.Detokenize(pb2.DetokenizeRequest(token_ids=list(r.token_ids)), metadata=main.md, timeout=30)
+    assert d.text == "héllo"
+    for call, match in (
+            (lambda: main.stub.Tokenize(pb2.TokenizeRequest(), metadata=main.md, timeout=30), "prompt is empty"),
+            (lambda: main.stub.Tokenize(pb2.TokenizeRequest(prompt="a", messages=[pb2.ChatMessage(role="user", content="b")]),
+                                        metadata=main.md, timeout=30), "exactly one of prompt, messages"),
+            (lambda: main.stub.Tokenize(pb2.TokenizeRequest(messages=[pb2.ChatMessage(role="wizard", content="b")]),
+                                        metadata=main.md, timeout=30), "role must be one of"),
+            (lambda: main.stub.Detokenize(pb2.DetokenizeRequest(token_ids=[5, 99999]), metadata=main.md, timeout=30),
+             r"out of range \[0, 259\): \[99999\]")):
+        code, details = code_of(call)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and re.search(match, details), details
+    code, _ = code_of(lambda: main.stub.Tokenize(pb2.TokenizeRequest(prompt="a"), metadata=main.md[:1], timeout=30))
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    raw = main.channel.unary_unary("/specserve.v1.Generation/Tokenize", request_serializer=lambda b: b,
+                                   response_deserializer=pb2.TokenizeResponse.FromString)
+    code, details = code_of(lambda: raw(pb2.TokenizeRequest(prompt="a").SerializeToString() + b"\xa8\x02\x01",
+                                        metadata=main.md, timeout=30))  # field 37: unknown here
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "TokenizeRequest carries field number 37" in details
 
 
 def test_the_client_sends_no_field_the_server_would_ignore(addr, main, capsys):
