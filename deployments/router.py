@@ -319,40 +319,49 @@ class Router:
 
     async def ModelInfo(self, request, grpc_context):  # noqa: N802
         pb2 = stubs.generation_pb2()
-        try:
+
+        async def answer():
             check_bearer(grpc_context.invocation_metadata(), self.token)
             return await self._model_info(pb2)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, an unexpected one's detail logged
-            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
-        return pb2.ModelInfoResponse()
+
+        return await self._answer(grpc_context, answer, pb2.ModelInfoResponse())
 
     async def Tokenize(self, request, grpc_context):  # noqa: N802
         pb2 = stubs.generation_pb2()
-        try:
-            def read():
-                check_known_fields(request)
-                return request.prompt, [(m.role, m.content) for m in request.messages]
 
+        def read():
+            check_known_fields(request)
+            return request.prompt, [(m.role, m.content) for m in request.messages]
+
+        async def answer():
             out = await self.tokenize(grpc_context.invocation_metadata(), read, request.ByteSize())
             return pb2.TokenizeResponse(token_ids=out["token_ids"], count=len(out["token_ids"]),
                                         max_model_len=out["max_model_len"],
                                         max_prompt_tokens=self.limits.max_prompt_tokens)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, an unexpected one's detail logged
-            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
-        return pb2.TokenizeResponse()
+
+        return await self._answer(grpc_context, answer, pb2.TokenizeResponse())
 
     async def Detokenize(self, request, grpc_context):  # noqa: N802
         pb2 = stubs.generation_pb2()
-        try:
-            def read():
-                check_known_fields(request)
-                return list(request.token_ids)
 
+        def read():
+            check_known_fields(request)
+            return list(request.token_ids)
+
+        async def answer():
             text = await self.detokenize(grpc_context.invocation_metadata(), read, request.ByteSize())
             return pb2.DetokenizeResponse(text=text)
-        except Exception as exc:  # noqa: BLE001
+
+        return await self._answer(grpc_context, answer, pb2.DetokenizeResponse())
+
+    async def _answer(self, grpc_context, answer, empty):
+        """A unary method outside generation: ``await answer()``, or ``empty`` with the failure's
+        status set (an unexpected failure's detail logged, the client told its id only)."""
+        try:
+            return await answer()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
-        return pb2.DetokenizeResponse()
+        return empty
 
     def _plain_failure(self, exc: Exception, metadata) -> ServiceError:
         """A failure outside a generation request (no telemetry of its own) as a ``ServiceError``."""
