@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="ID[,ID...]",
                    help="token ids that end the output like EOS")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
+    p.add_argument("--tokenize", action="store_true", help="print the token ids the prompt (with --chat: the "
+                   "chat) would feed the model, and their count, instead of generating")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0)
     p.set_defaults(func=run)
@@ -92,6 +94,23 @@ def format_logprobs(logprobs) -> str:
                      for o in logprobs)
 
 
+def _tokenize(stub, pb2, args: argparse.Namespace, md: list) -> int:
+    """``--tokenize``: the ids on stdout, one line; their count and the limits on stderr."""
+    import grpc
+
+    req = (pb2.TokenizeRequest(messages=[pb2.ChatMessage(role="user", content=args.prompt)]) if args.chat
+           else pb2.TokenizeRequest(prompt=args.prompt))
+    try:
+        r = stub.Tokenize(req, metadata=md, timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"specserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(" ".join(map(str, r.token_ids)))
+    print(f"[tokens={r.count} max_model_len={r.max_model_len} max_prompt_tokens={r.max_prompt_tokens}]",
+          file=sys.stderr)
+    return 0
+
+
 def _path_name(path: int) -> str:
     return {1: "speculative", 2: "plain"}.get(path, "unspecified")
 
@@ -106,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     pb2 = stubs.generation_pb2()
     with grpc.insecure_channel(args.addr) as channel:
         stub = stubs.generation_grpc().GenerationStub(channel)
+        if args.tokenize:
+            return _tokenize(stub, pb2, args, md)
         try:
             request = build_request(args)
             # a field the server would ignore (an older server, a newer field) is not sent at all

@@ -39,3 +39,7 @@ def test_malformed_token_ids_are_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parse("--stop-token-ids", "1,x")
     assert "expected ID[,ID...]" in capsys.readouterr().err
+
+
+def test_tokenize_is_a_flag():
+    assert parse("--tokenize").tokenize and not parse().tokenize

@@ -209,6 +209,25 @@ def test_a_field_the_server_does_not_know_is_refused_not_ignored(main):
     assert "draft_scope" in info.request_fields
 
 
+def test_the_client_tokenizes(addr, capsys):
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--token", TOKEN, "--tokenize", "hé"])
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    assert out.out.split() == ["107", "198", "172"] and "[tokens=3 max_model_len=2048" in out.err  # bytes + 3
+    from cluster.common.config import EngineConfig
+    from cluster.engine.fake_engine import FakeEngine
+
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--token", TOKEN, "--tokenize",
+                                      "--chat", "hé"])
+    assert args.func(args) == 0  # --chat: the chat template's ids
+    want = FakeEngine(EngineConfig()).apply_chat_template([{"role": "user", "content": "hé"}])
+    assert capsys.readouterr().out.split() == [str(t) for t in want]
+    args = build_parser().parse_args(["client", "--addr", addr, "--app", "main", "--tokenize", "hé"])  # no token
+    assert args.func(args) == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 def test_tokenize_and_detokenize_as_generate_feeds_the_model(main):
     """Tokenize gives the ids Generate would feed the model (a prompt's, a chat's through the chat
     template), with the limits to check them against; Detokenize spells ids back; the prompt rules,
