@@ -207,7 +207,7 @@ class Router:
                                constraints=False)
         if vreq.constrained:
             await asyncio.get_running_loop().run_in_executor(self._checker, check_constraint,
-                                                             fields.json_schema, fields.regex)
+                                                             fields.json_schema, fields.regex, fields.grammar)
         segment = self.segments.label(vreq.segment)
         if segment != vreq.segment:  # past limits.max_segments distinct labels
             vreq = dataclasses.replace(vreq, segment=segment)

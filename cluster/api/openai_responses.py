@@ -25,7 +25,7 @@ from cluster.common.request import FinishReason, Logprob, RequestOutput, SpecSta
 from cluster.routing.policy import RouteDecision
 
 if TYPE_CHECKING:
-    from cluster.api.openai_tools import ToolPlan
+    from cluster.api.openai_tools import CallStream, ToolPlan
     from cluster.api.responses import Accumulator
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
@@ -125,7 +125,7 @@ class Responder:
     created: int = field(default_factory=lambda: int(time.time()))
     # a streamed completion's characters so far, per choice (its logprobs' text_offset)
     _text_offset: dict[int, int] = field(default_factory=dict)
-    _held: dict[int, str] = field(default_factory=dict)  # a streamed required call's text, per choice
+    _calls: "dict[int, CallStream]" = field(default_factory=dict)  # a streamed choice's calls (not named)
 
     @property
     def id(self) -> str:
@@ -187,34 +187,34 @@ class Responder:
 
     def _tool_choice(self, index: int, text: str, finish: str | None, delta: bool, first: bool,
                      logprobs: dict | None) -> dict:
-        """A chat choice whose output is a tool call: ``message.tool_calls`` (or, streamed, a named
-        function's arguments as they come and a required call once whole — its name is known only
-        then); a required output that does not parse (cut short) is answered as content."""
+        """A chat choice of a request with tools: ``message.tool_calls`` and content (or, streamed,
+        a named function's arguments as they come; other calls each once whole — the name is known
+        only then — and an answer as it comes once it cannot be a call)."""
+        from cluster.api.openai_tools import CallStream
+
         plan, call_id = self.tools, f"call_{self.request_id}_{index}"
         if not delta:
-            calls = plan.calls(text, call_id)
-            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
-                       else {"role": "assistant", "content": text})
+            content, calls = plan.message(text, call_id)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": plan.finish_reason(finish) if calls else finish}
+                    "finish_reason": plan.finish_reason(finish, bool(calls))}
         body: dict = {"role": "assistant", "content": None} if first else {}
         if plan.function is not None:
-            call = ({"index": 0, "id": call_id, "type": "function",
+            call = ({"index": 0, "id": f"{call_id}_0", "type": "function",
                      "function": {"name": plan.function, "arguments": text}} if first
                     else {"index": 0, "function": {"arguments": text}})
             if first or text:
                 body["tool_calls"] = [call]
-            finish = plan.finish_reason(finish)
-        else:
-            held = self._held[index] = self._held.get(index, "") + text
-            if finish is not None:
-                calls = plan.calls(held, call_id)
-                if calls:
-                    body["tool_calls"] = [{"index": 0, **calls[0]}]
-                    finish = plan.finish_reason(finish)
-                else:
-                    body["content"] = held
-        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": body, "logprobs": logprobs,
+                    "finish_reason": plan.finish_reason(finish, True)}
+        stream = self._calls.setdefault(index, CallStream(call_id))
+        content, calls = stream.feed(text, finish is not None)
+        if content:
+            body["content"] = content
+        if calls:
+            body["tool_calls"] = [{"index": stream.calls - len(calls) + k, **c} for k, c in enumerate(calls)]
+        return {"index": index, "delta": body, "logprobs": logprobs,
+                "finish_reason": plan.finish_reason(finish, stream.calls > 0)}
 
     # -- unary -----------------------------------------------------------------------------
     def body(self, choices: "list[Accumulator]", final: RequestOutput, completion_tokens: int | None = None) -> dict:
@@ -233,8 +233,8 @@ class Responder:
 
     # -- stream ----------------------------------------------------------------------------
     def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> str | None:
-        """One engine delta of choice ``index`` as one event (None: nothing to say yet — a
-        required tool call's text is held until it is whole); the route rides on each choice's
+        """One engine delta of choice ``index`` as one event (None: nothing to say yet — a tool
+        call's text is held until it is whole); the route rides on each choice's
         first, its counters on its last."""
         finish = _FINISH.get(out.finish_reason) if out.finished else None
         echoed = self._echoed(out.prompt_logprobs, index) if first else ""

@@ -9,8 +9,8 @@ reasoning effort, stored completions, speaker names, non-text content parts — 
 asks for nothing: ``modalities`` ["text"], ...), ``tools`` / ``tool_choice`` and the messages'
 calls and results (their rules, the tools' system text and the call's schema: ``openai_tools``),
 ``response_format`` (``json_object`` /
-``json_schema``) and the ``regex`` extension as the same constraint gRPC's ``json_schema`` /
-``regex`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
+``json_schema``) and the ``regex`` / ``grammar`` extensions as the same constraint gRPC's ``json_schema`` /
+``regex`` / ``grammar`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
 ``logprobs``, a completion's ``echo`` as gRPC's ``prompt_logprobs`` where its entries are needed
 (``max_tokens`` 0 with it: the prompt scored, nothing generated), vLLM's ``stop_token_ids`` / ``min_tokens`` extensions as gRPC's fields — and the
 conversion into the ``RequestFields`` that
@@ -42,6 +42,7 @@ class _Body(BaseModel):
 # what a client of another server most likely meant by a field we do not know
 _INSTEAD = {
     "guided_json": "response_format json_schema", "guided_regex": "the regex extension",
+    "guided_grammar": "the grammar extension (a Lark grammar)",
     "max_new_tokens": "max_tokens", "stop_sequences": "stop", "min_new_tokens": "min_tokens",
 }
 
@@ -79,6 +80,7 @@ class _Common(_Body):
     segment: str | None = None
     draft_scope: str | None = None
     regex: str | None = None
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect), gRPC's grammar
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the output like EOS
     min_tokens: int | None = None  # vLLM's: no stop but the budget before this many tokens
@@ -122,7 +124,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None  # ... and this many most likely tokens at its position (needs logprobs)
     tools: list[Tool] | None = None  # functions the model may be made to call (``openai_tools``)
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # one call is made either way (allowed by both)
+    parallel_tool_calls: bool | None = None  # None / true: calls may follow one another; false: at most one
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
     # OpenAI's, which change nothing here at the values _refuse lets through
     function_call: str | dict[str, Any] | None = None
@@ -226,8 +228,9 @@ _MESSAGE_REFUSALS = {
 def _refuse(body: _Common) -> None:
     """Parameters we accept in form but do not implement: a clear 400, never silently ignored."""
     checks = [
-        ("response_format", bool(body.regex and body.response_format and body.response_format.type != "text"),
-         "set at most one of response_format (json_object / json_schema) and regex"),
+        ("response_format", sum((bool(body.regex), bool(body.grammar),
+                                 bool(body.response_format and body.response_format.type != "text"))) > 1,
+         "set at most one of response_format (json_object / json_schema), regex and grammar"),
         ("stream_options", body.stream_options is not None and not body.stream,
          "stream_options is only allowed with stream: true"),
         ("stream_options", bool(body.stream_options and body.stream_options.include_obfuscation),
@@ -332,6 +335,7 @@ def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
     return dict(presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 logit_bias=_logit_bias(body.logit_bias), size=size, max_tokens=max_tokens,
                 json_schema=_json_schema(body.response_format), regex=body.regex or "",
+                grammar=body.grammar or "",
                 stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens or 0,
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,
@@ -362,8 +366,11 @@ def _num_logprobs(value: int | None, param: str) -> int | None:
 
 
 def chat_tools(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The call a chat request's ``tools`` / ``tool_choice`` make (None: none)."""
-    return tool_plan(body.tools, body.tool_choice)
+    """The calls a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` make (None:
+    none); an ``auto`` answer follows ``response_format`` where it asks for JSON."""
+    auto = body.tool_choice in (None, "auto")
+    return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False,
+                     _json_schema(body.response_format) if auto else "")
 
 
 def _messages(body: ChatCompletionRequest) -> tuple[tuple[str, str], ...]:
@@ -402,11 +409,13 @@ def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestF
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prediction = "" if body.prediction is None else _text(body.prediction.content, "prediction.content", "prediction")
     common = _common(body, size, max_tokens)
-    if plan is not None:  # the call is decoded under its schema
-        if common["json_schema"] or common["regex"]:
-            raise invalid("a tool call is decoded under its function's schema: set at most one of tool_choice "
-                          "(required or a named function), response_format and regex", "tool_choice")
-        common["json_schema"] = plan.schema
+    if plan is not None:  # the output is decoded under the calls' constraint
+        others = [name for name in ("json_schema", "regex", "grammar") if common[name]]
+        if others and not (plan.choice == "auto" and others == ["json_schema"]):  # auto's answer follows the format
+            raise invalid("a tool call is decoded under its own grammar: with tool_choice required or a named "
+                          "function set neither response_format, regex nor grammar; with auto, response_format "
+                          "only (the answer follows it)", "tool_choice")
+        common["json_schema"], common["grammar"] = plan.json_schema, plan.grammar
     return RequestFields(messages=messages, prediction=prediction, logprobs=(top or 0) if body.logprobs else None,
                          **common)
 

@@ -5,7 +5,7 @@ sampling values, ranges via ``SamplingParams``, stop-string caps, the client's `
 in ``validate_fields``, which both front ends call: gRPC through ``validate_request`` (the proto ->
 ``RequestFields``), the OpenAI HTTP API through ``cluster.api.openai_schemas`` (JSON ->
 ``RequestFields``) — one copy of the rules — which also attaches the ``Constraint`` the engine
-enforces; the constraint check (JSON Schema / regex syntax, then what the grammar engine supports:
+enforces; the constraint check (JSON Schema / regex / Lark grammar syntax, then what the grammar engine supports:
 unsupported keywords and formats are refused by name) in ``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
 off its event loop (size-capped first, so it is bounded; recursion and any other checker failure is
 the client's INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
@@ -119,17 +119,22 @@ def _check_grammar(kind: ConstraintKind, text: str) -> None:
         raise invalid(str(exc)) from None
 
 
-def check_constraint(json_schema: str, regex: str) -> None:
-    """The syntax of a request's constraint (at most one of the two is non-empty).
+def check_constraint(json_schema: str, regex: str, grammar: str = "") -> None:
+    """The syntax of a request's constraint (at most one of the three is non-empty).
 
     CPU work on client input: the Router runs it off its event loop. The text is size-capped by
     ``validate_request`` first; whatever the checkers raise on what is left (``RecursionError`` on
     deep nesting, or anything else) is the client's INVALID_ARGUMENT, not an internal error."""
-    field, check = ("json_schema", _check_json_schema) if json_schema else ("regex", _check_regex)
-    kind = ConstraintKind.JSON_SCHEMA if json_schema else ConstraintKind.REGEX
+    constraint = _constraint(json_schema, regex, grammar)
+    if constraint is None:
+        return
+    field = constraint.kind.value
     try:
-        check(json_schema or regex)
-        _check_grammar(kind, json_schema or regex)
+        if constraint.kind is ConstraintKind.JSON_SCHEMA:
+            _check_json_schema(json_schema)
+        elif constraint.kind is ConstraintKind.REGEX:
+            _check_regex(regex)
+        _check_grammar(constraint.kind, constraint.text)  # a Lark grammar's syntax is the engine's own
     except ServiceError:
         raise
     except RecursionError:
@@ -176,6 +181,7 @@ class RequestFields:
     segment: str = ""
     json_schema: str = ""
     regex: str = ""
+    grammar: str = ""  # a Lark grammar (llguidance's dialect)
     ignore_eos: bool = False
     draft_scope: str = ""
     prediction: str = ""
@@ -235,6 +241,7 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.HasField("top_p") else None,
         top_k=int(pb.top_k), seed=int(pb.seed) if pb.HasField("seed") else None, stop=tuple(pb.stop),
         mode=_MODE_FROM_PROTO[pb.mode], segment=pb.segment, json_schema=pb.json_schema, regex=pb.regex,
+        grammar=pb.grammar,
         ignore_eos=bool(pb.ignore_eos), draft_scope=pb.draft_scope, prediction=pb.prediction,
         logprobs=int(pb.logprobs) if pb.HasField("logprobs") else None,
         prompt_logprobs=int(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None,
@@ -287,14 +294,13 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     if not scoring and not 1 <= max_tokens <= limits.max_tokens:
         raise invalid(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}"
                       + (" (0 only scores the prompt: it needs prompt_logprobs)" if max_tokens == 0 else ""))
-    if f.json_schema and f.regex:
-        raise invalid("set at most one of json_schema and regex")
-    for name in ("json_schema", "regex"):
+    constraint = constraint_of(f)
+    for name in _CONSTRAINT_FIELDS:
         if len(getattr(f, name)) > limits.max_constraint_chars:
             raise invalid(f"{name} is {len(getattr(f, name))} characters, over the "
                           f"{limits.max_constraint_chars}-character limit")
-    if constraints and (f.json_schema or f.regex):
-        check_constraint(f.json_schema, f.regex)
+    if constraints and constraint is not None:
+        check_constraint(f.json_schema, f.regex, f.grammar)
     if len(f.stop) > limits.max_stop_strings:
         raise invalid(f"stop has {len(f.stop)} strings, limit is {limits.max_stop_strings}")
     for i, s in enumerate(f.stop):
@@ -312,8 +318,8 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
             stop_token_ids=tuple(f.stop_token_ids), min_tokens=f.min_tokens)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
-    if params.min_tokens and (f.json_schema or f.regex):
-        raise invalid("min_tokens cannot be combined with json_schema / regex: the grammar decides where "
+    if params.min_tokens and constraint is not None:
+        raise invalid(f"min_tokens cannot be combined with {constraint.kind.value}: the grammar decides where "
                       "the output may end")
     segment = f.segment.strip() or "default"
     _check_label("segment", segment)  # it becomes a metric tag and a stats key: keep it plain
@@ -324,8 +330,8 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
         raise invalid("prediction needs speculative decoding, and mode PLAIN never drafts: "
                       "leave mode AUTO (or SPECULATIVE) or leave prediction unset")
     return ValidatedRequest(request_id=request_id, prompt=prompt, params=params, mode=f.mode,
-                            segment=segment, constrained=bool(f.json_schema or f.regex), label=label,
-                            constraint=_constraint(f.json_schema, f.regex), draft_scope=scope,
+                            segment=segment, constrained=constraint is not None, label=label,
+                            constraint=constraint, draft_scope=scope,
                             prediction=f.prediction)
 
 
@@ -337,10 +343,20 @@ def _check_label(name: str, value: str) -> None:
         raise invalid(f"{name} must be ASCII letters, digits and . _ : / - only, got {value[:64]!r}")
 
 
-def _constraint(json_schema: str, regex: str) -> Constraint | None:
-    if json_schema:
-        return Constraint(ConstraintKind.JSON_SCHEMA, json_schema)
-    return Constraint(ConstraintKind.REGEX, regex) if regex else None
+_CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")  # ConstraintKind's values: at most one set
+
+
+def constraint_of(f: RequestFields) -> Constraint | None:
+    """The request's constraint; more than one of ``json_schema``, ``regex``, ``grammar`` is
+    INVALID_ARGUMENT."""
+    return _constraint(f.json_schema, f.regex, f.grammar)
+
+
+def _constraint(json_schema: str, regex: str, grammar: str) -> Constraint | None:
+    given = [(name, text) for name, text in zip(_CONSTRAINT_FIELDS, (json_schema, regex, grammar)) if text]
+    if len(given) > 1:
+        raise invalid(f"set at most one of json_schema, regex and grammar (got {' and '.join(n for n, _ in given)})")
+    return Constraint(ConstraintKind(given[0][0]), given[0][1]) if given else None
 
 
 def tokenize_prompt(p: PromptInput, engine, vocab_size: int) -> list[int]:

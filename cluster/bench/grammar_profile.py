@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.common.prompt_rows import row_constraint
 
 PHASES = ("_schedule", "_propose", "_forward", "_verify", "_commit")
 
@@ -32,14 +33,6 @@ def _row(args) -> dict:
         path = Path(__file__).with_name("regex_prompts.jsonl")
     rows = read_prompt_rows(path)
     return next(r for r in rows if args.row in (None, r["id"]))
-
-
-def _constraint(row: dict):
-    from cluster.common.request import Constraint, ConstraintKind
-
-    if isinstance(row.get("json_schema"), dict):
-        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(row["json_schema"]))
-    return Constraint(ConstraintKind.REGEX, row["regex"])
 
 
 def profile(engine, clock, request) -> dict:
@@ -151,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def request(rid, n=max_tokens):
         return GenerationRequest(rid, list(ids), SamplingParams(max_tokens=n), segment=row["segment"],
-                                 constraint=_constraint(row))
+                                 constraint=row_constraint(row))
 
     with timed_grammar([engine]) as clock:
         # tokenizer table, grammar cache, first calls; short: a learning drafter must not learn the answer

@@ -108,7 +108,7 @@ def _request(pb2, row: dict, mode: int, max_tokens: int):
         req.messages.append(pb2.ChatMessage(role="user", content=row["prompt"]))
     else:
         req.prompt = row["prompt"]
-    for key in ("json_schema", "regex", "temperature", "top_k"):
+    for key in ("json_schema", "regex", "grammar", "temperature", "top_k"):
         if row.get(key):  # a workload's json_schema is an object; the request carries its JSON text
             value = row[key]
             setattr(req, key, json.dumps(value) if key == "json_schema" and not isinstance(value, str) else value)

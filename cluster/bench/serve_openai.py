@@ -40,7 +40,7 @@ class OpenAIDoor:
         for key in ("segment", "draft_scope"):
             if row.get(key):
                 extra[key] = row[key]
-        for key in ("top_k", "regex"):
+        for key in ("top_k", "regex", "grammar"):
             if row.get(key):
                 extra[key] = row[key]
         if row.get("top_p") is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from cluster.bench.spec import DEFAULT_DRAFTERS, SEGMENTS, runs_per_prompt
 from cluster.bench.spec_rows import median_of, position_counts, rounded
 from cluster.bench.timed_run import engine_for, run_ours
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import read_prompt_rows, row_constraint
 
 GOAL_SPEEDUP = 1.5  # constrained speculative vs constrained plain, json segment
 GOAL_MASK_SHARE = 0.05  # grammar path <= 5% of a decode step
@@ -99,17 +99,6 @@ def check_options(args: argparse.Namespace) -> str | None:
                            ("--draft-layers", args.draft_layers is not None, ("draft",))):
         if on and not any(n in kinds for n in needs):
             return f"{opt} applies to the {' / '.join(needs)} drafter, which --drafters does not name"
-    return None
-
-
-def constraint_of(row: dict):
-    """The row's Constraint (json_schema or regex); None when it has neither."""
-    from cluster.common.request import Constraint, ConstraintKind
-
-    if isinstance(row.get("json_schema"), dict):
-        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(row["json_schema"]))
-    if isinstance(row.get("regex"), str):
-        return Constraint(ConstraintKind.REGEX, row["regex"])
     return None
 
 
@@ -263,7 +252,7 @@ def read_constrained_rows(args, seg: str) -> tuple[list[dict] | None, str | None
     if not path.exists():
         return None, f"no prompt file for segment {seg!r}: {path}"
     rows = read_prompt_rows(path, args.prompts_per_segment)
-    missing = [r["id"] for r in rows if constraint_of(r) is None]
+    missing = [r["id"] for r in rows if row_constraint(r) is None]
     if missing:
         return None, f"--constrained needs a json_schema or regex on every row; {seg} rows without one: {missing[:3]}"
     return rows, None
@@ -334,7 +323,7 @@ def run_constrained(args: argparse.Namespace) -> int:
             warm_ids = prompt_token_ids(tok, rows[0])
             for name, _, constrained, _ in methods:
                 _one(engines[name], clock, f"warm-{seg}-{name}", warm_ids, 8, seg,
-                     constraint_of(rows[0]) if constrained else None)
+                     row_constraint(rows[0]) if constrained else None)
         for seg, rows in rows_by_seg.items():
             got: dict[str, list[dict]] = {name: [] for name, _, _, _ in methods}
             for row in rows:
@@ -346,7 +335,7 @@ def run_constrained(args: argparse.Namespace) -> int:
                         if rep >= runs_per_prompt(name, args.repeats):
                             continue  # a learning drafter's second run would copy the first's answer
                         reps[name].append(_one(engines[name], clock, f"{row['id']}-{name}-{rep}", ids, max_tokens,
-                                               seg, constraint_of(row) if constrained else None))
+                                               seg, row_constraint(row) if constrained else None))
                 for name, rs in reps.items():
                     got[name].append(sorted(rs, key=lambda g: g["run"].wall_s)[(len(rs) - 1) // 2])
                 _log(f"[{time.perf_counter() - t_start:7.1f}s] {seg} {row['id']}: " + " ".join(

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="ID[,ID...]",
                    help="token ids that end the output like EOS")
     p.add_argument("--json-schema", default="", help="JSON Schema text (the output is constrained to it)")
+    p.add_argument("--regex", default="", help="a pattern the whole output matches")
+    p.add_argument("--grammar", default="", help="a Lark grammar (llguidance's dialect; @FILE reads it from FILE) "
+                   "the output is constrained to")
     p.add_argument("--tokenize", action="store_true", help="print the token ids the prompt (with --chat: the "
                    "chat) would feed the model, and their count, instead of generating")
     p.add_argument("--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token")
@@ -63,13 +66,21 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected ID[,ID...], got {text!r}") from None
 
 
+def _text_or_file(text: str) -> str:
+    if not text.startswith("@"):
+        return text
+    with open(text[1:], encoding="utf-8") as f:
+        return f.read()
+
+
 def build_request(args):
     from cluster.api import stubs
 
     pb2 = stubs.generation_pb2()
     req = pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
                               mode=_MODES[args.mode], segment=args.segment,
-                              json_schema=args.json_schema, draft_scope=args.draft_scope,
+                              json_schema=args.json_schema, regex=args.regex, grammar=_text_or_file(args.grammar),
+                              draft_scope=args.draft_scope,
                               prediction=args.prediction, presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty, logit_bias=args.logit_bias,
                               min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids)

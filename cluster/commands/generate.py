@@ -1,6 +1,8 @@
 """`specserve generate`: run prompts through the engine (all concurrently) and print or write
 the results. One prompt prints its text; ``--prompts FILE.jsonl --out OUT.jsonl`` writes one row
-per prompt with token ids, text, finish reason, timing and speculation stats."""
+per prompt with token ids, text, finish reason, timing and speculation stats. A row's constraint
+(``json_schema``, ``regex`` or ``grammar``) is enforced, and its sampling keys (``temperature``,
+``top_p``, ``top_k``, ``seed``, ``stop``) win over the flags, which are the defaults."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from cluster.commands.common import add_engine_args, engine_config
 from cluster.common.errors import InvalidRequestError
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import read_prompt_rows, row_constraint
 from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.models.tokenizer import prompt_token_ids
 
@@ -61,11 +63,15 @@ def run_rows(engine, rows: list[dict], args: argparse.Namespace) -> list[dict]:
     for row in rows:
         ids = prompt_token_ids(engine.tokenizer, row)
         max_tokens = args.max_tokens or int(row.get("max_tokens") or 128)
-        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+        own = {key: row[key] for key in ("temperature", "top_p", "top_k", "seed", "stop") if row.get(key) is not None}
+        flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+        sampling = flags | own
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(sampling["temperature"]),
+                                top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]), seed=sampling["seed"],
+                                stop=tuple(sampling["stop"]))
         rid = str(row["id"])
         engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", "default")),
-                                             arrival_time=t0))
+                                             arrival_time=t0, constraint=row_constraint(row)))
         by_id[rid] = {"id": rid, "segment": row.get("segment"), "prompt": row["prompt"], "chat": bool(row.get("chat")),
                       "prompt_token_ids": ids,
                       "output_token_ids": [], "text": "", "finish_reason": None,

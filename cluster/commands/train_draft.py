@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=Path, default=None,
                    help="your own prompts: a JSONL file, or a directory of them, in the rows of `specserve generate "
                         "--prompts` / `map --traffic` (prompt [+ chat] or messages; source 'prompts:<segment>'), "
-                        "taken in turn with the other sources' prompts; rows with json_schema or regex, or overlapping "
+                        "taken in turn with the other sources' prompts; rows with json_schema, regex or grammar, or overlapping "
                         "a benchmark workload prompt, are left out and counted")
     p.add_argument("--no-corpus", action="store_true",
                    help="leave out the built-in prompt corpus (train on --prompts and / or --self-prompts only)")

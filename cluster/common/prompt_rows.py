@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.common.errors import InvalidRequestError, UserFacingError
-from cluster.common.request import SamplingParams
+from cluster.common.request import Constraint, ConstraintKind, SamplingParams
 
 DEFAULT_SEGMENT = "default"  # rows without a segment are one segment
 DEFAULT_MAX_TOKENS = 128
@@ -90,18 +90,32 @@ def check_row(raw: dict) -> dict:
     if isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0:
         raise InvalidRequestError(f"'max_tokens' must be a positive integer, got {mt!r}")
     row["max_tokens"] = mt
-    if row.get("json_schema") and row.get("regex"):
-        raise InvalidRequestError("set at most one of 'json_schema' and 'regex'")
+    if sum(bool(row.get(key)) for key in ("json_schema", "regex", "grammar")) > 1:
+        raise InvalidRequestError("set at most one of 'json_schema', 'regex' and 'grammar'")
     if isinstance(row.get("json_schema"), dict):  # a schema given as an object: send it as JSON text
         import json
 
         row["json_schema"] = json.dumps(row["json_schema"])
-    for key in ("json_schema", "regex"):
+    for key in ("json_schema", "regex", "grammar"):
         if key in row and row[key] is not None and not isinstance(row[key], str):
             raise InvalidRequestError(f"'{key}' must be a string, got {type(row[key]).__name__}")
-    row["constrained"] = bool(row.get("json_schema") or row.get("regex"))
+    row["constrained"] = bool(row.get("json_schema") or row.get("regex") or row.get("grammar"))
     sampling_params(row)  # the engine's own checks of temperature, top_p, top_k, stop
     return row
+
+
+def row_constraint(row: dict) -> Constraint | None:
+    """The row's structured-output constraint: ``json_schema`` (an object or its JSON text),
+    ``regex`` or ``grammar`` (a Lark grammar); None when it has none; more than one is refused."""
+    import json
+
+    given = [key for key in ("json_schema", "regex", "grammar") if row.get(key)]
+    if len(given) > 1:
+        raise InvalidRequestError(f"set at most one of 'json_schema', 'regex' and 'grammar' (got {given})")
+    if not given:
+        return None
+    text = row[given[0]]
+    return Constraint(ConstraintKind(given[0]), json.dumps(text) if isinstance(text, dict) else str(text))
 
 
 def sampling_params(row: dict, max_tokens: int | None = None) -> SamplingParams:

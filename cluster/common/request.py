@@ -267,6 +267,7 @@ class SpecStats:
 class ConstraintKind(enum.Enum):
     JSON_SCHEMA = "json_schema"
     REGEX = "regex"
+    GRAMMAR = "grammar"  # a context-free grammar in llguidance's Lark dialect
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +288,7 @@ class GenerationRequest:
     arrival_time: float = 0.0
     # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.
     trace_carrier: dict[str, str] = field(default_factory=dict)
-    constraint: Constraint | None = None  # json_schema / regex the output must match
+    constraint: Constraint | None = None  # json_schema / regex / grammar the output must match
     # a drafter that learns from traffic (suffix, portfolio) drafts this request only from answers
     # of requests with the same segment and draft_scope ("": the shared scope)
     draft_scope: str = ""

@@ -1,5 +1,5 @@
-"""Structured output: a request's constraint (JSON Schema or regex) compiled to a grammar, and the
-per-sequence matcher that turns it into a token mask at every step.
+"""Structured output: a request's constraint (JSON Schema, regex or Lark grammar) compiled to a
+grammar, and the per-sequence matcher that turns it into a token mask at every step.
 
 Owns: ``check_grammar`` (the model-free check: syntax
 and unsupported features, refused with a message naming them), ``GrammarCompiler`` (one per
@@ -42,6 +42,8 @@ def _grammar_text(constraint: Constraint) -> str:
 
     if constraint.kind is ConstraintKind.JSON_SCHEMA:
         return LLMatcher.grammar_from_json_schema(json.loads(constraint.text), defaults=_JSON_DEFAULTS)
+    if constraint.kind is ConstraintKind.GRAMMAR:
+        return LLMatcher.grammar_from_lark(constraint.text)
     return LLMatcher.grammar_from_regex(constraint.text)
 
 

@@ -7,7 +7,7 @@ Owns: reading a JSONL file, or every ``*.jsonl`` of a directory, of prompt rows 
 and skipped), which rows can be used, and encoding
 each as the service would: ``prompt`` with ``chat`` true through the chat template, ``prompt``
 alone as raw text (a completion), ``messages`` through the chat template over the conversation.
-Skipped, and counted by reason: a row with ``json_schema`` or ``regex`` (train-draft generates
+Skipped, and counted by reason: a row with ``json_schema``, ``regex`` or ``grammar`` (train-draft generates
 without a grammar, so the answer it would train on is not the one the service gives), a row
 equal to or sharing a run of words with a benchmark workload prompt (the corpus' held-out rule,
 ``prompt_corpus.workload_overlap``), a duplicate, a row the target cannot encode (a chat row for a
@@ -65,7 +65,7 @@ def read_prompt_file(path: Path, tokenizer, workloads: Path | None) -> PromptFil
     seen: set[tuple[int, ...]] = set()
     for row in read.rows:
         if row["constrained"]:
-            out.skipped["with json_schema or regex (generated without a grammar)"] += 1
+            out.skipped["with json_schema, regex or grammar (generated without a grammar)"] += 1
             continue
         if any(overlaps(text) for text in _texts(row)):
             out.skipped["overlapping a benchmark workload prompt"] += 1

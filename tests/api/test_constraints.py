@@ -50,8 +50,34 @@ def test_pathological_constraints_are_answered_in_bounded_time(schema, regex):
 
 
 def test_schema_and_regex_together_are_refused():
-    with pytest.raises(ServiceError, match="at most one of json_schema and regex"):
+    with pytest.raises(ServiceError, match="at most one of json_schema, regex and grammar"):
         validate_request(pb2.GenerateRequest(prompt="x", json_schema="{}", regex="a"), "r", LIMITS)
+    with pytest.raises(ServiceError, match=r"at most one of json_schema, regex and grammar \(got regex and grammar\)"):
+        validate_request(pb2.GenerateRequest(prompt="x", regex="a", grammar='start: "a"'), "r", LIMITS)
+
+
+@pytest.mark.parametrize("grammar,needle", [
+    ("start: foo", 'unknown name: "foo"'),  # a rule that is never defined
+    ("start: /[a-z/", "invalid regex"),
+    ('start: "a" %ignore', "Expected value"),  # not Lark
+    ('start: %json {"type": "object", "not": {}}', r'Unimplemented keys: \["not"\]'),  # an embedded schema's gaps
+    ("rule: \"a\"", "start"),  # no start rule
+])
+def test_a_grammar_the_engine_cannot_build_is_refused_naming_why(grammar, needle):
+    with pytest.raises(ServiceError, match=needle) as e:
+        validate_request(pb2.GenerateRequest(prompt="x", grammar=grammar), "r", LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith("grammar ")
+
+
+def test_a_grammar_travels_to_the_engine_request_and_counts_against_the_size_cap():
+    grammar = 'start: "yes" | "no" | NUM\nNUM: /[0-9]+/ & ~/0[0-9]+/'
+    v = validate_request(pb2.GenerateRequest(prompt="x", grammar=grammar), "r", LIMITS)
+    assert v.constrained and v.constraint == Constraint(ConstraintKind.GRAMMAR, grammar)
+    engine = FakeEngine(EngineConfig())
+    assert to_generation_request(v, engine, LIMITS, engine.vocab_size).constraint == v.constraint
+    big = 'start: "a"' + " " * LIMITS.max_constraint_chars
+    with pytest.raises(ServiceError, match=f"grammar is {len(big)} characters, over the"):
+        validate_request(pb2.GenerateRequest(prompt="x", grammar=big), "r", LIMITS)
 
 
 def test_the_constraint_travels_to_the_engine_request():

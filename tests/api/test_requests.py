@@ -188,7 +188,9 @@ def test_min_tokens_and_stop_token_ids_are_checked():
             (pb2.GenerateRequest(prompt="abc", stop_token_ids=[-1]), r"stop_token_ids must be token ids \(>= 0\)"),
             (pb2.GenerateRequest(prompt="abc", stop_token_ids=list(range(65))), "stop_token_ids has 65 ids, limit is 64"),
             (pb2.GenerateRequest(prompt="abc", min_tokens=2, regex="[a-z]+"),
-             "min_tokens cannot be combined with json_schema / regex")):
+             "min_tokens cannot be combined with regex"),
+            (pb2.GenerateRequest(prompt="abc", min_tokens=2, grammar='start: "a"+'),
+             "min_tokens cannot be combined with grammar")):
         with pytest.raises(ServiceError, match=match):
             validate_request(pb, "r", LIMITS)
     engine = FakeEngine(EngineConfig())
@@ -275,8 +277,8 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "prompt_logprobs"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 23
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "grammar"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 24
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",

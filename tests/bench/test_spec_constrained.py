@@ -66,7 +66,7 @@ def test_committed_regex_prompts_carry_regexes_the_grammar_engine_accepts(tmp_pa
     kinds = {r["kind"] for r in rows}
     assert {"date", "phone", "enum", "csv"} <= kinds
     for r in rows:
-        c = bench.constraint_of(r)
+        c = bench.row_constraint(r)
         assert c is not None and r["segment"] == "regex"
         check_grammar(c)  # syntax and features the grammar engine supports
     assert bench.read_constrained_rows(args, "nosuch")[1].startswith("no prompt file")

@@ -4,7 +4,7 @@ Owns: generating requests a careless or hostile client could send — odd unicod
 RTL marks, emoji, combining marks; never lone surrogates, which protobuf cannot encode), empty and
 huge text, out-of-vocabulary and negative token ids, NaN/inf/subnormal/negative floats, uint
 extremes, many and empty stop strings, unknown roles and modes, conflicting prompt fields, broken
-and deeply nested JSON schemas and regexes — plus which credentials the call carries.
+and deeply nested JSON schemas, regexes and grammars — plus which credentials the call carries.
 Ignores: what the answer must be (the fuzz test).
 """
 from __future__ import annotations
@@ -68,6 +68,15 @@ regexes = st.one_of(
     text,
 )
 
+grammars = st.one_of(  # Lark grammars (llguidance's dialect): fine, malformed, heavy, deep
+    st.just(""),
+    st.sampled_from(['start: "a"+', "start: foo", "start: /[a-z/", 'start: %json {"not": {}}', "start: ",
+                     'start: X\nX: /(?s:.+)/ & ~/<(?s:.*)/', 'start: s\ns: "(" s ")" | ""',
+                     'start: A\nA: /(a|aa)*/ & ~/(?s:.*)aaa(?s:.*)/']),
+    st.sampled_from([100, 1_000, 10_000]).map(lambda d: "start: " + "(" * d + '"a"' + ")" * d),
+    text,
+)
+
 token_ids = st.lists(st.one_of(st.integers(0, 49_151), st.integers(-2**31, 2**31 - 1),
                                st.sampled_from([-1, 0, 1, 2, 49_151, 49_152, 2**31 - 1, -2**31])),
                      max_size=40)
@@ -96,6 +105,7 @@ WILD = {
     "prompt_logprobs": st.one_of(st.integers(0, 25), st.sampled_from([20, 21, UINT32_MAX])),
     "json_schema": schemas,
     "regex": regexes,
+    "grammar": grammars,
     "ignore_eos": st.booleans(),
 }
 
@@ -113,6 +123,7 @@ SANE = {
     "draft_scope": st.sampled_from(["", "tenant-7", "bench-1/routed/grpc/c0", "x" * 64]),
     "json_schema": st.just(""),
     "regex": st.just(""),
+    "grammar": st.just(""),
     "ignore_eos": st.booleans(),
     "logprobs": st.integers(0, 20),
     "presence_penalty": st.floats(-2.0, 2.0, width=32),

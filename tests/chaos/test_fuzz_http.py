@@ -89,6 +89,7 @@ FIELDS = {
     "segment": st.one_of(st.text(max_size=70), st.sampled_from(["code", "chat"])),
     "draft_scope": st.one_of(st.text(max_size=70), st.sampled_from(["tenant-7"])),
     "regex": st.sampled_from(["[a-z]+", "a(b", "(a*)*b", ""]),
+    "grammar": st.sampled_from(['start: "a"+', "start: foo", "", 'start: "(" start ")" | "x"']),
     "top_k": st.one_of(st.integers(-1, 60), st.text(max_size=3)),
     "ignore_eos": st.one_of(st.booleans(), json_values),
     "store": st.booleans(),
@@ -141,10 +142,8 @@ def bodies(draw) -> tuple[str, dict, bool]:
                 body[name] = draw(strategy)
         if "top_logprobs" in body:  # OpenAI asks for both: top_logprobs alone is refused
             body["logprobs"] = True
-        if endpoint == "chat" and ("tools" in body) != (body.get("tool_choice") not in (None, "none", "auto")):
-            # a call needs tools, and tools need a choice other than auto (refused); a call with
-            # another constraint is refused too
-            body["tools"], body["tool_choice"] = [TOOL], draw(st.sampled_from(["none", "required"]))
+        if endpoint == "chat" and "tools" not in body and body.get("tool_choice") not in (None, "none", "auto"):
+            body["tools"] = [TOOL]  # a call needs tools; a required or named call with another constraint is refused
         if (body.get("tool_choice") not in (None, "none", "auto")
                 and (body.get("response_format") or {}).get("type") == "json_object"):
             body["tool_choice"] = "none"

@@ -43,3 +43,12 @@ def test_malformed_token_ids_are_a_usage_error(capsys):
 
 def test_tokenize_is_a_flag():
     assert parse("--tokenize").tokenize and not parse().tokenize
+
+
+def test_constraint_flags_and_a_grammar_from_a_file(tmp_path):
+    assert build_request(parse("--regex", "[a-z]+")).regex == "[a-z]+"
+    assert build_request(parse("--grammar", 'start: "a"+')).grammar == 'start: "a"+'
+    path = tmp_path / "list.lark"
+    path.write_text('start: "[" NUM "]"\nNUM: /[0-9]+/\n')
+    req = build_request(parse("--grammar", f"@{path}"))
+    assert req.grammar == path.read_text() and req.json_schema == req.regex == ""

@@ -48,3 +48,26 @@ def test_engine_settings_the_configs_refuse_are_one_line(capsys):
         assert main(["generate", "--model", "default", "hi", "--max-tokens", "2", *args]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("specserve: error:") and needle in err[0], (args, err)
+
+
+def test_a_rows_constraint_and_sampling_keys_are_honoured(tmp_path):
+    """A row's json_schema / regex / grammar constrains its output and its sampling keys win over
+    the flags (they were once dropped: the output answered as if they had not been sent)."""
+    import re
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    rows = [{"id": "j", "prompt": "Is the sky blue? Answer in JSON.", "chat": True, "json_schema": schema},
+            {"id": "r", "prompt": "Year:", "regex": "(19|20)[0-9]{2}"},
+            {"id": "g", "prompt": "Name a colour:", "grammar": 'start: " " WORD\nWORD: /[a-z]{1,8}/\n'},
+            {"id": "s", "prompt": "Once upon a time", "stop": [" "]}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out), "--max-tokens", "24"]) == 0
+    got = {g["id"]: g for g in map(json.loads, out.read_text().splitlines())}
+    assert isinstance(json.loads(got["j"]["text"])["ok"], bool) and got["j"]["finish_reason"] == "stop"
+    assert re.fullmatch("(19|20)[0-9]{2}", got["r"]["text"])
+    assert re.fullmatch(" [a-z]{1,8}", got["g"]["text"])
+    assert got["s"]["finish_reason"] == "stop" and " " not in got["s"]["text"].strip()
+    src.write_text(json.dumps({"id": "x", "prompt": "hi", "regex": "a", "grammar": 'start: "a"'}) + "\n")
+    assert main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out)]) == 2

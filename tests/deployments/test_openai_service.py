@@ -350,6 +350,8 @@ def _status(fn, **kwargs):
      400, "json_schema is not a valid JSON Schema", None),  # gRPC's rule, checked off the event loop
     (dict(response_format={"type": "json_object"}, extra_body={"regex": "[a-z]+"}), 400,
      "set at most one of response_format", "response_format"),
+    (dict(extra_body={"grammar": "start: /[a-z/"}), 400, "grammar is not supported: at 1(8): invalid regex", None),
+    (dict(extra_body={"guided_grammar": "start: x"}), 400, "(guided_grammar: use the grammar extension", "guided_grammar"),
     (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
     (dict(extra_body={"draft_scope": "tenant 7"}), 400, "draft_scope must be ASCII letters", None),  # gRPC's rule
     (dict(logprobs=False, top_logprobs=3), 400, "top_logprobs needs logprobs: true", "top_logprobs"),
@@ -621,6 +623,16 @@ def test_real_response_format_json_schema_validates(real):
     r = real.completions.create(model="default", prompt="Year:", max_tokens=8, temperature=0,
                                 extra_body={"regex": "(19|20)[0-9]{2}"})
     assert re.fullmatch("(19|20)[0-9]{2}", r.choices[0].text), r.choices[0].text
+    # a Lark grammar (the grammar extension): a list of one to three lowercase words, on both paths
+    # equal to each other and to gRPC's
+    lark = 'start: "[" WORD ("," WORD)? ("," WORD)? "]"\nWORD: /[a-z]{1,10}/\n'
+    texts = set()
+    for mode in ("speculative", "plain"):
+        c = real.chat.completions.create(model="default", messages=[{"role": "user", "content": "Name three fruits."}],
+                                         max_tokens=40, temperature=0, extra_body={"grammar": lark, "mode": mode})
+        texts.add(c.choices[0].message.content)
+        assert c.choices[0].finish_reason == "stop" and re.fullmatch(r"\[[a-z]{1,10}(,[a-z]{1,10}){0,2}\]", c.choices[0].message.content)
+    assert len(texts) == 1, texts
 
 
 @pytest.mark.model
@@ -658,7 +670,9 @@ def test_real_tool_calls_through_the_official_client(real):
     """tools on the real model, parsed by the official client's own types: a named function's
     arguments validate against its schema (unary, and streamed as the same argument deltas);
     ``required`` calls one of the tools with valid arguments on both paths; the call and its result
-    sent back get a text answer; ``auto`` is refused, never half done."""
+    sent back get a text answer; ``auto`` (tool_choice unset) lets the model choose — after a
+    conversation that shows it a call, it calls get_weather for a weather question and answers an
+    arithmetic one in text, the same on both paths, streamed as the same call."""
     import jsonschema
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -674,16 +688,42 @@ def test_real_tool_calls_through_the_official_client(real):
     assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # greedy: the same call
     for mode in ("speculative", "plain"):
-        c = real.chat.completions.create(**args, tool_choice="required", extra_body={"mode": mode}).choices[0]
-        (made,) = c.message.tool_calls
-        assert c.finish_reason == "tool_calls" and made.function.name in ("get_weather", "get_time"), c
-        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == made.function.name)
-        jsonschema.validate(json.loads(made.function.arguments), schema)
+        for parallel in (True, False):  # several calls may follow one another; with false, one
+            c = real.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=parallel,
+                                             extra_body={"mode": mode}).choices[0]
+            assert c.finish_reason in ("tool_calls", "length") and c.message.tool_calls, c
+            assert len(c.message.tool_calls) == 1 or parallel
+            assert len({m.id for m in c.message.tool_calls}) == len(c.message.tool_calls)
+            for made in c.message.tool_calls:
+                assert made.function.name in ("get_weather", "get_time"), c
+                schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == made.function.name)
+                jsonschema.validate(json.loads(made.function.arguments), schema)
     back = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"}]
     answer = real.chat.completions.create(model="default", messages=back, max_tokens=24, temperature=0, tools=TOOLS,
                                           tool_choice="none").choices[0]
     assert answer.message.content and answer.message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as e:
-        real.chat.completions.create(**args)  # tool_choice unset with tools: OpenAI's "auto"
-    assert "tool_choice 'auto'" in e.value.body["message"] and e.value.body["param"] == "tool_choice"
+    # a conversation that shows the model one call (this wording: the model's first token on the
+    # weather question below is the call's by a margin of 0.39 in log-probability; on the arithmetic
+    # one, text by 0.62)
+    shown = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+        {"role": "assistant", "content": "It is 18 degrees and sunny in Paris."}]
+    weather = [{"role": "user", "content": "What is the weather in Berlin today?"}]
+    for mode in ("speculative", "plain"):
+        asked = dict(model="default", max_tokens=64, temperature=0, tools=TOOLS, extra_body={"mode": mode})
+        c = real.chat.completions.create(**asked, messages=shown + weather).choices[0]
+        (made,) = c.message.tool_calls
+        assert c.finish_reason == "tool_calls" and c.message.content is None and made.function.name == "get_weather"
+        assert json.loads(made.function.arguments)["city"] == "Berlin" and made.id.startswith("call_")
+        jsonschema.validate(json.loads(made.function.arguments), WEATHER_ARGS)
+        text = real.chat.completions.create(**asked, messages=shown + [
+            {"role": "user", "content": "What is 2 + 2?"}]).choices[0]
+        assert text.finish_reason == "stop" and text.message.tool_calls is None and "4" in text.message.content
+    chunks = list(real.chat.completions.create(**asked, messages=shown + weather, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(s.index, s.function.name, s.function.arguments) for s in streamed] == [
+        (0, "get_weather", made.function.arguments)]  # one delta, whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)

@@ -161,6 +161,8 @@ def test_auth_required_when_configured(addr, main):
     (dict(prompt="a", stop=["x" * 257]), "stop[0] is 257 characters, limit is 256"),
     (dict(prompt="a", json_schema="[" * 3000 + "]" * 3000), "json_schema is nested too deeply"),
     (dict(prompt="a", regex="(" * 2000 + ")" * 2000), "regex is nested too deeply"),
+    (dict(prompt="a", grammar="start: foo"), 'grammar is not supported: at 1(8): unknown name: "foo"'),
+    (dict(prompt="a", grammar='start: "a"', regex="a"), "set at most one of json_schema, regex and grammar"),
     (dict(prompt="a", draft_scope="tenant 7"), "draft_scope must be ASCII letters"),
 ])
 def test_invalid_argument(main, fields, needle):

@@ -29,6 +29,15 @@ SCHEMA = {"type": "object", "properties": {
     "c": {"enum": ["red", "green", "blue"]},
     "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3}},
     "required": ["n", "ok", "c", "tags"], "additionalProperties": False}
+# a Lark grammar (llguidance's dialect): a bracketed list of 1-3 words or numbers without leading
+# zeros (a lexeme by intersection and negation); GRAMMAR_RE is the same language for Python's re
+LARK = """start: "[" item ("," item)? ("," item)? "]"
+item: WORD | NUM
+WORD: /[a-z]{1,8}/
+NUM: /[0-9]{1,3}/ & ~/0[0-9]+/
+"""
+_ITEM = r"(?:[a-z]{1,8}|(?!0[0-9])[0-9]{1,3})"
+GRAMMAR_RE = rf"\[{_ITEM}(?:,{_ITEM}){{0,2}}\]"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [50, 60, 70, 50, 60, 70, 50], [900, 901, 902, 903], [11, 12, 11, 12, 11]]
 
 
@@ -60,6 +69,10 @@ def engine(tiny, drafter: str | None = None, k: int = 3, proposer=None) -> LLMEn
     return eng
 
 
+def lark_c(grammar: str = LARK) -> Constraint:
+    return Constraint(ConstraintKind.GRAMMAR, grammar)
+
+
 def text_of(tiny, ids: list[int]) -> str:
     eos = tiny.eos_token_ids
     return tiny.tokenizer.decode([t for t in ids if t not in eos])
@@ -69,6 +82,9 @@ def valid(tiny, constraint: Constraint, ids: list[int]) -> bool:
     text = text_of(tiny, ids)
     if constraint.kind is ConstraintKind.REGEX:
         return re.fullmatch(constraint.text, text) is not None
+    if constraint.kind is ConstraintKind.GRAMMAR:
+        assert constraint.text == LARK
+        return re.fullmatch(GRAMMAR_RE, text) is not None
     import jsonschema
 
     try:
@@ -190,10 +206,10 @@ def constrained(i: int, constraint: Constraint | None, params: SamplingParams) -
 
 
 def batch(params: SamplingParams) -> list[GenerationRequest]:
-    """Ragged: constrained (regex, schema) next to unconstrained requests."""
+    """Ragged: constrained (regex, schema, Lark grammar) next to unconstrained requests."""
     return [constrained(0, regex_c(), params), constrained(1, None, params),
             constrained(2, schema_c(), params), constrained(3, None, params),
-            constrained(4, regex_c(r"(yes|no|maybe)( [0-9]{1,2})?"), params)]
+            constrained(4, regex_c(r"(yes|no|maybe)( [0-9]{1,2})?"), params), constrained(5, lark_c(), params)]
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, None), (0.8, 5)])

@@ -55,7 +55,7 @@ def test_rows_are_encoded_as_the_service_would_and_the_rest_counted(tmp_path, to
         ("prompts:chat", chat_token_ids(tok, CONVERSATION)),
         ("prompts:default", [int(t) for t in tok(rows[9]["prompt"], add_special_tokens=False)["input_ids"]]),
     ]
-    assert dict(found.skipped) == {"with json_schema or regex (generated without a grammar)": 2,
+    assert dict(found.skipped) == {"with json_schema, regex or grammar (generated without a grammar)": 2,
                                    "overlapping a benchmark workload prompt": 1, "duplicate": 1}
     assert [b.split(": ")[0] for b in found.bad_rows] == [f"{tmp_path / 'mine.jsonl'}:{n}" for n in (8, 9)]
     assert found.summary().startswith("4 prompts, 1 duplicate, 1 overlapping a benchmark workload prompt, 2 with")
