@@ -1,8 +1,9 @@
 """App builder: ``deployments.app:build`` for ``serve run`` / ``serve deploy`` (args = AppConfig).
 
 Owns: wiring the deployments with their replicas and resources from the config —
-DraftServer (placement ``separate`` only) -> SpecEngine (when a drafter is set) -> Router, and
-BatchEngine -> Router. Ignores: what each deployment does.
+DraftServer (placement ``separate`` only) -> SpecEngine (when a drafter is set) -> Router,
+BatchEngine -> Router, and the ResponseStore (``/v1/responses``' stored responses) -> Router.
+Ignores: what each deployment does.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ray.serve import Application
 from deployments.app_config import AppConfig, DeploymentKnobs, Placement
 from deployments.batch_engine import BatchEngine
 from deployments.draft_server import DraftServer
+from deployments.response_store import ResponseStore
 from deployments.router import Router
 from deployments.spec_engine import SpecEngine
 
@@ -32,7 +34,8 @@ def build_app(cfg: AppConfig) -> Application:
             draft = DraftServer.options(**_opts(cfg.draft_server, t)).bind(config)
         spec = SpecEngine.options(**_opts(cfg.spec_engine, t)).bind(config, draft)
     batch = BatchEngine.options(**_opts(cfg.batch_engine, t)).bind(config)
-    return Router.options(**_opts(cfg.router_deployment, 1)).bind(spec, batch, config)
+    store = ResponseStore.bind(cfg.http.stored_responses, cfg.http.stored_response_chars)
+    return Router.options(**_opts(cfg.router_deployment, 1)).bind(spec, batch, config, store)
 
 
 def build(args: dict) -> Application:

@@ -104,6 +104,11 @@ class HttpKnobs(_Strict):
 
     served_model_name: str | None = Field(None, min_length=1, max_length=256)  # the ``model`` clients
     #                                   pass and /v1/models lists; None: the ``model`` arg
+    # /v1/responses with store (OpenAI's default): the ResponseStore keeps at most this many
+    # responses and this many characters of them (their conversations as JSON), least recently
+    # used out first; 0 responses: store true is refused (400) and nothing is kept
+    stored_responses: int = Field(1000, ge=0)
+    stored_response_chars: int = Field(64_000_000, ge=1)
 
 
 class TelemetryKnobs(_Strict):

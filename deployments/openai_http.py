@@ -2,6 +2,7 @@
 
 Owns: the routes — ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary JSON, or
 Server-Sent Events with ``stream: true``), ``GET /v1/models`` and ``GET /v1/models/{model}``,
+the Responses API's (mounted from ``deployments.responses_http``),
 vLLM's ``POST /tokenize`` and ``POST /detokenize`` (the Router's, gRPC's Tokenize / Detokenize), ``GET /health`` (200 when every
 engine is ready, else 503; exempt from auth like gRPC's health check) — and one request's life on
 HTTP: the body goes through the Router's own ``_admit`` (bearer auth from the ``Authorization``
@@ -42,6 +43,7 @@ from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
 from deployments.openai_choices import (best_of_each, choice_outputs, choice_requests, combined_final,
                                         prompt_requests)
+from deployments.responses_http import add_routes
 
 if TYPE_CHECKING:
     from deployments.router import Router
@@ -160,7 +162,11 @@ async def _complete(router: "Router", request: Request, kind: Kind) -> Response:
         raw = await _read_body(request, router.limits)
     except ServiceError as err:
         return _error(err)
-    events = _lifecycle(router, kind, raw, metadata, request_id)
+    return await _answer(_lifecycle(router, kind, raw, metadata, request_id))
+
+
+async def _answer(events: AsyncIterator[ServiceError | dict | str]) -> Response:
+    """A lifecycle's answer: its error, its unary body, or the stream of its events."""
     first = await events.__anext__()
     if isinstance(first, ServiceError):
         await events.aclose()
@@ -237,6 +243,8 @@ def build_openai_app(router: "Router") -> FastAPI:
         except Exception as exc:  # noqa: BLE001
             return _error(router._plain_failure(exc, metadata))
         return JSONResponse({"prompt": text})
+
+    add_routes(app, router, _read_body, _metadata, _answer, _error)  # /v1/responses (deployments.responses_http)
 
     @app.get("/health")
     async def health() -> Response:

@@ -103,7 +103,7 @@ def segment_routing_pb(pb2, policy: RouterPolicy, view: EngineView, spec: SpecCo
 @serve.deployment(name="Router", max_ongoing_requests=2048)
 @serve.ingress()  # HTTP: the app __serve_build_asgi_app__ builds; gRPC: the methods below
 class Router:
-    async def __init__(self, spec_engine, batch_engine, config: dict) -> None:
+    async def __init__(self, spec_engine, batch_engine, config: dict, response_store=None) -> None:
         self.cfg = AppConfig(**config)  # not ``self.app``: the ASGI wrapper's property (the HTTP app)
         self.policy = RouterPolicy(self.cfg.router_config())
         self.limits = self.cfg.limits_config()
@@ -115,6 +115,7 @@ class Router:
                 raise ValueError(f"auth.token_env={self.cfg.auth.token_env!r} is configured but that "
                                  "environment variable is empty in the Router replica")
         self.spec_engine, self.batch = spec_engine, batch_engine  # spec_engine is None without a drafter
+        self.response_store = response_store  # /v1/responses' stored responses (None: store refused)
         # sequences each engine side runs at once, for overflow balancing (policy rule 8); in-flight
         # counts are per Router replica, so each replica plans with its share of the slots
         share = self.cfg.router_deployment.num_replicas

@@ -177,8 +177,18 @@ def post(base: str, endpoint: str, raw: bytes, auth: str | None, timeout: float)
     return r.status_code, r.headers.get("content-type", ""), r.text
 
 
-def judge(status: int, ctype: str, text: str, endpoint: str, body: dict, stream: bool) -> str | None:
-    """What is wrong with this answer, or None."""
+def report(chaos_report, section: str, statuses: Counter, bad: list[str]) -> None:
+    """Record a fuzz run's counts in the chaos report, then fail on any broken answer."""
+    chaos_report.record(section, "examples", sum(statuses.values()))
+    chaos_report.record(section, "statuses", {str(k): v for k, v in sorted(statuses.items())})
+    chaos_report.record(section, "failures", len(bad))
+    chaos_report.record(section, "failure_samples", bad[:20])
+    assert not bad, f"{len(bad)} of {sum(statuses.values())} answers broke the contract:\n" + "\n".join(bad[:15])
+
+
+def common_problem(status: int, text: str) -> str | None:
+    """What is wrong with any answer (a status not documented, internals shown, an error body
+    not OpenAI's shape: a message and a type), or None."""
     if status not in ALLOWED:
         return f"status {status}"
     if any(m in text for m in LEAKS):
@@ -186,6 +196,13 @@ def judge(status: int, ctype: str, text: str, endpoint: str, body: dict, stream:
     if status != 200:
         err = json.loads(text).get("error", {})
         return None if err.get("message") and err.get("type") else "error body without message/type"
+    return None
+
+
+def judge(status: int, ctype: str, text: str, endpoint: str, body: dict, stream: bool) -> str | None:
+    """What is wrong with this answer, or None."""
+    if status != 200 or common_problem(status, text):
+        return common_problem(status, text)
     unknown = set(body) - KNOWN[endpoint]
     if unknown:
         return f"unknown fields {sorted(unknown)} answered 200"
@@ -226,12 +243,102 @@ def test_fuzz_openai_http_fake_engine_app(chaos_service, chaos_report, fuzz_exam
             bad.append(f"{problem} ({cred}, {endpoint}): {text[:200]!r} for {shown!r}")
 
     one()
-    section = "fuzz_http_fake"
-    chaos_report.record(section, "examples", sum(statuses.values()))
-    chaos_report.record(section, "statuses", {str(k): v for k, v in sorted(statuses.items())})
-    chaos_report.record(section, "failures", len(bad))
-    chaos_report.record(section, "failure_samples", bad[:20])
-    assert not bad, f"{len(bad)} of {sum(statuses.values())} answers broke the contract:\n" + "\n".join(bad[:15])
+    report(chaos_report, "fuzz_http_fake", statuses, bad)
     after = post(base, "completions", json.dumps(REFERENCE).encode(), good, 60)
     assert after[0] == 200 and json.loads(after[2])["choices"][0]["text"] == json.loads(reference[2])["choices"][0]["text"]
     assert statuses[200] > 0 and statuses[400] > 0  # the fuzz reached both sides
+
+
+RESPONSE_FIELDS = {
+    "model": st.sampled_from(["fake", "fake", "gpt-5", None]),
+    "input": st.one_of(st.text(max_size=30), json_values, st.lists(st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "assistant", "system", "critic"]),
+                               "content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+                                   {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                    "text": st.text(max_size=10)}), max_size=2))}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", ""]),
+                               "name": st.sampled_from(["f", ""]), "arguments": st.sampled_from(["{}", "{", ""])}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c9"]),
+                               "output": st.text(max_size=10)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["item_reference", "reasoning", "message"])}),
+        json_values), max_size=4)),
+    "instructions": st.one_of(st.text(max_size=20), st.none(), json_values),
+    "max_output_tokens": st.one_of(st.integers(-2, 70), st.none(), st.just("5")),
+    "temperature": st.one_of(st.floats(-1, 3), st.none()),
+    "stream": st.booleans(),
+    "store": st.one_of(st.booleans(), st.none(), json_values),
+    "previous_response_id": st.one_of(st.sampled_from(["resp_nope", ""]), st.none()),
+    "tools": st.one_of(st.lists(st.one_of(st.just({"type": "function", "name": "f", "parameters": TOOL["function"]["parameters"]}),
+                                          st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"])})),
+                                max_size=2), json_values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]), json_values),
+    "text": st.one_of(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                       {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                                       {"format": {"type": "json_schema"}}, {"verbosity": "low"}]), json_values),
+    "reasoning": st.one_of(st.none(), st.just({"effort": "high"}), json_values),
+    "truncation": st.sampled_from(["disabled", "auto", None]),
+    "include": st.one_of(st.just([]), st.just(["message.output_text.logprobs"])),
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), json_values),
+}
+KNOWN_RESPONSE = set(__import__("cluster.api.responses_api", fromlist=["ResponseRequest"]).ResponseRequest.model_fields)
+
+
+@st.composite
+def response_bodies(draw) -> tuple[dict, bool]:
+    """(body, sane): half a valid body (text input, a small budget, maybe streamed or unstored),
+    half any mix of the fields at any values."""
+    if draw(st.booleans()):
+        body = {"model": "fake", "input": draw(sane_text), "max_output_tokens": draw(st.integers(1, 8)),
+                "stream": draw(st.booleans()), "store": draw(st.booleans())}
+        if draw(st.booleans()):
+            body["instructions"] = draw(sane_text)
+        return body, True
+    body = {name: draw(strategy) for name, strategy in RESPONSE_FIELDS.items() if draw(st.booleans())}
+    for name in draw(st.lists(st.text(min_size=1, max_size=8), max_size=1)):
+        body[name] = draw(json_values)
+    return body, False
+
+
+def judge_response(status: int, ctype: str, text: str, body: dict) -> str | None:
+    if status != 200 or common_problem(status, text):
+        return common_problem(status, text)
+    if set(body) - KNOWN_RESPONSE:
+        return f"unknown fields {sorted(set(body) - KNOWN_RESPONSE)} answered 200"
+    if body.get("stream") is True:
+        last = [line for line in text.splitlines() if line.startswith("event: ")][-1]
+        return None if last in ("event: response.completed", "event: response.incomplete") else f"stream ended {last}"
+    answer = json.loads(text)
+    return None if answer["object"] == "response" and answer["status"] in ("completed", "incomplete") else "not a response"
+
+
+def test_fuzz_openai_responses_api_fake_engine_app(chaos_service, chaos_report, fuzz_examples):
+    """/v1/responses the same way: every answer 200 or a documented error, never a 5xx or a hang;
+    a stream ends with response.completed / .incomplete; then the service answers as before."""
+    chaos_service.apps("fake")
+    url, good = f"{chaos_service.http}/fake/v1/responses", f"Bearer {TOKEN}"
+    statuses: Counter = Counter()
+    bad: list[str] = []
+
+    @settings(max_examples=max(fuzz_examples[0] // 2, 20), deadline=None, database=None, print_blob=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=response_bodies())
+    def one(case):
+        body, sane = case
+        raw = json.dumps(body, allow_nan=True).encode()
+        try:
+            r = requests.post(url, data=raw, headers={"content-type": "application/json", "authorization": good},
+                              timeout=30)
+            status, ctype, text = r.status_code, r.headers.get("content-type", ""), r.text
+        except requests.Timeout:
+            status, ctype, text = 0, "", "timeout"
+        statuses[status] += 1
+        problem = "hang" if status == 0 else judge_response(status, ctype, text, body)
+        if problem is None and sane and status not in (200, 429):
+            problem = f"a well-formed body answered {status}"
+        if problem:
+            bad.append(f"{problem}: {text[:200]!r} for {raw[:300]!r}")
+
+    one()
+    report(chaos_report, "fuzz_http_responses", statuses, bad)
+    after = post(chaos_service.http, "completions", json.dumps(REFERENCE).encode(), good, 60)
+    assert after[0] == 200 and statuses[200] > 0 and statuses[400] > 0

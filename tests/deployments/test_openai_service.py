@@ -727,3 +727,46 @@ def test_real_tool_calls_through_the_official_client(real):
         (0, "get_weather", made.function.arguments)]  # one delta, whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+@pytest.mark.model
+def test_real_responses_api_calls_a_tool_and_continues_with_its_output(real):
+    """The Responses API on the real model (tests/deployments/test_responses_http.py: the rest, on
+    the fake engine): input items that show the model one call make it call get_weather for Berlin
+    — the call the chat endpoint makes for the same messages — on both paths; the call's output sent
+    back with previous_response_id gets a text answer, the chat endpoint's; text.format json_schema
+    validates."""
+    import jsonschema
+
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    shown = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": json.dumps({"city": "Paris", "unit": "celsius"})},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"},
+             {"role": "assistant", "content": "It is 18 degrees and sunny in Paris."},
+             {"role": "user", "content": "What is the weather in Berlin today?"}]
+    as_chat = [shown[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": shown[1]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}, shown[3], shown[4]]
+    chat = real.chat.completions.create(model="default", messages=as_chat, tools=TOOLS, max_tokens=64,
+                                        temperature=0).choices[0].message.tool_calls[0]
+    for mode in ("speculative", "plain"):
+        r = real.responses.create(model="default", input=shown, tools=flat, max_output_tokens=64, temperature=0,
+                                  extra_body={"mode": mode})
+        (call,) = r.output
+        assert r.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+        assert call.arguments == chat.function.arguments and json.loads(call.arguments)["city"] == "Berlin"
+    follow = real.responses.create(model="default", previous_response_id=r.id, tools=flat, tool_choice="none",
+                                   input=[{"type": "function_call_output", "call_id": call.call_id,
+                                           "output": "21 degrees, cloudy"}], max_output_tokens=24, temperature=0)
+    answer = real.chat.completions.create(
+        model="default", tools=TOOLS, tool_choice="none", max_tokens=24, temperature=0,
+        messages=as_chat + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees, cloudy"}]).choices[0].message
+    assert follow.output_text and follow.output_text == answer.content
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}
+    j = real.responses.create(model="default", input="Describe a person as JSON.", max_output_tokens=32, temperature=0,
+                              text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    jsonschema.validate(json.loads(j.output_text), schema)

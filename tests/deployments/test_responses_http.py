@@ -1,0 +1,144 @@
+"""OpenAI's Responses API end to end on a real Serve app (the fake engine: its output repeats the
+prompt, so what the model was fed shows in the answer), through the official ``openai`` client:
+a response is the chat endpoint's answer to the same messages, stored responses are retrieved,
+continued (``previous_response_id``) and deleted, a stream is OpenAI's event sequence ending in
+the stored response, and what is not done is refused (the real model: test_openai_service.py)."""
+import json
+
+import openai
+import pytest
+import requests
+
+from tests.deployments.harness import FAKE, Client, fake_args, serve_apps_at
+
+pytestmark = pytest.mark.ray
+TOKEN = "resp-token-9"
+
+
+@pytest.fixture(scope="module")
+def addrs():
+    apps = {"resp": fake_args(auth={"token_env": "SPECSERVE_RESP_TOKEN"},
+                              limits={"max_tokens": 64, "max_prompt_tokens": 256, "max_message_bytes": 8192},
+                              http={"stored_responses": 3},
+                              engine_impl={**FAKE, "options": {"token_delay_s": 0.005}}),
+            "nostore": fake_args(http={"stored_responses": 0})}
+    with serve_apps_at(apps, env={"SPECSERVE_RESP_TOKEN": TOKEN}, timeout_s=300) as a:
+        Client(a.grpc, "resp", TOKEN).wait_ready()
+        Client(a.grpc, "nostore").wait_ready()
+        yield a
+
+
+@pytest.fixture(scope="module")
+def client(addrs):
+    return openai.OpenAI(base_url=f"{addrs.http}/resp/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def chat_answer(client, messages: list[dict], n: int) -> tuple[str, int]:
+    r = client.chat.completions.create(model="fake", messages=messages, max_tokens=n, temperature=0)
+    return r.choices[0].message.content, r.usage.prompt_tokens
+
+
+def test_a_response_is_the_chat_answer_to_the_same_messages_and_is_stored(client):
+    r = client.responses.create(model="fake", input="Hello there", max_output_tokens=12, temperature=0,
+                                instructions="Be brief.", metadata={"k": "v"})
+    text, prompt_tokens = chat_answer(client, [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hello there"}], 12)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # the budget ended it
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (prompt_tokens, 12)
+    assert r.usage.total_tokens == prompt_tokens + 12 and r.metadata == {"k": "v"} and r.store is True
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    again = client.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+
+
+def test_a_continuation_is_fed_the_previous_input_and_output_not_its_instructions(client):
+    first = client.responses.create(model="fake", input="one two", max_output_tokens=4, temperature=0,
+                                    instructions="Only the first.")
+    second = client.responses.create(model="fake", input=[{"role": "user", "content": "three"}],
+                                     previous_response_id=first.id, max_output_tokens=40, temperature=0)
+    messages = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "three"}]
+    text, prompt_tokens = chat_answer(client, messages, 40)
+    assert second.output_text == text and second.usage.input_tokens == prompt_tokens
+    assert second.previous_response_id == first.id and "Only the first." not in second.output_text
+    third = client.responses.create(model="fake", input="four", previous_response_id=second.id,
+                                    max_output_tokens=2, temperature=0)
+    _, prompt_tokens = chat_answer(client, messages + [{"role": "assistant", "content": second.output_text},
+                                                       {"role": "user", "content": "four"}], 2)
+    assert third.usage.input_tokens == prompt_tokens  # the whole chain
+
+
+def test_delete_store_false_and_eviction(client):
+    kept = client.responses.create(model="fake", input="keep me", max_output_tokens=2)
+    gone = client.responses.create(model="fake", input="not me", max_output_tokens=2, store=False)
+    assert gone.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="fake", input="x", previous_response_id=gone.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id" and "not found" in e.value.body["message"]
+    deleted = client.responses.delete(kept.id) if hasattr(client.responses, "delete") else None
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    ids = [client.responses.create(model="fake", input=f"r{i}", max_output_tokens=1).id for i in range(4)]
+    with pytest.raises(openai.NotFoundError):  # http.stored_responses is 3: the oldest went first
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_a_stream_is_openais_event_sequence_ending_in_the_stored_response(client):
+    events = list(client.responses.create(model="fake", input="stream this please", max_output_tokens=9,
+                                          temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == deltas == events[-4].text
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    unary = client.responses.create(model="fake", input="stream this please", max_output_tokens=9, temperature=0)
+    assert unary.output_text == deltas
+
+
+@pytest.mark.parametrize("kwargs,param,needle", [
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]), "input",
+     "input[0].content[0].type 'input_image' is not supported"),
+    (dict(tools=[{"type": "web_search"}]), "tools", "function tools only"),
+    (dict(reasoning={"effort": "high"}), "reasoning", "reasoning is not supported"),
+    (dict(truncation="auto"), "truncation", "truncation may only be 'disabled'"),
+    (dict(background=True), "background", "background responses are not supported"),
+    (dict(include=["message.output_text.logprobs"]), "include", "include is not supported"),
+    (dict(input=[{"type": "item_reference", "id": "x"}]), "input", "'item_reference' is not supported"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]), "messages",
+     "answers no earlier tool call"),  # the chat endpoint's rule, on the converted messages
+    (dict(extra_body={"min_p": 0.1}), "min_p", "unrecognized request argument supplied: min_p"),
+    (dict(model="gpt-5"), "model", "does not exist"),
+])
+def test_what_is_not_done_is_refused(client, kwargs, param, needle):
+    args = {"model": "fake", "input": "hi", "max_output_tokens": 2, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.responses.create(**args)
+    assert e.value.status_code in (400, 404) and needle in e.value.body["message"], e.value.body
+    assert e.value.body["param"] == param
+
+
+def test_auth_and_a_server_that_stores_nothing(addrs, client):
+    url = f"{addrs.http}/resp/v1/responses"
+    r = requests.post(url, json={"model": "fake", "input": "hi"}, timeout=30)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    kept = client.responses.create(model="fake", input="mine", max_output_tokens=1)
+    assert requests.get(f"{url}/{kept.id}", timeout=30).status_code == 401
+    assert requests.delete(f"{url}/{kept.id}", timeout=30).status_code == 401
+    assert client.responses.retrieve(kept.id).id == kept.id  # still there
+    bare = f"{addrs.http}/nostore/v1/responses"
+    r = requests.post(bare, json={"model": "fake", "input": "hi", "max_output_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+    r = requests.post(bare, json={"model": "fake", "input": "hi", "max_output_tokens": 1, "store": False}, timeout=60)
+    assert r.status_code == 200 and r.json()["store"] is False
+    assert json.loads(r.text)["output"][0]["content"][0]["text"]
