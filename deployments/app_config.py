@@ -135,6 +135,8 @@ class EngineKnobs(DeploymentKnobs):
     # tokens one step may feed (running decodes first, then prompt chunks): bounds how long a long
     # prompt's prefill stalls the running decodes (chunked prefill)
     max_num_batched_tokens: int = Field(BATCHED_TOKENS_DEFAULT, ge=1)
+    # share the K/V blocks of common prompt prefixes between requests (EngineConfig.prefix_caching)
+    prefix_caching: bool = True
 
 
 class DraftServerKnobs(DeploymentKnobs):
@@ -332,7 +334,7 @@ class AppConfig(_Strict):
         return EngineConfig(model=self.model, dtype=self.dtype, max_num_seqs=knobs.max_num_seqs,
                             kv_cache_memory_mb=knobs.kv_cache_memory_mb, max_queue=self.limits.max_queue,
                             max_num_batched_tokens=knobs.max_num_batched_tokens,
-                            torch_threads=self.torch_threads,
+                            prefix_caching=knobs.prefix_caching, torch_threads=self.torch_threads,
                             spec=self.spec_config() if speculative else None)
 
 

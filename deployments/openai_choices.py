@@ -117,7 +117,8 @@ def combined_final(finals: list[RequestOutput], per_prompt: int | None = None) -
     first = finals[0]
     if len(finals) == 1:
         return first
-    prompt_tokens = sum(f.num_prompt_tokens for f in finals[:: per_prompt or len(finals)])
+    each_prompt = finals[:: per_prompt or len(finals)]  # a prompt's first choice stands for its prompt
+    prompt_tokens = sum(f.num_prompt_tokens for f in each_prompt)
     spec = None
     if any(f.spec is not None for f in finals):
         spec = SpecStats()
@@ -126,6 +127,7 @@ def combined_final(finals: list[RequestOutput], per_prompt: int | None = None) -
                 spec.merge(f.spec)
     return dataclasses.replace(
         first, new_token_ids=[], text_delta="", logprobs=[], spec=spec, num_prompt_tokens=prompt_tokens,
+        num_cached_tokens=sum(f.num_cached_tokens for f in each_prompt),
         num_output_tokens=sum(f.num_output_tokens for f in finals),
         accepted_prediction_tokens=sum(f.accepted_prediction_tokens for f in finals),
         rejected_prediction_tokens=sum(f.rejected_prediction_tokens for f in finals))

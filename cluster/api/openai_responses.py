@@ -62,7 +62,8 @@ def usage_dict(final: RequestOutput, completion_tokens: int) -> dict:
     """OpenAI's usage; with a prediction, its ``completion_tokens_details`` too."""
     prompt_tokens = final.num_prompt_tokens
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}  # from the prefix cache
     if final.accepted_prediction_tokens or final.rejected_prediction_tokens:
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": final.accepted_prediction_tokens,
                                               "rejected_prediction_tokens": final.rejected_prediction_tokens}

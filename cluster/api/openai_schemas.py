@@ -132,7 +132,7 @@ class ChatCompletionRequest(_Common):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
+    prompt_cache_key: str | None = None  # a routing hint; the engines' prefix caches match by tokens
     safety_identifier: str | None = None  # like user: an end-user id for the caller's records
     prediction: Prediction | None = None  # drafted from on the speculative path
     # OpenAI's, refused: this server does not do them

@@ -76,7 +76,8 @@ def usage_pb(pb2, final: RequestOutput | None, completion_tokens: int):
         return pb2.Usage(completion_tokens=completion_tokens)
     return pb2.Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=completion_tokens,
                      accepted_prediction_tokens=final.accepted_prediction_tokens,
-                     rejected_prediction_tokens=final.rejected_prediction_tokens)
+                     rejected_prediction_tokens=final.rejected_prediction_tokens,
+                     cached_prompt_tokens=final.num_cached_tokens)
 
 
 def chunk(out: RequestOutput, decision: RouteDecision, first: bool, total_tokens: int, *,

@@ -95,9 +95,9 @@ class ResponseShape:
         }
         if final is not None:
             n = final.num_output_tokens
-            # no input_tokens_details: the prefix cache's hits are not counted per request, and a
-            # cached_tokens of 0 would say they were
-            out["usage"] = {"input_tokens": final.num_prompt_tokens, "output_tokens": n,
+            out["usage"] = {"input_tokens": final.num_prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},  # prefix cache
+                            "output_tokens": n,
                             "output_tokens_details": {"reasoning_tokens": 0},  # the model does not reason
                             "total_tokens": final.num_prompt_tokens + n}
             out["specserve"]["spec"] = spec_dict(final.spec)

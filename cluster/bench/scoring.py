@@ -21,7 +21,8 @@ import argparse
 import sys
 import time
 
-from cluster.bench.side_by_side import add_side_by_side_arguments, load_target, median, prompt_walk, report, write_report
+from cluster.bench.side_by_side import (add_side_by_side_arguments, load_target, median, prompt_walk, ratio_text,
+                                        report, write_report)
 
 VARIANTS = ("prefill", "score0", "score5")
 TOL = 2e-3  # float32 log-softmax of rows computed in different batch shapes
@@ -107,11 +108,8 @@ def format_table(report_: dict) -> str:
              f"{'segment':<12} {'runs':>4} {'score0/prefill':>15} {'score5/prefill':>15} {'score0/generate':>16} "
              f"{'scored tok/s':>13} {'not top-1':>10}"]
 
-    def ratio(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
     for seg, c in report_["table"].items():
-        lines.append(f"{seg:<12} {c['runs']:>4} {ratio(c['score0_vs_prefill']):>15} {ratio(c['score5_vs_prefill']):>15} "
-                     f"{ratio(c['score0_vs_generate']):>16} {c['scored_tok_per_s'] or 0:>13.1f} "
+        lines.append(f"{seg:<12} {c['runs']:>4} {ratio_text(c['score0_vs_prefill']):>15} {ratio_text(c['score5_vs_prefill']):>15} "
+                     f"{ratio_text(c['score0_vs_generate']):>16} {c['scored_tok_per_s'] or 0:>13.1f} "
                      f"{c['answer_tokens_not_top1']:>4}/{c['answer_tokens']:<5}")
     return "\n".join(lines)

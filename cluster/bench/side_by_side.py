@@ -63,6 +63,11 @@ def prompt_walk(args: argparse.Namespace, target, segments: list[str], variants:
                 yield rnd, seg, row, prompt_token_ids(target.tokenizer, row), max_tokens, order
 
 
+def ratio_text(v: float | None) -> str:
+    """A table cell of a ratio ("-": nothing measured)."""
+    return "-" if v is None else f"{v:.3f}"
+
+
 def median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 

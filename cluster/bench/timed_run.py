@@ -101,12 +101,12 @@ def run_hf(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **kw) 
     return Run(wall, len(ids), ids)
 
 
-def engine_for(target, spec_cfg=None, proposer=None, kv_mb: int = 128):
+def engine_for(target, spec_cfg=None, proposer=None, kv_mb: int = 128, prefix_caching: bool = True):
     from cluster.common.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
     from cluster.engine.speculation import build_spec_controller
 
-    config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb)
+    config = EngineConfig(spec=spec_cfg, kv_cache_memory_mb=kv_mb, prefix_caching=prefix_caching)
     m = target.with_fresh_kv(config)
     spec = build_spec_controller(config, m, proposer) if spec_cfg is not None else None
     return LLMEngine(config, m, spec)

@@ -1,4 +1,4 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping,scoring}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping,scoring,prefix_cache}`: benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;
@@ -26,6 +26,8 @@ BENCHES = {
                "pays under them, side by side, spec tokens checked equal to plain",
     "scoring": "what scoring a text (prompt_logprobs / echo with max_tokens 0) costs next to prefilling it "
                "and to generating it, the scored values checked against generation's",
+    "prefix_cache": "what the prefix cache buys a conversation's second turn: time to first token and to the "
+                    "end with and without it, side by side, turn 2 checked the same",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

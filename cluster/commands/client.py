@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     if result is not None:
         s = result.spec
         print(f"[route={_path_name(result.route.path)} reason={result.route.reason} "
-              f"tokens={result.usage.completion_tokens} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
+              f"tokens={result.usage.completion_tokens} cached_prompt={result.usage.cached_prompt_tokens} "
+              f"drafted={s.draft_tokens} accepted={s.accepted_tokens} "
               f"alpha={s.alpha:.2f} acceptance_rate={s.acceptance_rate:.2f} "
               f"mean_accept_len={s.mean_acceptance_length:.2f}"
               + (f" prediction_kept={result.usage.accepted_prediction_tokens}"

@@ -175,6 +175,10 @@ class EngineConfig:
     torch_threads: int | None = None
     spec: SpecConfig | None = None
     seed: int = 0
+    # share the K/V blocks of common prompt prefixes between requests (the paged runner only; never
+    # for a request owed its prompt's log-probabilities or on an engine whose drafter reads the
+    # target's features, EAGLE)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):

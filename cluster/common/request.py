@@ -327,6 +327,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     spec: SpecStats | None = None
     # one per new_token_ids entry when the request asked for logprobs (SamplingParams.logprobs), else []
     logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -66,10 +66,13 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.spec = spec  # SpecController | None
         self.max_model_len = min(config.max_model_len or self.runner.max_model_len, self.runner.max_model_len)
+        if config.prefix_caching and getattr(self.runner, "paged_kv", False):
+            self.runner.kv.enable_prefix_caching()  # the runner reads K/V from the blocks themselves
         self.scheduler = Scheduler(
             self.runner.kv,
             SchedulerBudget(config.max_num_seqs, config.max_num_batched_tokens),
             on_preempt=self._on_preempt,
+            can_share=self._can_share,
         )
         self.seqs: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
@@ -107,6 +110,12 @@ class LLMEngine:
                                         drafter=self.spec.config.drafter_for(request.segment) if speculate else None)
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    def _can_share(self, seq: Sequence) -> bool:
+        """May ``seq`` start from cached prefix blocks? Not when the prefill's rows are owed (its
+        prompt's log-probabilities), nor when a drafter reads the target's features of every
+        position since the prefill (EAGLE: a cached prefix has none)."""
+        return seq.request.params.prompt_logprobs is None and getattr(self.runner, "feature_tap", None) is None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -252,6 +261,7 @@ class LLMEngine:
             seq.spec.record(draft.k, accepted, draft.num_forced)
             seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
         seq.append_committed(committed, logprobs)
+        self.runner.kv.cache_prefix(seq.seq_id, seq.token_ids, seq.num_cached)  # full committed blocks shareable
         seq.trace.prefill_done()  # idempotent: marks the first token only
 
     @staticmethod
@@ -290,6 +300,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
+            num_cached_tokens=seq.num_prompt_cached,
             spec=seq.spec if seq.speculate else None,
             error=seq.error if seq.finish_reason is FinishReason.ERROR else None,
         )
@@ -328,6 +339,8 @@ class LLMEngine:
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix.queries if kv.prefix is not None else 0,
+            prefix_cache_hits=kv.prefix.hits if kv.prefix is not None else 0,
         )
         if self.spec is not None:
             self.spec.fill_stats(st)

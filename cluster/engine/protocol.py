@@ -19,6 +19,10 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_free: int
     num_preemptions: int = 0
+    # prefix caching: full prompt blocks looked up at admission, and those found (each saved a
+    # block of prefill); cached blocks held by no request count in kv_blocks_free
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     spec_enabled: bool = False
     drafter: str | None = None
     moe: bool = False

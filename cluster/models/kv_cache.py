@@ -3,14 +3,22 @@
 Owns: which physical blocks a sequence holds, how many tokens of it are cached, growing,
 truncating (rollback to a committed length) and freeing, and the slot indices that tell a model
 runner where token t of a sequence lives in the flat ``[num_blocks * block_size, ...]`` storage.
-Ignores: the tensors themselves (the model runner owns them) and who gets evicted when the pool
-is full (the scheduler decides).
+With prefix caching on (``enable_prefix_caching``): a reference count per block, so sequences
+share the blocks of a common prefix (``match_prefix`` at admission; ``cache_prefix`` indexes a
+sequence's full committed blocks), and a block no sequence holds stays indexed and evictable —
+counted free, handed out for new tokens least recently released first. Only full blocks of
+committed tokens are shared, and a sequence writes only past its own committed length, so a
+shared block is never written.
+Ignores: the tensors themselves (the model runner owns them), which sequences may share (the
+engine decides) and who gets preempted when the pool is full (the scheduler decides).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from cluster.models.prefix_cache import PrefixIndex, block_key
 
 
 class KVCacheFullError(RuntimeError):
@@ -21,6 +29,7 @@ class KVCacheFullError(RuntimeError):
 class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose K/V are valid (the target's committed length in KV)
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of the first len(keys) blocks (caching)
 
 
 def sizing_num_blocks(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
@@ -36,11 +45,21 @@ class KVCacheManager:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, BlockTable] = {}
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self.prefix: PrefixIndex | None = None  # None: prefix caching off
+
+    def enable_prefix_caching(self) -> None:
+        """Share the blocks of common prefixes from now on (before any sequence holds a block)."""
+        if self._tables:
+            raise RuntimeError("prefix caching is enabled before the first sequence, not after")
+        if self.prefix is None:
+            self.prefix = PrefixIndex()
 
     # -- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get: unused ones, and cached ones no sequence holds."""
+        return len(self._free) + (self.prefix.num_evictable if self.prefix is not None else 0)
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._tables
@@ -60,17 +79,19 @@ class KVCacheManager:
         return max(0, need - have)
 
     def can_reserve(self, seq_id: str, total_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, total_tokens) <= len(self._free)
+        return self.blocks_needed(seq_id, total_tokens) <= self.num_free_blocks
 
     # -- mutation ---------------------------------------------------------------------------
     def reserve(self, seq_id: str, total_tokens: int) -> None:
         """Make room for ``total_tokens`` tokens (allocating blocks); does not change num_tokens."""
         extra = self.blocks_needed(seq_id, total_tokens)
-        if extra > len(self._free):
-            raise KVCacheFullError(f"need {extra} blocks, {len(self._free)} free")
+        if extra > self.num_free_blocks:
+            raise KVCacheFullError(f"need {extra} blocks, {self.num_free_blocks} free")
         table = self._tables.setdefault(seq_id, BlockTable())
         for _ in range(extra):
-            table.blocks.append(self._free.pop())
+            block = self._free.pop() if self._free else self.prefix.evict()
+            self._refs[block] = 1
+            table.blocks.append(block)
 
     def set_num_tokens(self, seq_id: str, num_tokens: int) -> None:
         """Record that K/V for positions [0, num_tokens) are valid (after a forward pass)."""
@@ -89,12 +110,63 @@ class KVCacheManager:
         table.num_tokens = min(table.num_tokens, length)
         keep = -(-length // self.block_size)
         while len(table.blocks) > keep:
-            self._free.append(table.blocks.pop())
+            self._release(table.blocks.pop())
+        del table.keys[length // self.block_size:]  # a block no longer full is no prefix
 
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)
         if table is not None:
-            self._free.extend(reversed(table.blocks))
+            for block in reversed(table.blocks):
+                self._release(block)
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            return
+        if self.prefix is not None and self.prefix.key(block) is not None:
+            self.prefix.released(block)  # kept, evictable
+        else:
+            self._free.append(block)
+
+    # -- prefix caching ---------------------------------------------------------------------
+    def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+        """For a sequence holding no blocks: hold the cached blocks of its longest prefix of full
+        blocks (leaving at least one token to compute: its logits are needed) and count them
+        cached; returns the tokens matched (0 with caching off)."""
+        if self.prefix is None or seq_id in self._tables:
+            return 0
+        bs, table = self.block_size, BlockTable()
+        parent = b""
+        for i in range((len(token_ids) - 1) // bs):
+            key = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.prefix.lookup(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                self.prefix.held(block)
+            self._refs[block] += 1
+            table.blocks.append(block)
+            table.keys.append(key)
+            parent = key
+        if not table.blocks:
+            return 0
+        table.num_tokens = len(table.blocks) * bs
+        self._tables[seq_id] = table
+        return table.num_tokens
+
+    def cache_prefix(self, seq_id: str, token_ids: list[int], committed: int) -> None:
+        """Index the sequence's full blocks within its first ``committed`` tokens (K/V final:
+        ``token_ids[:committed]`` committed) that are not indexed yet."""
+        table = self._tables.get(seq_id)
+        if self.prefix is None or table is None:
+            return
+        bs = self.block_size
+        full = min(committed, table.num_tokens) // bs
+        while len(table.keys) < full:
+            i = len(table.keys)
+            key = block_key(table.keys[-1] if table.keys else b"", token_ids[i * bs:(i + 1) * bs])
+            self.prefix.add(key, table.blocks[i])  # a prefix another block holds: this one stays unindexed
+            table.keys.append(key)
 
     # -- addressing -------------------------------------------------------------------------
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:

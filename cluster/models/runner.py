@@ -66,6 +66,7 @@ class ModelRunner:
             per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * model.embed.element_size()
             num_blocks = sizing_num_blocks(kv_cache_memory_mb * 2**20, block_size, per_token)
         self.kv = KVCacheManager(num_blocks, block_size)
+        self.paged_kv = True  # attention reads K/V from the blocks: they can be shared (prefix caching)
         self.k_cache, self.v_cache = model.new_kv_storage(num_blocks * block_size)
         self.vocab_size = a.vocab_size
         self.max_model_len = a.max_position_embeddings

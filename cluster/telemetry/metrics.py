@@ -100,6 +100,10 @@ class SpecserveMetrics:
         self.kv_total = b.gauge("specserve_kv_blocks_capacity", "KV cache blocks in the pool", ("engine",))
         self.kv_usage = b.gauge("specserve_kv_usage_ratio", "Used fraction of the KV pool", ("engine",))
         self.preemptions = b.counter("specserve_preemptions", "Preempted sequences", ("engine",))
+        self.prefix_queries = b.counter("specserve_prefix_cache_queries", "Full prompt blocks looked up in the "
+                                        "prefix cache at admission", ("engine",))
+        self.prefix_hits = b.counter("specserve_prefix_cache_hits", "Full prompt blocks found in the prefix "
+                                     "cache (a block of prefill saved each)", ("engine",))
         self.fallbacks = b.counter("specserve_draft_fallbacks", "Sequences that continued without "
                                    "speculation because the draft side failed", ("engine",))
         self.resyncs = b.counter("specserve_draft_resyncs", "KVSync resyncs (draft lacked the prefix)",
@@ -202,6 +206,8 @@ class SpecserveMetrics:
         if stats.kv_blocks_total:
             self.kv_usage.set(1.0 - stats.kv_blocks_free / stats.kv_blocks_total, e)
         self._delta(self.preemptions, e, stats.num_preemptions)
+        self._delta(self.prefix_queries, e, getattr(stats, "prefix_cache_queries", 0))
+        self._delta(self.prefix_hits, e, getattr(stats, "prefix_cache_hits", 0))
         self._delta(self.fallbacks, e, stats.draft_fallbacks)
         self._delta(self.resyncs, e, stats.draft_resyncs)
         if stats.break_even_alpha is not None:

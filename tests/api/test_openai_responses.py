@@ -38,7 +38,8 @@ def test_unary_chat_body():
     assert b["id"] == "chatcmpl-srv1" and b["object"] == "chat.completion" and b["model"] == "m"
     assert b["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "abc"}, "logprobs": None,
                              "finish_reason": "stop"}]  # EOS is OpenAI's "stop"
-    assert b["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert b["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     s = b["specserve"]
     assert s["route"] == {"path": "speculative", "reason": "below_enter_threshold"}
     assert (s["request_id"], s["label"]) == ("srv1", "lbl")
@@ -190,7 +191,8 @@ def test_n_choices_unary_and_streamed():
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
         (0, "Hi", "length"), (1, "Hi \ufffd", "stop")]
     assert [c["logprobs"]["text_offset"] for c in body["choices"]] == [[0], [0, 2]]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["specserve"]["spec"] is None  # the summary's counters, not one choice's
     s = Responder(Kind.CHAT, "s", "", "m", DECISION)
     events = [_event(s.chunk(RequestOutput("e-1", [5], "x"), first=True, index=1)),

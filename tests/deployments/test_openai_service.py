@@ -765,6 +765,8 @@ def test_real_responses_api_calls_a_tool_and_continues_with_its_output(real):
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees, cloudy"}]).choices[0].message
     assert follow.output_text and follow.output_text == answer.content
+    # the conversation so far was fed on both paths above: its full blocks come from the prefix cache
+    assert 0 < follow.usage.input_tokens_details.cached_tokens < follow.usage.input_tokens
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
               "required": ["name"], "additionalProperties": False}
     j = real.responses.create(model="default", input="Describe a person as JSON.", max_output_tokens=32, temperature=0,

@@ -66,12 +66,13 @@ async def wait_pool_full(engine, tries: int = 250):
 
 
 def _collect(res: dict, out) -> None:
-    r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None})
+    r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None, "cached": 0})
     r["ids"] += out.new_token_ids
     r["text"] += out.text_delta
     if out.finished:
         r["finish"] = out.finish_reason
         r["spec"] = out.spec
+        r["cached"] = out.num_cached_tokens
 
 
 def greedy_requests(tokenizer, rows: list[dict], max_tokens: int) -> list[GenerationRequest]:

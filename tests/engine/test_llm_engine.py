@@ -113,3 +113,43 @@ def test_stop_conditions_and_cancel(default_model):
     r = run_to_completion(eng, [GenerationRequest("x", ids, SamplingParams(max_tokens=50))], abort_at={"x": 3})["x"]
     assert r["finish"] is FinishReason.CANCELLED
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_model, hf_reference, rows):
+    """A request sharing a prompt prefix with an earlier one (a conversation continued, another
+    question under the same chat template) takes that prefix's full blocks from the cache and
+    prefills the rest; its greedy output equals the engine's without prefix caching and Hugging
+    Face generate's. Blocks the cache keeps count as free, and come back when needed."""
+    tok = default_model.tokenizer
+    eng = engine_on(default_model)
+    first = GenerationRequest("first", prompt_ids(tok, rows[6]), SamplingParams(max_tokens=24))
+    done = run_to_completion(eng, [first])
+    assert done["first"]["cached"] == 0
+    continued = first.prompt_token_ids + done["first"]["ids"] + prompt_ids(tok, {"prompt": " And then?"})
+    later = [GenerationRequest("continued", continued, SamplingParams(max_tokens=MAX_TOKENS)),
+             *greedy_requests(tok, [rows[13], rows[21]], MAX_TOKENS)]  # chat rows: the template's prefix
+    res = run_to_completion(eng, later)
+    bs = eng.runner.kv.block_size
+    shared = len(first.prompt_token_ids) + len(done["first"]["ids"])  # K/V committed for all but the last
+    assert res["continued"]["cached"] == (shared - 1) // bs * bs > 0
+    template = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, later[1].prompt_token_ids)) if a != b)
+    assert res[later[1].request_id]["cached"] == template // bs * bs > 0  # the chat template's system prefix
+    plain = run_to_completion(engine_on(default_model, prefix_caching=False), later)
+    for r in later:
+        assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        assert plain[r.request_id]["cached"] == 0
+        check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
+    st = eng.stats()
+    assert st.kv_blocks_free == st.kv_blocks_total and len(eng.runner.kv.prefix) > 0  # kept, yet free
+
+
+def test_prefix_caching_is_off_where_the_prefill_rows_are_needed(default_model):
+    """A request owed its prompt's log-probabilities prefills its whole prompt (the rows are the
+    values); one after it without them shares the prefix."""
+    tok = default_model.tokenizer
+    eng = engine_on(default_model)
+    ids = prompt_ids(tok, {"prompt": "The quick brown fox jumps over the lazy dog. " * 4})
+    run_to_completion(eng, [GenerationRequest("a", ids, SamplingParams(max_tokens=2))])
+    scored = run_to_completion(eng, [GenerationRequest("s", ids, SamplingParams(max_tokens=2, prompt_logprobs=0))])
+    again = run_to_completion(eng, [GenerationRequest("b", ids, SamplingParams(max_tokens=2))])
+    assert scored["s"]["cached"] == 0 and again["b"]["cached"] > 0

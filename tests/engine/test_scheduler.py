@@ -83,3 +83,29 @@ def test_full_pool_preempts_the_newest_and_it_recomputes_later():
     sched.remove(old)
     assert kv.num_free_blocks == 4
     assert run_step(sched) == [("new", 9, True, 0)]  # whole sequence recomputed in one chunk
+
+
+def test_admission_takes_a_cached_prefix_and_gives_it_back_when_the_rest_does_not_fit():
+    kv = KVCacheManager(4, 4)
+    kv.enable_prefix_caching()
+    sched = Scheduler(kv, SchedulerBudget(max_num_seqs=4, max_num_batched_tokens=64), can_share=lambda s: True)
+    a = seq("a", 9)
+    sched.add(a)
+    assert run_step(sched) == [("a", 9, True, 0)]
+    kv.cache_prefix("a", a.token_ids, a.num_cached)  # the engine indexes committed blocks after each step
+    sched.remove(a)  # finished: its two full blocks stay cached (and free)
+    b = seq("b", 10)  # the same first 9 tokens, then its own
+    sched.add(b)
+    assert run_step(sched) == [("b", 2, True, 0)]  # 8 tokens from the cache, 2 prefilled
+    assert b.num_prompt_cached == 8 and kv.num_free_blocks == 1
+    # d shares the first block (its 8 tokens leave one to compute: 4 cached) and takes the last
+    # free block; c would share b's two blocks but needs a third, and none is left
+    c, d = seq("c", 9), seq("d", 8)
+    sched.add(d)
+    sched.add(c)
+    assert run_step(sched) == [("b", 1, True, 0), ("d", 4, True, 0)] and kv.num_free_blocks == 0
+    assert c.status is SeqStatus.WAITING and c.num_cached == 0 and not kv.has("c")  # gave the shared blocks back
+    never = Scheduler(KVCacheManager(4, 4), SchedulerBudget(4, 64))  # can_share defaults to no
+    e = seq("e", 9)
+    never.add(e)
+    assert run_step(never) == [("e", 9, True, 0)] and e.num_prompt_cached == 0
