@@ -252,7 +252,8 @@ def read_constrained_rows(args, seg: str) -> tuple[list[dict] | None, str | None
     if not path.exists():
         return None, f"no prompt file for segment {seg!r}: {path}"
     rows = read_prompt_rows(path, args.prompts_per_segment)
-    missing = [r["id"] for r in rows if row_constraint(r) is None]
+    # a grammar row would constrain too, but only a schema or a regex can be checked here
+    missing = [r["id"] for r in rows if row_constraint(r) is None or r.get("grammar")]
     if missing:
         return None, f"--constrained needs a json_schema or regex on every row; {seg} rows without one: {missing[:3]}"
     return rows, None

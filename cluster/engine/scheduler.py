@@ -86,7 +86,6 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_cached == 0 and self._can_share(seq):
                 seq.num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
-                seq.num_prompt_cached = max(seq.num_prompt_cached, min(seq.num_cached, seq.prompt_len))
             pending = seq.num_pending_tokens
             chunk = min(pending, tokens_left)
             if not self.kv.can_reserve(seq.seq_id, seq.num_cached + chunk):
@@ -96,6 +95,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.reserve(seq.seq_id, seq.num_cached + chunk)
+            if seq.num_preemptions == 0:  # the prompt tokens its first admission did not prefill
+                seq.num_prompt_cached = min(seq.num_cached, seq.prompt_len)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, chunk, chunk == pending, 0))

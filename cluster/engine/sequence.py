@@ -30,7 +30,7 @@ class Sequence:
     speculate: bool  # may this request use the speculative path at all
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V the target holds
-    num_prompt_cached: int = 0  # prompt tokens found in the prefix cache at admission (not prefilled)
+    num_prompt_cached: int = 0  # prompt tokens its first admission found in the prefix cache (not prefilled)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it finished with FinishReason.ERROR (the client's message)

@@ -234,7 +234,7 @@ def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_p
     alone = tmp_path / "alone"
     assert train(tiny_llama_dir, alone, "--epochs", "1", "--prompts", str(mine), "--no-corpus") == 0
     cap = capsys.readouterr()
-    assert f"--prompts {mine}: 8 prompts, 1 with json_schema or regex" in cap.err
+    assert f"--prompts {mine}: 8 prompts, 1 with json_schema, regex or grammar" in cap.err
     assert "their max_tokens and sampling settings are not used (--max-new-tokens 32" in cap.err
     assert "8 prompts to draw from in turn until --tokens (4 prompts:chat, 4 prompts:story;" in cap.err
     assert "data: samples by source: 4 prompts:chat, 4 prompts:story" in cap.err  # what was generated
