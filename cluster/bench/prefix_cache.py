@@ -1,7 +1,9 @@
 """`specserve bench prefix_cache`: what the prefix cache buys a conversation's next turn, side by side.
 
-Owns: per workload prompt and round, a two-turn conversation on two plain engines — ``cold``
-(prefix caching off) and ``warm`` (on) — each first answering the prompt (turn 1, not timed),
+Owns: per workload prompt and round, a two-turn conversation on two engines — ``cold`` (prefix
+caching off) and ``warm`` (on), both plain or both speculative with ``--drafter`` at auto K
+(``--path spec``; the default drafter's EAGLE head takes a shared prefix's features from the
+cache) — each first answering the prompt (turn 1, not timed),
 then answering the conversation continued: the prompt, that answer and a follow-up user turn
 through the chat template (turn 2, timed: time to first token and to the end), the engines in a
 rotating order. Checked: turn 2's greedy tokens are the same on both engines (a difference is
@@ -9,8 +11,8 @@ reported and fails the run), and the warm engine's turn 2 found its prompt's ful
 turn 1's committed tokens (``cached``). Reported per segment: medians of warm / cold time to first
 token and end-to-end time, and the share of turn 2's prompt that came from the cache. Prints a
 table and writes JSON.
-Ignores: concurrency (one request at a time), the speculative path (the same cache, the same
-prefill), eviction under memory pressure (the pool holds every turn here).
+Ignores: concurrency (one request at a time), eviction under memory pressure (the pool holds
+every turn here).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ FOLLOW_UP = "Thank you. Now say it again in one short sentence."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_side_by_side_arguments(p, "chat,edit,json", "not used: both engines run the plain path")
+    add_side_by_side_arguments(p, "chat,edit,json", "both engines' drafter with --path spec (auto K)")
+    p.add_argument("--path", choices=("plain", "spec"), default="plain",
+                   help="both engines plain, or both speculative with --drafter")
     p.add_argument("--turn2-tokens", type=int, default=16, help="tokens of the timed second turn")
 
 
@@ -55,9 +59,11 @@ def _second_turn(tokenizer, row: dict, answer: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.bench.timed_run import engine_for, request_for
+    from cluster.common.config import SpecConfig
 
     target, segments = load_target(args)
-    engines = {"cold": engine_for(target, prefix_caching=False), "warm": engine_for(target)}
+    spec = SpecConfig(drafter=args.drafter, num_draft_tokens="auto") if args.path == "spec" else None
+    engines = {"cold": engine_for(target, spec, prefix_caching=False), "warm": engine_for(target, spec)}
     runs: list[dict] = []
     mismatches: list[str] = []
     t_start = time.perf_counter()
@@ -99,11 +105,12 @@ def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict]
             "prompt_tokens": median([r["prompt_tokens"] for r in mine]),
         }
     return report(args, "prefix_cache", seconds, mismatches, table, runs, turn2_tokens=args.turn2_tokens,
-                  follow_up=FOLLOW_UP)
+                  follow_up=FOLLOW_UP, path=args.path, drafter=args.drafter if args.path == "spec" else None)
 
 
 def format_table(report_: dict) -> str:
-    lines = [f"bench prefix_cache: {report_['rounds']} round(s), plain path, turn 2 of a conversation; medians of "
+    path = report_.get("path", "plain") + (f" ({report_['drafter']})" if report_.get("drafter") else "")
+    lines = [f"bench prefix_cache: {report_['rounds']} round(s), {path} path, turn 2 of a conversation; medians of "
              f"warm (prefix cache) / cold wall times; turn 2 the same on both: {report_['lossless']}",
              f"{'segment':<12} {'runs':>4} {'ttft warm/cold':>15} {'e2e warm/cold':>14} {'cached share':>13} "
              f"{'prompt tokens':>14}"]

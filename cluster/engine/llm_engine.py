@@ -72,7 +72,7 @@ class LLMEngine:
             self.runner.kv,
             SchedulerBudget(config.max_num_seqs, config.max_num_batched_tokens),
             on_preempt=self._on_preempt,
-            can_share=self._can_share,
+            share_prefix=self._share_prefix,
         )
         self.seqs: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
@@ -111,11 +111,29 @@ class LLMEngine:
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
-    def _can_share(self, seq: Sequence) -> bool:
-        """May ``seq`` start from cached prefix blocks? Not when the prefill's rows are owed (its
-        prompt's log-probabilities), nor when a drafter reads the target's features of every
-        position since the prefill (EAGLE: a cached prefix has none)."""
-        return seq.request.params.prompt_logprobs is None and getattr(self.runner, "feature_tap", None) is None
+    def _share_prefix(self, seq: Sequence) -> int:
+        """Hold the cached blocks of ``seq``'s prefix for it; returns the tokens they cover. None
+        when the prefill's rows are owed (its prompt's log-probabilities). Under a feature tap (a
+        drafter that reads the target's features of every position: EAGLE) only as many leading
+        blocks as the tap kept features for, and none when it keeps none (a KVSync tap)."""
+        if seq.request.params.prompt_logprobs is not None:
+            return 0
+        tap = getattr(self.runner, "feature_tap", None)
+        adopt = getattr(tap, "adopt_prefix", None)
+        if tap is not None and adopt is None:
+            return 0
+        kv = self.runner.kv
+        cached = kv.match_prefix(seq.seq_id, seq.token_ids)
+        if cached and adopt is not None:
+            blocks = kv.prefix_blocks(seq.seq_id)
+            kept = adopt(seq.seq_id, blocks)
+            if kept < len(blocks):  # give back the blocks past the features the tap has
+                if kept:
+                    kv.truncate(seq.seq_id, blocks[kept].start)
+                else:
+                    kv.free(seq.seq_id)
+                cached = blocks[kept].start
+        return cached
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -261,7 +279,9 @@ class LLMEngine:
             seq.spec.record(draft.k, accepted, draft.num_forced)
             seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
         seq.append_committed(committed, logprobs)
-        self.runner.kv.cache_prefix(seq.seq_id, seq.token_ids, seq.num_cached)  # full committed blocks shareable
+        indexed = self.runner.kv.cache_prefix(seq.seq_id, seq.token_ids, seq.num_cached)  # full committed blocks shareable
+        if indexed and hasattr(getattr(self.runner, "feature_tap", None), "keep_prefix"):
+            self.runner.feature_tap.keep_prefix(seq.seq_id, indexed)  # their features, for who shares them
         seq.trace.prefill_done()  # idempotent: marks the first token only
 
     @staticmethod

@@ -6,8 +6,8 @@ of a verification when the caller asks for num_draft_tokens), then waiting ones 
 (chunked) prefills. Reserves KV blocks for everything it schedules; when the pool is full it
 preempts the most recently admitted sequence (frees its blocks; it recomputes later) instead of
 failing or deadlocking. With prefix caching, a sequence admitted (or readmitted after preemption)
-first takes the cached blocks of its prefix when ``can_share`` allows, and only the rest is
-prefilled. Ignores: model execution, sampling and acceptance.
+first takes the cached blocks of its prefix (``share_prefix``: the engine decides what may be
+shared), and only the rest is prefilled. Ignores: model execution, sampling and acceptance.
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ class SchedulerBudget:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, budget: SchedulerBudget,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 can_share: Callable[[Sequence], bool] = lambda s: False) -> None:
+                 share_prefix: Callable[[Sequence], int] | None = None) -> None:
         self.kv = kv
         self.budget = budget
-        self._can_share = can_share  # may this sequence start from cached prefix blocks?
+        # holds the cached blocks of a sequence's prefix for it, returns the tokens they cover
+        self._share_prefix = share_prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
@@ -84,8 +85,8 @@ class Scheduler:
         #    had to preempt: the pool is tight and re-admitting the victim would only thrash)
         while self.num_preemptions == preemptions_before and self.waiting and tokens_left > 0 and len(self.running) < self.budget.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_cached == 0 and self._can_share(seq):
-                seq.num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+            if seq.num_cached == 0 and self._share_prefix is not None:
+                seq.num_cached = self._share_prefix(seq)
             pending = seq.num_pending_tokens
             chunk = min(pending, tokens_left)
             if not self.kv.can_reserve(seq.seq_id, seq.num_cached + chunk):

@@ -32,6 +32,15 @@ class BlockTable:
     keys: list[bytes] = field(default_factory=list)  # prefix keys of the first len(keys) blocks (caching)
 
 
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """A full block of committed K/V indexed by its prefix key: a sequence's positions [start, end)."""
+    block: int
+    key: bytes
+    start: int
+    end: int
+
+
 def sizing_num_blocks(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
     """How many blocks fit in a memory budget (bytes_per_token covers all layers, K and V)."""
     return max(2, memory_bytes // (block_size * bytes_per_token))
@@ -154,19 +163,31 @@ class KVCacheManager:
         self._tables[seq_id] = table
         return table.num_tokens
 
-    def cache_prefix(self, seq_id: str, token_ids: list[int], committed: int) -> None:
+    def cache_prefix(self, seq_id: str, token_ids: list[int], committed: int) -> list[CachedBlock]:
         """Index the sequence's full blocks within its first ``committed`` tokens (K/V final:
-        ``token_ids[:committed]`` committed) that are not indexed yet."""
+        ``token_ids[:committed]`` committed) that are not indexed yet; returns those it indexed
+        (a prefix another block already holds leaves this one unindexed, and out)."""
         table = self._tables.get(seq_id)
         if self.prefix is None or table is None:
-            return
+            return []
         bs = self.block_size
         full = min(committed, table.num_tokens) // bs
+        indexed = []
         while len(table.keys) < full:
             i = len(table.keys)
             key = block_key(table.keys[-1] if table.keys else b"", token_ids[i * bs:(i + 1) * bs])
-            self.prefix.add(key, table.blocks[i])  # a prefix another block holds: this one stays unindexed
+            if self.prefix.add(key, table.blocks[i]):
+                indexed.append(CachedBlock(table.blocks[i], key, i * bs, (i + 1) * bs))
             table.keys.append(key)
+        return indexed
+
+    def prefix_blocks(self, seq_id: str) -> list[CachedBlock]:
+        """The sequence's leading blocks with a prefix key (after ``match_prefix``: those it shares)."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return []
+        bs = self.block_size
+        return [CachedBlock(b, k, i * bs, (i + 1) * bs) for i, (b, k) in enumerate(zip(table.blocks, table.keys))]
 
     # -- addressing -------------------------------------------------------------------------
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:

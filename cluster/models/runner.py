@@ -6,7 +6,8 @@ metadata (positions, slot mapping, attention groups with padding masks, logits r
 ``SeqChunk``s on the CPU and handing it to the model's device, updating each sequence's cached
 length after the pass, and the feature tap: when one is installed, every committed full forward
 also hands the tap the chosen layers' states of every fed token (an EAGLE drafter reads the
-target's features from the verification pass), and is told when a sequence is freed.
+target's features from the verification pass), and is told when a sequence is freed. A tap that
+keeps the features of cached prefix blocks (``PrefixFeatures``) lets the engine share prefixes.
 Ignores: which chunks to run (scheduler) and what to do with the logits (sampler, verifier).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from cluster.models.kv_cache import KVCacheManager, sizing_num_blocks
+from cluster.models.kv_cache import CachedBlock, KVCacheManager, sizing_num_blocks
 from cluster.models.llama import AttentionGroup, ForwardBatch, LlamaModel
 
 # Chunks with more new tokens than this get their own attention group, so that one long prefill
@@ -55,6 +56,18 @@ class FeatureTap(Protocol):
 
     def forget(self, seq_id: str) -> None:
         """The runner freed this sequence: its features are stale."""
+
+
+class PrefixFeatures(Protocol):
+    """A feature tap that can stand in for the forwards a cached prefix skips (prefix caching
+    under a drafter that reads the features of every position)."""
+
+    def keep_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> None:
+        """These blocks of the sequence were just indexed: keep their positions' features."""
+
+    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> int:
+        """A new sequence starts with these cached blocks (from position 0): give it the kept
+        features of as many leading ones as it has; returns how many."""
 
 
 class ModelRunner:

@@ -15,7 +15,10 @@ run yet) it
   and the embedding of draft token j, with temporary K/V dropped after the round (only K/V from
   target features at committed positions persist);
 over a ragged batch (padding masks), greedy, seeded or sampled through ``draft_rounds``, with q over
-the full target vocabulary (zero outside the trimmed draft vocabulary).
+the full target vocabulary (zero outside the trimmed draft vocabulary). Under prefix caching it
+keeps the fused features of every prefix block the target's KV cache indexes (by physical block,
+with the block's prefix key) and hands them to a sequence that shares the block, which the
+target never runs over that prefix (``keep_prefix`` / ``adopt_prefix``).
 Ignores: verification, K, training (``cluster.training``), transport (``cluster.kvsync``).
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.models.kv_cache import CachedBlock
 from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.drafting import draft_rounds
 from cluster.speculative.eagle_head import EagleHead, load_head
@@ -77,6 +81,9 @@ class EagleProposer:
         self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []
         self._pending_rows = 0
         self.last_caught_up = 0  # committed positions the last propose ran (its feeds), all rows
+        # fused features of the target's indexed prefix blocks: block -> (its prefix key, [bs, H]);
+        # at most one entry per KV block (a block indexed again replaces its entry)
+        self._prefix: dict[int, tuple[bytes, torch.Tensor]] = {}
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
         target_runner.feature_tap = self
@@ -145,6 +152,39 @@ class EagleProposer:
         for st, start, end in writes:
             st.feats[start:end] = fused[row : row + end - start]
             row += end - start
+
+    # -- prefix caching ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def keep_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> None:
+        """The target's KV cache just indexed these full blocks of the sequence (committed
+        positions): keep their fused features for a sequence that will share them."""
+        st = self._seqs.get(seq_id)
+        if st is None:
+            return
+        self._fuse_pending()
+        for b in blocks:
+            if st.filled >= b.end:
+                self._prefix[b.block] = (b.key, st.feats[b.start : b.end].clone())
+
+    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> int:
+        """A sequence starts with these cached blocks of the target (positions from 0; the
+        target will not run them): its features there are the kept ones, for as many leading
+        blocks as are kept under the same key. Returns how many."""
+        kept = []
+        for b in blocks:
+            entry = self._prefix.get(b.block)
+            if entry is None or entry[0] != b.key:
+                break
+            kept.append((b, entry[1]))
+        if kept:
+            end = kept[-1][0].end
+            st = self._seqs[seq_id] = _SeqState(torch.zeros(max(64, 2 * end), self.head.cfg.hidden_size))
+            for b, feats in kept:
+                st.feats[b.start : b.end] = feats
+            st.filled = end
+        else:
+            self._seqs.pop(seq_id, None)  # (a state left by blocks given back at an earlier try)
+        return len(kept)
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -16,10 +16,14 @@ from tests.reference import check_greedy_match, workload_rows
 MAX_TOKENS = 32
 
 
-def engine_on(model: LoadedModel, num_blocks: int | None = None, **cfg) -> LLMEngine:
-    """A fresh engine (own KV pool) sharing the loaded weights."""
-    config = EngineConfig(**cfg)
-    return LLMEngine(config, model.with_fresh_kv(config, num_blocks))
+def engine_on(model: LoadedModel, num_blocks: int | None = None, drafter: str | None = None, **cfg) -> LLMEngine:
+    """A fresh engine (own KV pool) sharing the loaded weights; with ``drafter``, speculative (auto K)."""
+    from cluster.common.config import SpecConfig
+    from cluster.engine.speculation import build_spec_controller
+
+    config = EngineConfig(spec=SpecConfig(drafter=drafter, num_draft_tokens="auto") if drafter else None, **cfg)
+    m = model.with_fresh_kv(config, num_blocks)
+    return LLMEngine(config, m, build_spec_controller(config, m) if drafter else None)
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +119,16 @@ def test_stop_conditions_and_cancel(default_model):
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
 
 
-def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_model, hf_reference, rows):
+@pytest.mark.parametrize("drafter", [None, "portfolio"])
+def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_model, hf_reference, rows, drafter):
     """A request sharing a prompt prefix with an earlier one (a conversation continued, another
     question under the same chat template) takes that prefix's full blocks from the cache and
     prefills the rest; its greedy output equals the engine's without prefix caching and Hugging
-    Face generate's. Blocks the cache keeps count as free, and come back when needed."""
+    Face generate's. Blocks the cache keeps count as free, and come back when needed. The same
+    on the SpecEngine's default drafter (a portfolio whose EAGLE head reads the target's features
+    of every position: the shared blocks' kept ones)."""
     tok = default_model.tokenizer
-    eng = engine_on(default_model)
+    eng = engine_on(default_model, drafter=drafter)
     first = GenerationRequest("first", prompt_ids(tok, rows[6]), SamplingParams(max_tokens=24))
     done = run_to_completion(eng, [first])
     assert done["first"]["cached"] == 0
@@ -134,7 +141,9 @@ def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_m
     assert res["continued"]["cached"] == (shared - 1) // bs * bs > 0
     template = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, later[1].prompt_token_ids)) if a != b)
     assert res[later[1].request_id]["cached"] == template // bs * bs > 0  # the chat template's system prefix
-    plain = run_to_completion(engine_on(default_model, prefix_caching=False), later)
+    plain = run_to_completion(engine_on(default_model, drafter=drafter, prefix_caching=False), later)
+    if drafter is not None:
+        assert eng.runner.feature_tap is not None and res["continued"]["spec"].draft_tokens > 0
     for r in later:
         assert res[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
         assert plain[r.request_id]["cached"] == 0

@@ -88,7 +88,8 @@ def test_full_pool_preempts_the_newest_and_it_recomputes_later():
 def test_admission_takes_a_cached_prefix_and_gives_it_back_when_the_rest_does_not_fit():
     kv = KVCacheManager(4, 4)
     kv.enable_prefix_caching()
-    sched = Scheduler(kv, SchedulerBudget(max_num_seqs=4, max_num_batched_tokens=64), can_share=lambda s: True)
+    sched = Scheduler(kv, SchedulerBudget(max_num_seqs=4, max_num_batched_tokens=64),
+                      share_prefix=lambda s: kv.match_prefix(s.seq_id, s.token_ids))
     a = seq("a", 9)
     sched.add(a)
     assert run_step(sched) == [("a", 9, True, 0)]
@@ -105,7 +106,7 @@ def test_admission_takes_a_cached_prefix_and_gives_it_back_when_the_rest_does_no
     sched.add(c)
     assert run_step(sched) == [("b", 1, True, 0), ("d", 4, True, 0)] and kv.num_free_blocks == 0
     assert c.status is SeqStatus.WAITING and c.num_cached == 0 and not kv.has("c")  # gave the shared blocks back
-    never = Scheduler(KVCacheManager(4, 4), SchedulerBudget(4, 64))  # can_share defaults to no
+    never = Scheduler(KVCacheManager(4, 4), SchedulerBudget(4, 64))  # no share_prefix: nothing shared
     e = seq("e", 9)
     never.add(e)
     assert run_step(never) == [("e", 9, True, 0)] and e.num_prompt_cached == 0

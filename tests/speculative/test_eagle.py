@@ -363,3 +363,66 @@ def test_drafts_equal_a_head_run_from_scratch_as_sequences_grow_roll_back_and_ba
     check({"a": (seqs["a"][:30] + [5, 6], 3)})  # rolled back to 30 tokens, two new ones
     check({"a": (seqs["a"], 1), "b": (seqs["b"][:6], 3)})  # a grows past 64 anchors; b rolls back
     check({"b": (seqs["b"], 2)})
+
+
+def test_prefix_blocks_keep_their_features_for_the_sequences_that_share_them(tiny, head_dir):
+    """Under prefix caching the target never runs a shared prefix, so its features come from the
+    blocks' kept ones: equal to those the sequence that computed them recorded, for the leading
+    blocks kept under the same prefix key (a block re-indexed for another prefix is not one),
+    outliving that sequence; the shared sequence's own forwards extend them."""
+    from cluster.models.runner import SeqChunk
+
+    _, model = tiny
+    runner = model.with_fresh_kv(EngineConfig(model="tiny")).runner
+    runner.kv.enable_prefix_caching()
+    prop = EagleProposer.from_dir(head_dir, runner)
+    bs = runner.kv.block_size
+    a = prompts()[3] + prompts()[1]  # 47 tokens: two full blocks
+    runner.forward([SeqChunk("a", a, 0, 1)])
+    indexed = runner.kv.cache_prefix("a", a, len(a))
+    assert [(b.start, b.end) for b in indexed] == [(0, bs), (bs, 2 * bs)]
+    prop.keep_prefix("a", indexed)
+    want = prop._seqs["a"].feats[: 2 * bs].clone()
+    prop.release("a")
+    runner.kv.free("a")
+    b = a[: 2 * bs] + [5, 6, 7]
+    assert runner.kv.match_prefix("b", b) == 2 * bs
+    assert prop.adopt_prefix("b", runner.kv.prefix_blocks("b")) == 2
+    st = prop._seqs["b"]
+    assert st.filled == 2 * bs and torch.equal(st.feats[: 2 * bs], want)
+    runner.forward([SeqChunk("b", b[2 * bs :], 2 * bs, 1)])
+    prop.propose([])  # fuses what is pending
+    assert prop._seqs["b"].filled == len(b)
+    # a block kept under another key (its K/V reused for another prefix) is not handed out
+    blocks = runner.kv.prefix_blocks("b")
+    stale = [blocks[0], type(blocks[1])(blocks[1].block, b"another prefix", bs, 2 * bs)]
+    assert prop.adopt_prefix("c", stale) == 1 and prop._seqs["c"].filled == bs
+    assert prop.adopt_prefix("c", stale[1:]) == 0 and "c" not in prop._seqs
+
+
+def test_a_continued_conversation_shares_its_prefix_under_eagle_and_changes_no_token(tiny, head_dir):
+    """A request that continues an earlier one prefills only what is new (its prefix's blocks and
+    their features come from the cache), drafts with the head, and decodes exactly what an engine
+    without prefix caching and Hugging Face generate do."""
+    path, model = tiny
+    first = GenerationRequest("first", prompts()[3] + prompts()[1], SamplingParams(max_tokens=MAX_TOKENS))
+    eng = engine(model, f"eagle:{head_dir}", 3)
+    done = run_to_completion(eng, [first])
+    continued = first.prompt_token_ids + done["first"]["ids"] + prompts()[2]
+    later = [GenerationRequest("continued", continued, SamplingParams(max_tokens=MAX_TOKENS)),
+             GenerationRequest("other", first.prompt_token_ids[:20] + prompts()[0], SamplingParams(max_tokens=MAX_TOKENS))]
+    got = run_to_completion(eng, later)
+    bs = eng.runner.kv.block_size
+    assert got["continued"]["cached"] == (len(first.prompt_token_ids) + len(done["first"]["ids"]) - 1) // bs * bs > 0
+    assert got["other"]["cached"] == bs
+    assert got["continued"]["spec"].draft_tokens > 0
+    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
+                          max_num_seqs=8, prefix_caching=False)
+    m = model.with_fresh_kv(config)
+    plain = run_to_completion(LLMEngine(config, m, build_spec_controller(config, m)), later)
+    ref = HFReference(path, model.eos_token_ids)
+    for r in later:
+        assert plain[r.request_id]["cached"] == 0
+        assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
+    assert not eng.spec.proposer._seqs and eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
