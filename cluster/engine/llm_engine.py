@@ -36,6 +36,7 @@ from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq, Scheduler, SchedulerBudget
 from cluster.engine.sequence import Sequence
 from cluster.engine.target_rows import process_rows
+from cluster.models.kv_cache import CachedBlock
 from cluster.models.load import LoadedModel
 from cluster.models.runner import SeqChunk
 from cluster.sampling.logprobs import token_logprobs
@@ -150,11 +151,17 @@ class LLMEngine:
         batch = self._schedule()  # 1. which sequences run, with K draft slots each
         if not batch:
             return []
-        drafts = self._propose(batch)  # 2. K_i draft tokens per speculating sequence
+        written = False  # did the forward write the blocks indexed as they were scheduled?
         try:
-            target = self._forward(batch, drafts)  # 3. one target pass over chunks + drafts
-        except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
-            return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message) for s in batch]
+            drafts = self._propose(batch)  # 2. K_i draft tokens per speculating sequence
+            try:
+                target = self._forward(batch, drafts)  # 3. one target pass over chunks + drafts
+            except Exception as exc:  # noqa: BLE001 (no one sequence to blame: fail those it carried)
+                return [self.fail(s.seq, fault(FaultStage.FORWARD, exc, s.seq.seq_id).message) for s in batch]
+            written = True
+        finally:
+            indexed = self.runner.kv.settle_scheduled(written)  # unwritten: unindexed
+        self._keep_prefix_features(indexed)
         verdicts = self._verify(batch, drafts, target)  # 4. accepted prefix + recovered/bonus token
         self._commit(batch, drafts, verdicts, target)  # 5. advance KV and tokens
         return self._emit(batch)  # 6. deltas and finished outputs
@@ -279,10 +286,21 @@ class LLMEngine:
             seq.spec.record(draft.k, accepted, draft.num_forced)
             seq.trace.step(draft.k, accepted, self.spec.drafted_by(seq.seq_id) if self.spec is not None else None)
         seq.append_committed(committed, logprobs)
-        indexed = self.runner.kv.cache_prefix(seq.seq_id, seq.token_ids, seq.num_cached)  # full committed blocks shareable
-        if indexed and hasattr(getattr(self.runner, "feature_tap", None), "keep_prefix"):
-            self.runner.feature_tap.keep_prefix(seq.seq_id, indexed)  # their features, for who shares them
+        indexed = self.runner.kv.cache_prefix(seq.seq_id, seq.token_ids, seq.num_cached)  # accepted drafts' blocks
+        self._keep_prefix_features([(seq.seq_id, b) for b in indexed])
         seq.trace.prefill_done()  # idempotent: marks the first token only
+
+    def _keep_prefix_features(self, indexed: list[tuple[str, CachedBlock]]) -> None:
+        """Blocks the KV cache indexed once their K/V were written: a feature tap that stands in
+        for shared prefixes keeps their features (the forward that wrote them recorded those)."""
+        keep = getattr(getattr(self.runner, "feature_tap", None), "keep_prefix", None)
+        if not indexed or keep is None:
+            return
+        by_seq: dict[str, list[CachedBlock]] = {}
+        for seq_id, block in indexed:
+            by_seq.setdefault(seq_id, []).append(block)
+        for seq_id, blocks in by_seq.items():
+            keep(seq_id, blocks)
 
     @staticmethod
     def _score_prompt(seq: Sequence, positions: range, rows: torch.Tensor) -> None:

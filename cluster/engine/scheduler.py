@@ -7,7 +7,8 @@ of a verification when the caller asks for num_draft_tokens), then waiting ones 
 preempts the most recently admitted sequence (frees its blocks; it recomputes later) instead of
 failing or deadlocking. With prefix caching, a sequence admitted (or readmitted after preemption)
 first takes the cached blocks of its prefix (``share_prefix``: the engine decides what may be
-shared), and only the rest is prefilled. Ignores: model execution, sampling and acceptance.
+shared), and only the rest is prefilled; the blocks a step will fill are indexed as it is
+scheduled, so a sequence admitted later in the same step shares them too. Ignores: model execution, sampling and acceptance.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted itself
                 continue
             self.kv.reserve(seq.seq_id, seq.num_cached + chunk + k)
+            self._index(seq, chunk)
             out.append(ScheduledSeq(seq, chunk, samples, k))
             tokens_left -= chunk + k
             i += 1
@@ -96,6 +98,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.reserve(seq.seq_id, seq.num_cached + chunk)
+            self._index(seq, chunk)
             if seq.num_preemptions == 0:  # the prompt tokens its first admission did not prefill
                 seq.num_prompt_cached = min(seq.num_cached, seq.prompt_len)
             seq.status = SeqStatus.RUNNING
@@ -103,6 +106,13 @@ class Scheduler:
             out.append(ScheduledSeq(seq, chunk, chunk == pending, 0))
             tokens_left -= chunk
         return out
+
+    def _index(self, seq: Sequence, chunk: int) -> None:
+        """Sharing prefixes: the blocks this step fills with the sequence's known tokens are
+        indexed now, so a sequence admitted after it in the same step shares them (the caller
+        settles them after the forward: ``KVCacheManager.settle_scheduled``)."""
+        if self._share_prefix is not None:
+            self.kv.index_scheduled(seq.seq_id, seq.token_ids, seq.num_cached + chunk)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop its KV, keep its tokens, queue it first."""

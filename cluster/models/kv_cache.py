@@ -8,7 +8,10 @@ share the blocks of a common prefix (``match_prefix`` at admission; ``cache_pref
 sequence's full committed blocks), and a block no sequence holds stays indexed and evictable —
 counted free, handed out for new tokens least recently released first. Only full blocks of
 committed tokens are shared, and a sequence writes only past its own committed length, so a
-shared block is never written.
+shared block is never written. A block a scheduled step is about to write (``index_scheduled``)
+is indexed at once, so a sequence admitted in the same step shares it — its attention reads the
+keys that the same forward writes first, layer by layer — and the step settles it afterwards
+(``settle_scheduled``: kept once written, unindexed when the forward failed).
 Ignores: the tensors themselves (the model runner owns them), which sequences may share (the
 engine decides) and who gets preempted when the pool is full (the scheduler decides).
 """
@@ -55,6 +58,7 @@ class KVCacheManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, BlockTable] = {}
         self._refs = [0] * num_blocks  # sequences holding each block
+        self._scheduled: list[tuple[str, CachedBlock]] = []  # indexed before this step writes them
         self.prefix: PrefixIndex | None = None  # None: prefix caching off
 
     def enable_prefix_caching(self) -> None:
@@ -170,9 +174,36 @@ class KVCacheManager:
         table = self._tables.get(seq_id)
         if self.prefix is None or table is None:
             return []
-        bs = self.block_size
-        full = min(committed, table.num_tokens) // bs
-        indexed = []
+        return self._index(table, token_ids, min(committed, table.num_tokens) // self.block_size)
+
+    def index_scheduled(self, seq_id: str, token_ids: list[int], end: int) -> None:
+        """The step being scheduled computes the K/V of ``token_ids[:end]`` (known tokens, none a
+        draft): index its full blocks now, for sequences admitted in the same step; the step
+        settles them (``settle_scheduled``) once its forward ran or failed."""
+        table = self._tables.get(seq_id)
+        if self.prefix is None or table is None:
+            return
+        full = min(end, len(table.blocks) * self.block_size) // self.block_size
+        self._scheduled += [(seq_id, b) for b in self._index(table, token_ids, full)]
+
+    def settle_scheduled(self, written: bool) -> list[tuple[str, CachedBlock]]:
+        """The step's forward wrote the blocks indexed by ``index_scheduled`` (returned, with their
+        sequences), or failed: they are unindexed (and free once no sequence holds them)."""
+        scheduled, self._scheduled = self._scheduled, []
+        if written or self.prefix is None:
+            return scheduled
+        for seq_id, b in scheduled:
+            self.prefix.remove(b.block)
+            table = self._tables.get(seq_id)
+            if table is not None:
+                del table.keys[b.start // self.block_size:]
+            if self._refs[b.block] == 0:
+                self._free.append(b.block)
+        return []
+
+    def _index(self, table: BlockTable, token_ids: list[int], full: int) -> list[CachedBlock]:
+        """Index the table's first ``full`` blocks past those it indexed; returns the new ones."""
+        bs, indexed = self.block_size, []
         while len(table.keys) < full:
             i = len(table.keys)
             key = block_key(table.keys[-1] if table.keys else b"", token_ids[i * bs:(i + 1) * bs])

@@ -65,6 +65,13 @@ class PrefixIndex:
         """No sequence holds the indexed block any more: evictable, newest last."""
         self._evictable[block] = None
 
+    def remove(self, block: int) -> None:
+        """Unindex the block (its K/V were never written: the step that was to write them failed)."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+            self._evictable.pop(block, None)
+
     def evict(self) -> int:
         """Forget the least recently released block and hand it back for new tokens."""
         block, _ = self._evictable.popitem(last=False)

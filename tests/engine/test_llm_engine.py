@@ -152,6 +152,42 @@ def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_m
     assert st.kv_blocks_free == st.kv_blocks_total and len(eng.runner.kv.prefix) > 0  # kept, yet free
 
 
+def test_requests_admitted_in_one_step_share_the_blocks_it_fills_unless_it_fails(default_model, hf_reference, rows):
+    """Chat requests arriving together share the chat template's system prefix at once: the first
+    prefills it, the others take its blocks in the same step (their attention reads the keys the
+    same forward writes first) and decode what Hugging Face generate does. A step whose forward
+    fails leaves nothing indexed: no later request shares a block it never wrote."""
+    tok = default_model.tokenizer
+    together = greedy_requests(tok, [rows[13], rows[21], rows[20]], MAX_TOKENS)
+    eng = engine_on(default_model)
+    res = run_to_completion(eng, together)
+    bs = eng.runner.kv.block_size
+
+    def common(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    assert res[together[0].request_id]["cached"] == 0
+    for i, r in enumerate(together[1:], 1):  # the longest prefix it shares with one admitted before it
+        shared = max(common(r.prompt_token_ids, e.prompt_token_ids) for e in together[:i])
+        assert res[r.request_id]["cached"] == min(shared, len(r.prompt_token_ids) - 1) // bs * bs > 0, r.request_id
+    for r in together:
+        check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
+    failing = engine_on(default_model)
+    forward = failing.runner.forward
+
+    def fail_once(chunks, *args, **kwargs):
+        failing.runner.forward = forward
+        raise RuntimeError("device lost")
+
+    failing.runner.forward = fail_once
+    failed = run_to_completion(failing, together)
+    assert all(failed[r.request_id]["finish"] is FinishReason.ERROR for r in together)
+    assert len(failing.runner.kv.prefix) == 0 and failing.runner.kv.num_free_blocks == failing.runner.kv.num_blocks
+    again = run_to_completion(failing, together[:1])
+    assert again[together[0].request_id]["cached"] == 0
+    assert again[together[0].request_id]["ids"] == res[together[0].request_id]["ids"]
+
+
 def test_prefix_caching_is_off_where_the_prefill_rows_are_needed(default_model):
     """A request owed its prompt's log-probabilities prefills its whole prompt (the rows are the
     values); one after it without them shares the prefix."""

@@ -103,3 +103,36 @@ def test_without_prefix_caching_nothing_is_shared_and_it_cannot_be_turned_on_lat
     assert kv.match_prefix("b", [1, 2, 3, 4, 5]) == 0 and kv.prefix is None
     with pytest.raises(RuntimeError, match="before the first sequence"):
         kv.enable_prefix_caching()
+
+
+def test_blocks_a_step_will_fill_are_shared_at_once_and_unindexed_when_it_fails():
+    """index_scheduled indexes the full blocks a scheduled step computes (before they are
+    written), so a sequence admitted in the same step matches them; settling keeps them when the
+    forward wrote them and unindexes them when it failed — also once their holders are freed."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.enable_prefix_caching()
+    a = list(range(10))
+    kv.reserve("a", len(a))
+    kv.index_scheduled("a", a, len(a))  # positions 0..9 computed by this step: two full blocks
+    assert kv.num_tokens("a") == 0 and len(kv.prefix) == 2
+    assert kv.match_prefix("b", a[:8] + [50]) == 8  # admitted in the same step
+    written = kv.settle_scheduled(written=True)
+    assert [(s, b.start, b.end) for s, b in written] == [("a", 0, 4), ("a", 4, 8)]
+    assert kv.settle_scheduled(written=True) == []  # settled once
+    kv.free("a")
+    kv.free("b")
+    c = [9] * 12
+    kv.reserve("c", len(c))
+    kv.index_scheduled("c", c, 8)  # only what this step computes
+    assert kv.match_prefix("d", c + [1]) == 8
+    kv.free("c")
+    kv.free("d")  # both holders gone before the failure is settled: the blocks sit evictable
+    assert kv.settle_scheduled(written=False) == []
+    assert kv.match_prefix("e", c + [1]) == 0 and len(kv.prefix) == 2  # a's blocks stay
+    assert kv.num_free_blocks == 8 and sorted(kv._free + list(kv.prefix._evictable)) == list(range(8))
+    kv.reserve("f", 4)
+    kv.index_scheduled("f", [7, 7, 7, 7], 4)
+    kv.settle_scheduled(written=False)  # a holder still there: unindexed, and its table forgets the key
+    assert kv._tables["f"].keys == [] and len(kv.prefix) == 2
+    kv.free("f")
+    assert kv.num_free_blocks == 8
