@@ -1,5 +1,5 @@
 """OpenAI's Responses API on the Router's HTTP app: ``POST /v1/responses``, ``GET`` and ``DELETE``
-``/v1/responses/{id}``.
+``/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 Owns: one Responses request's life — bearer auth first, then the body (``cluster.api.responses_api``),
 the previous response's conversation from the ResponseStore when it names one (400 when the store
@@ -30,6 +30,7 @@ from cluster.api.requests import check_size
 from cluster.api.responses import Accumulator
 from cluster.api.responses_api import ResponseRequest, chat_body, conversation, json_size
 from cluster.api.responses_api_output import ResponseEvents, ResponseShape
+from cluster.api.responses_input_items import input_items, item_page
 from cluster.api.status import ServiceError, invalid
 from cluster.telemetry import semconv as sc
 from cluster.telemetry.router_telemetry import API_OPENAI, RequestTelemetry
@@ -58,7 +59,7 @@ async def _store(router: "Router", shape: ResponseShape, history: list[dict], re
     if not shape.body.stored:
         return
     turns = conversation(history, shape.body, response["output"])
-    record = {"response": response, "conversation": turns}
+    record = {"response": response, "conversation": turns, "input_items": input_items(shape.body, shape.id)}
     await router.response_store.put.remote(shape.id, record, json_size(record))
 
 
@@ -132,6 +133,14 @@ def add_routes(app: FastAPI, router: "Router", read_body, metadata_of, answer, e
     async def retrieve(response_id: str, request: Request) -> Response:
         try:
             return JSONResponse((await _stored(request, response_id))["response"])
+        except ServiceError as err:
+            return error(err)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        try:
+            record = await _stored(request, response_id)
+            return JSONResponse(item_page(record["input_items"], dict(request.query_params)))
         except ServiceError as err:
             return error(err)
 

@@ -311,6 +311,17 @@ def judge_response(status: int, ctype: str, text: str, body: dict) -> str | None
     return None if answer["object"] == "response" and answer["status"] in ("completed", "incomplete") else "not a response"
 
 
+def judge_items(url: str, response_id: str, query: dict, auth: str) -> str | None:
+    """GET the stored response's input items with this query: a list page, or 400 naming a parameter."""
+    r = requests.get(f"{url}/{response_id}/input_items", params=query, headers={"authorization": auth}, timeout=30)
+    if r.status_code == 400:
+        return None if r.json()["error"]["param"] in query else f"input_items 400 naming none of {sorted(query)}"
+    if r.status_code != 200:  # (evicted is 404: the store holds the last 1000 here)
+        return f"input_items {query} answered {r.status_code}: {r.text[:200]!r}"
+    page = r.json()
+    return None if page["object"] == "list" and len(page["data"]) <= 100 else f"input_items not a list page: {r.text[:200]!r}"
+
+
 def test_fuzz_openai_responses_api_fake_engine_app(chaos_service, chaos_report, fuzz_examples):
     """/v1/responses the same way: every answer 200 or a documented error, never a 5xx or a hang;
     a stream ends with response.completed / .incomplete; then the service answers as before."""
@@ -321,8 +332,10 @@ def test_fuzz_openai_responses_api_fake_engine_app(chaos_service, chaos_report, 
 
     @settings(max_examples=max(fuzz_examples[0] // 2, 20), deadline=None, database=None, print_blob=True,
               suppress_health_check=list(HealthCheck))
-    @given(case=response_bodies())
-    def one(case):
+    @given(case=response_bodies(), query=st.dictionaries(st.sampled_from(["after", "limit", "order", "include", "x"]),
+                                                         st.one_of(st.text(max_size=6), st.integers(-5, 200).map(str)),
+                                                         max_size=3))
+    def one(case, query):
         body, sane = case
         raw = json.dumps(body, allow_nan=True).encode()
         try:
@@ -335,6 +348,8 @@ def test_fuzz_openai_responses_api_fake_engine_app(chaos_service, chaos_report, 
         problem = "hang" if status == 0 else judge_response(status, ctype, text, body)
         if problem is None and sane and status not in (200, 429):
             problem = f"a well-formed body answered {status}"
+        if problem is None and status == 200 and body.get("store") is not False and body.get("stream") is not True:
+            problem = judge_items(url, json.loads(text)["id"], query, good)  # its input items, any query
         if problem:
             bad.append(f"{problem}: {text[:200]!r} for {raw[:300]!r}")
 

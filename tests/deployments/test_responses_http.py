@@ -70,6 +70,33 @@ def test_a_continuation_is_fed_the_previous_input_and_output_not_its_instruction
     assert third.usage.input_tokens == prompt_tokens  # the whole chain
 
 
+def test_input_items_list_what_a_response_was_sent_page_by_page(client, addrs):
+    first = client.responses.create(model="fake", input="one", max_output_tokens=2, temperature=0)
+    (item,) = client.responses.input_items.list(first.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "one")
+    sent = [{"role": "developer", "content": "short"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            {"role": "user", "content": [{"type": "input_text", "text": "two"}]}]
+    second = client.responses.create(model="fake", input=sent, previous_response_id=first.id, max_output_tokens=2,
+                                     temperature=0)
+    newest_first = client.responses.input_items.list(second.id)  # OpenAI's default order: desc
+    assert [i.type for i in newest_first.data] == ["message", "function_call_output", "function_call", "message"]
+    assert newest_first.data[0].content[0].text == "two" and newest_first.data[1].output == "42"
+    assert newest_first.data[3].role == "developer"  # only this response's input: not the earlier turn
+    pages = client.responses.input_items.list(second.id, order="asc", limit=1)
+    walked = [i.id for i in pages]  # the client follows after= from page to page
+    assert walked == [i.id for i in reversed(newest_first.data)] and len(set(walked)) == 4
+    r = requests.get(f"{addrs.http}/resp/v1/responses/{second.id}/input_items", params={"limit": 500},
+                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    gone = client.responses.create(model="fake", input="x", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(gone.id)
+
+
 def test_delete_store_false_and_eviction(client):
     kept = client.responses.create(model="fake", input="keep me", max_output_tokens=2)
     gone = client.responses.create(model="fake", input="not me", max_output_tokens=2, store=False)
@@ -135,6 +162,7 @@ def test_auth_and_a_server_that_stores_nothing(addrs, client):
     kept = client.responses.create(model="fake", input="mine", max_output_tokens=1)
     assert requests.get(f"{url}/{kept.id}", timeout=30).status_code == 401
     assert requests.delete(f"{url}/{kept.id}", timeout=30).status_code == 401
+    assert requests.get(f"{url}/{kept.id}/input_items", timeout=30).status_code == 401
     assert client.responses.retrieve(kept.id).id == kept.id  # still there
     bare = f"{addrs.http}/nostore/v1/responses"
     r = requests.post(bare, json={"model": "fake", "input": "hi", "max_output_tokens": 1}, timeout=60)
