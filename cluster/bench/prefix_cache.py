@@ -11,8 +11,15 @@ reported and fails the run), and the warm engine's turn 2 found its prompt's ful
 turn 1's committed tokens (``cached``). Reported per segment: medians of warm / cold time to first
 token and end-to-end time, and the share of turn 2's prompt that came from the cache. Prints a
 table and writes JSON.
-Ignores: concurrency (one request at a time), eviction under memory pressure (the pool holds
-every turn here).
+With ``--burst N``: per workload prompt and round, N chat requests that share it as their system
+prompt and differ in their user question, all added to the engine at once (one scheduling step
+admits as many as its token budget holds: those after the first share the system prompt's blocks
+the same step fills — ``KVCacheManager.index_scheduled`` — or, admitted later, the blocks it
+committed), timed from the burst's start to each request's first token and to the last one's
+end, cold then warm in a rotating order, each burst on a fresh engine (an empty cache). Checked: every request's greedy tokens are the same on
+both engines. Reported per segment: medians of warm / cold mean time to first token and time to
+the burst's end, and the share of the burst's prompt tokens that came from the cache.
+Ignores: eviction under memory pressure (the pool holds every turn here), arrivals spread in time.
 """
 from __future__ import annotations
 
@@ -25,13 +32,19 @@ from cluster.bench.side_by_side import (add_side_by_side_arguments, load_target,
 
 VARIANTS = ("cold", "warm")
 FOLLOW_UP = "Thank you. Now say it again in one short sentence."
+BURST_QUESTIONS = ("Answer in one sentence.", "What is the first step?", "Give one example.",
+                   "What could go wrong?", "Say it to a child.", "What is the key term here?",
+                   "Summarise it in five words.", "Why does it matter?")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_side_by_side_arguments(p, "chat,edit,json", "both engines' drafter with --path spec (auto K)")
     p.add_argument("--path", choices=("plain", "spec"), default="plain",
                    help="both engines plain, or both speculative with --drafter")
-    p.add_argument("--turn2-tokens", type=int, default=16, help="tokens of the timed second turn")
+    p.add_argument("--turn2-tokens", type=int, default=16, help="tokens of the timed second turn (each burst request's)")
+    p.add_argument("--burst", type=int, default=0, choices=range(0, len(BURST_QUESTIONS) + 1), metavar="N",
+                   help=f"N (2 to {len(BURST_QUESTIONS)}) requests at once under each prompt as their system prompt, "
+                        "instead of a conversation's second turn")
 
 
 def _turn(engine, req) -> tuple[float, float, list[int], int]:
@@ -49,6 +62,32 @@ def _turn(engine, req) -> tuple[float, float, list[int], int]:
     return first if first is not None else end, end, ids, cached
 
 
+def _burst(engine, reqs) -> tuple[list[float], float, dict[str, list[int]], int]:
+    """All ``reqs`` added at once: (seconds to each one's first token, to the last one's end,
+    output ids by request id, prompt tokens from the cache over all of them)."""
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    ids: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    cached = 0
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - t0
+            ids[out.request_id] += out.new_token_ids
+            cached += out.num_cached_tokens if out.finished else 0
+    end = time.perf_counter() - t0
+    return [first.get(r.request_id, end) for r in reqs], end, ids, cached
+
+
+def _burst_prompts(tokenizer, row: dict, n: int) -> list[list[int]]:
+    from cluster.models.tokenizer import chat_token_ids
+
+    return [chat_token_ids(tokenizer, [{"role": "system", "content": row["prompt"]}, {"role": "user", "content": q}])
+            for q in BURST_QUESTIONS[:n]]
+
+
 def _second_turn(tokenizer, row: dict, answer: str) -> list[int]:
     from cluster.models.tokenizer import chat_token_ids
 
@@ -61,9 +100,14 @@ def run(args: argparse.Namespace) -> int:
     from cluster.bench.timed_run import engine_for, request_for
     from cluster.common.config import SpecConfig
 
+    if args.burst == 1:
+        print("--burst needs at least 2 requests", file=sys.stderr)
+        return 2
     target, segments = load_target(args)
     spec = SpecConfig(drafter=args.drafter, num_draft_tokens="auto") if args.path == "spec" else None
     engines = {"cold": engine_for(target, spec, prefix_caching=False), "warm": engine_for(target, spec)}
+    if args.burst:
+        return run_burst(args, target, segments, lambda caching: engine_for(target, spec, prefix_caching=caching))
     runs: list[dict] = []
     mismatches: list[str] = []
     t_start = time.perf_counter()
@@ -92,6 +136,45 @@ def run(args: argparse.Namespace) -> int:
     return write_report(args, result, format_table(result))
 
 
+def run_burst(args: argparse.Namespace, target, segments: list[str], engine_for) -> int:
+    """``engine_for(prefix_caching)``: a fresh engine, so each burst starts from an empty cache
+    (a round's repeat of a prompt would otherwise find all of it cached)."""
+    from cluster.bench.timed_run import request_for
+
+    runs: list[dict] = []
+    mismatches: list[str] = []
+    t_start = time.perf_counter()
+    _burst(engine_for(False), [request_for("warm-up", [1, 2, 3], 2, segments[0])])  # first-call costs, untimed
+    for rnd, seg, row, _, _, order in prompt_walk(args, target, segments, VARIANTS):
+        rid = f"{row['id']}-r{rnd}"
+        prompts = _burst_prompts(target.tokenizer, row, args.burst)
+        got: dict[str, dict] = {}
+        for variant in order:
+            reqs = [request_for(f"{rid}-{variant}-{j}", p, args.turn2_tokens, seg) for j, p in enumerate(prompts)]
+            firsts, end, ids, cached = _burst(engine_for(variant == "warm"), reqs)
+            got[variant] = dict(ttft_s=sum(firsts) / len(firsts), e2e_s=end, cached=cached,
+                                ids=[ids[r.request_id] for r in reqs])
+        if got["cold"]["ids"] != got["warm"]["ids"]:
+            mismatches.append(f"{rid}: a burst request's tokens differ with the prefix cache")
+        prompt_tokens = sum(len(p) for p in prompts)
+        runs.append(dict(round=rnd, segment=seg, prompt=row["id"], prompt_tokens=prompt_tokens,
+                         shared_prefix_tokens=_common_prefix(prompts), cached_tokens=got["warm"]["cached"],
+                         cold_cached=got["cold"]["cached"],
+                         **{f"{v}_{k}": got[v][k] for v in VARIANTS for k in ("ttft_s", "e2e_s")}))
+        print(f"r{rnd} {seg} {row['id']}: burst of {args.burst}, {prompt_tokens} prompt tokens, {got['warm']['cached']} "
+              f"cached: mean first token {got['warm']['ttft_s'] * 1e3:.0f} ms warm vs {got['cold']['ttft_s'] * 1e3:.0f} "
+              f"ms cold", file=sys.stderr, flush=True)
+    result = build_report(args, segments, runs, mismatches, time.perf_counter() - t_start)
+    return write_report(args, result, format_table(result))
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
 def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict], mismatches: list[str],
                  seconds: float) -> dict:
     table: dict[str, dict] = {}
@@ -104,14 +187,18 @@ def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict]
             "cached_share": median([r["cached_tokens"] / r["prompt_tokens"] for r in mine]),
             "prompt_tokens": median([r["prompt_tokens"] for r in mine]),
         }
+    mode = {"burst": args.burst, "burst_questions": list(BURST_QUESTIONS[:args.burst])} if args.burst else {
+        "follow_up": FOLLOW_UP}
     return report(args, "prefix_cache", seconds, mismatches, table, runs, turn2_tokens=args.turn2_tokens,
-                  follow_up=FOLLOW_UP, path=args.path, drafter=args.drafter if args.path == "spec" else None)
+                  **mode, path=args.path, drafter=args.drafter if args.path == "spec" else None)
 
 
 def format_table(report_: dict) -> str:
     path = report_.get("path", "plain") + (f" ({report_['drafter']})" if report_.get("drafter") else "")
-    lines = [f"bench prefix_cache: {report_['rounds']} round(s), {path} path, turn 2 of a conversation; medians of "
-             f"warm (prefix cache) / cold wall times; turn 2 the same on both: {report_['lossless']}",
+    what = (f"bursts of {report_['burst']} requests under one system prompt (ttft: the burst's mean; e2e: its end)"
+            if report_.get("burst") else "turn 2 of a conversation")
+    lines = [f"bench prefix_cache: {report_['rounds']} round(s), {path} path, {what}; medians of "
+             f"warm (prefix cache) / cold wall times; the same tokens on both: {report_['lossless']}",
              f"{'segment':<12} {'runs':>4} {'ttft warm/cold':>15} {'e2e warm/cold':>14} {'cached share':>13} "
              f"{'prompt tokens':>14}"]
 

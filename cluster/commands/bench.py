@@ -26,8 +26,9 @@ BENCHES = {
                "pays under them, side by side, spec tokens checked equal to plain",
     "scoring": "what scoring a text (prompt_logprobs / echo with max_tokens 0) costs next to prefilling it "
                "and to generating it, the scored values checked against generation's",
-    "prefix_cache": "what the prefix cache buys a conversation's second turn: time to first token and to the "
-                    "end with and without it, side by side, turn 2 checked the same",
+    "prefix_cache": "what the prefix cache buys a conversation's second turn (or, --burst N, N requests at once "
+                    "under one system prompt): time to first token and to the end with and without it, side by "
+                    "side, the tokens checked the same",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

@@ -22,3 +22,24 @@ def test_bench_prefix_cache_reports_cached_turns_and_equal_tokens(tmp_path, caps
     assert report["table"]["chat"]["runs"] == 1 and report["table"]["chat"]["ttft_warm_vs_cold"] > 0
     assert report["path"] == path and (report["drafter"] == "portfolio") == (path == "spec")
     assert f"bench prefix_cache: 1 round(s), {path}" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_bench_prefix_cache_burst_shares_the_system_prompt_within_the_burst(tmp_path, capsys):
+    """Four requests added at once under one system prompt, on a fresh engine: the first prefills
+    it, the other three take its full blocks (written in the same step), the tokens equal cold's."""
+    out = tmp_path / "burst.json"
+    rc = main(["bench", "prefix_cache", "--burst", "4", "--segments", "json", "--prompts-per-segment", "1",
+               "--rounds", "2", "--turn2-tokens", "3", "--threads", "2", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["lossless"] and report["burst"] == 4 and len(report["runs"]) == 2
+    for run in report["runs"]:
+        full_blocks = run["shared_prefix_tokens"] // 16 * 16
+        assert full_blocks > 0 and run["cold_cached"] == 0
+        assert run["cached_tokens"] == 3 * full_blocks  # every round from an empty cache: the first shares nothing
+    assert "bursts of 4 requests under one system prompt" in capsys.readouterr().out
+
+
+def test_bench_prefix_cache_refuses_a_burst_of_one(tmp_path):
+    assert main(["bench", "prefix_cache", "--burst", "1", "--json", str(tmp_path / "x.json")]) == 2
