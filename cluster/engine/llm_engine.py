@@ -116,7 +116,8 @@ class LLMEngine:
         """Hold the cached blocks of ``seq``'s prefix for it; returns the tokens they cover. None
         when the prefill's rows are owed (its prompt's log-probabilities). Under a feature tap (a
         drafter that reads the target's features of every position: EAGLE) only as many leading
-        blocks as the tap kept features for, and none when it keeps none (a KVSync tap)."""
+        blocks as the tap has features for (kept, or the rows of the forward that writes them in
+        this step), and none when it keeps none (a KVSync tap)."""
         if seq.request.params.prompt_logprobs is not None:
             return 0
         tap = getattr(self.runner, "feature_tap", None)
@@ -127,7 +128,7 @@ class LLMEngine:
         cached = kv.match_prefix(seq.seq_id, seq.token_ids)
         if cached and adopt is not None:
             blocks = kv.prefix_blocks(seq.seq_id)
-            kept = adopt(seq.seq_id, blocks)
+            kept = adopt(seq.seq_id, blocks, kv.in_flight())  # (blocks this step writes: borrowed)
             if kept < len(blocks):  # give back the blocks past the features the tap has
                 if kept:
                     kv.truncate(seq.seq_id, blocks[kept].start)

@@ -186,6 +186,11 @@ class KVCacheManager:
         full = min(end, len(table.blocks) * self.block_size) // self.block_size
         self._scheduled += [(seq_id, b) for b in self._index(table, token_ids, full)]
 
+    def in_flight(self) -> dict[int, str]:
+        """Blocks indexed for the step being scheduled, not written yet: block -> the sequence
+        whose forward rows write it."""
+        return {b.block: seq_id for seq_id, b in self._scheduled}
+
     def settle_scheduled(self, written: bool) -> list[tuple[str, CachedBlock]]:
         """The step's forward wrote the blocks indexed by ``index_scheduled`` (returned, with their
         sequences), or failed: they are unindexed (and free once no sequence holds them)."""

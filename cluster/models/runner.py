@@ -65,9 +65,11 @@ class PrefixFeatures(Protocol):
     def keep_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> None:
         """These blocks of the sequence were just indexed: keep their positions' features."""
 
-    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> int:
+    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock], in_flight: dict[int, str] | None = None) -> int:
         """A new sequence starts with these cached blocks (from position 0): give it the kept
-        features of as many leading ones as it has; returns how many."""
+        features of as many leading ones as it has, then those of the blocks the step being
+        scheduled writes for another sequence (``in_flight``: block -> that sequence, their
+        features taken from its rows of the same forward); returns how many."""
 
 
 class ModelRunner:

@@ -18,7 +18,9 @@ over a ragged batch (padding masks), greedy, seeded or sampled through ``draft_r
 the full target vocabulary (zero outside the trimmed draft vocabulary). Under prefix caching it
 keeps the fused features of every prefix block the target's KV cache indexes (by physical block,
 with the block's prefix key) and hands them to a sequence that shares the block, which the
-target never runs over that prefix (``keep_prefix`` / ``adopt_prefix``).
+target never runs over that prefix (``keep_prefix`` / ``adopt_prefix``); a block the same step
+writes for another sequence (shared in the step it is filled) is borrowed: the sharer's features
+there are that sequence's rows of the same forward, written when the forward is recorded.
 Ignores: verification, K, training (``cluster.training``), transport (``cluster.kvsync``).
 """
 from __future__ import annotations
@@ -84,6 +86,9 @@ class EagleProposer:
         # fused features of the target's indexed prefix blocks: block -> (its prefix key, [bs, H]);
         # at most one entry per KV block (a block indexed again replaces its entry)
         self._prefix: dict[int, tuple[bytes, torch.Tensor]] = {}
+        # sequences admitted this step onto blocks the step's forward writes for another (the
+        # lender): sharer -> [(lender, start, end)], taken from the lender's rows when recorded
+        self._borrow: dict[str, list[tuple[str, int, int]]] = {}
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
         target_runner.feature_tap = self
@@ -112,6 +117,11 @@ class EagleProposer:
         as much as fusing 64), and a sequence the head never drafts for — parked by adaptive K,
         or one a portfolio drafts for with another member — never pays ``fc`` over its prompt
         (~1% of a long summarize request's time, 2 cores)."""
+        features = features.to(torch.float32)
+        rows_of, row = {}, 0  # seq -> (first position, first row) of its chunk in ``features``
+        for c in chunks:
+            rows_of[c.seq_id] = (c.start_pos, row, c.start_pos + len(c.token_ids))
+            row += len(c.token_ids)
         writes = []
         for c in chunks:
             end = c.start_pos + len(c.token_ids)
@@ -122,9 +132,16 @@ class EagleProposer:
                 grown = st.feats.new_zeros(max(2 * st.feats.shape[0], end), st.feats.shape[1])
                 grown[: st.feats.shape[0]] = st.feats
                 st.feats = grown
+            for lender, start, stop in self._borrow.pop(c.seq_id, ()):
+                first, r0, last = rows_of.get(lender, (0, 0, 0))
+                if first <= start and stop <= last and start <= st.filled:  # its rows are in this forward
+                    self._pending.append(([(st, start, stop)], features[r0 + start - first : r0 + stop - first]))
+                    self._pending_rows += stop - start
+                    st.filled = max(st.filled, stop)
             st.filled = max(st.filled, end) if c.start_pos <= st.filled else st.filled
             writes.append((st, c.start_pos, end))
-        self._pending.append((writes, features.to(torch.float32)))  # handed over: kept as is
+        self._borrow.clear()  # (a sharer whose lender ran no rows here keeps a gap: it does not draft)
+        self._pending.append((writes, features))  # handed over: kept as is
         self._pending_rows += features.shape[0]
         if self._pending_rows >= self.max_raw_rows:
             self._fuse_pending()
@@ -166,25 +183,33 @@ class EagleProposer:
             if st.filled >= b.end:
                 self._prefix[b.block] = (b.key, st.feats[b.start : b.end].clone())
 
-    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> int:
+    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock], in_flight: dict[int, str] | None = None) -> int:
         """A sequence starts with these cached blocks of the target (positions from 0; the
         target will not run them): its features there are the kept ones, for as many leading
-        blocks as are kept under the same key. Returns how many."""
-        kept = []
+        blocks as are kept under the same key, then those of the blocks the step being scheduled
+        writes for another sequence (``in_flight``: block -> that sequence), borrowed from its
+        rows when the forward is recorded. Returns how many."""
+        kept, borrowed = [], []
         for b in blocks:
             entry = self._prefix.get(b.block)
-            if entry is None or entry[0] != b.key:
+            if not borrowed and entry is not None and entry[0] == b.key:
+                kept.append((b, entry[1]))
+            elif in_flight and b.block in in_flight and in_flight[b.block] != seq_id:
+                borrowed.append((in_flight[b.block], b.start, b.end))
+            else:
                 break
-            kept.append((b, entry[1]))
-        if kept:
-            end = kept[-1][0].end
+        self._borrow.pop(seq_id, None)
+        if kept or borrowed:
+            end = (borrowed[-1][2] if borrowed else kept[-1][0].end)
             st = self._seqs[seq_id] = _SeqState(torch.zeros(max(64, 2 * end), self.head.cfg.hidden_size))
             for b, feats in kept:
                 st.feats[b.start : b.end] = feats
-            st.filled = end
+            st.filled = kept[-1][0].end if kept else 0
+            if borrowed:
+                self._borrow[seq_id] = borrowed
         else:
             self._seqs.pop(seq_id, None)  # (a state left by blocks given back at an earlier try)
-        return len(kept)
+        return len(kept) + len(borrowed)
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -288,5 +313,6 @@ class EagleProposer:
 
     def release(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+        self._borrow.pop(seq_id, None)
 
     forget = release  # the target runner freed the sequence (e.g. its start-up calibration run)

@@ -152,14 +152,16 @@ def test_prefix_caching_prefills_only_what_is_new_and_changes_no_token(default_m
     assert st.kv_blocks_free == st.kv_blocks_total and len(eng.runner.kv.prefix) > 0  # kept, yet free
 
 
-def test_requests_admitted_in_one_step_share_the_blocks_it_fills_unless_it_fails(default_model, hf_reference, rows):
+@pytest.mark.parametrize("drafter", [None, "portfolio"])
+def test_requests_admitted_in_one_step_share_the_blocks_it_fills_unless_it_fails(default_model, hf_reference, rows, drafter):
     """Chat requests arriving together share the chat template's system prefix at once: the first
     prefills it, the others take its blocks in the same step (their attention reads the keys the
-    same forward writes first) and decode what Hugging Face generate does. A step whose forward
-    fails leaves nothing indexed: no later request shares a block it never wrote."""
+    same forward writes first; on the default drafter the EAGLE head takes their features from the
+    first's rows) and decode what Hugging Face generate does. A step whose forward fails leaves
+    nothing indexed: no later request shares a block it never wrote."""
     tok = default_model.tokenizer
     together = greedy_requests(tok, [rows[13], rows[21], rows[20]], MAX_TOKENS)
-    eng = engine_on(default_model)
+    eng = engine_on(default_model, drafter=drafter)
     res = run_to_completion(eng, together)
     bs = eng.runner.kv.block_size
 
@@ -172,7 +174,7 @@ def test_requests_admitted_in_one_step_share_the_blocks_it_fills_unless_it_fails
         assert res[r.request_id]["cached"] == min(shared, len(r.prompt_token_ids) - 1) // bs * bs > 0, r.request_id
     for r in together:
         check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
-    failing = engine_on(default_model)
+    failing = engine_on(default_model, drafter=drafter)
     forward = failing.runner.forward
 
     def fail_once(chunks, *args, **kwargs):

@@ -17,7 +17,7 @@ from cluster.speculative.eagle import EagleProposer
 from cluster.speculative.eagle_head import EagleConfig, EagleHead, EagleTargetMismatch, save_head
 from cluster.speculative.proposer import DrafterChoice, DrafterKind, parse_drafter_choice
 from tests.conftest import make_tiny_model_dir
-from tests.engine.helpers import run_to_completion
+from tests.engine.helpers import _collect, run_to_completion
 from tests.reference import HFReference, check_greedy_match
 
 MAX_TOKENS = 24
@@ -426,3 +426,44 @@ def test_a_continued_conversation_shares_its_prefix_under_eagle_and_changes_no_t
         assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
         check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
     assert not eng.spec.proposer._seqs and eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_requests_admitted_in_one_step_borrow_the_features_of_the_prefix_it_writes(tiny, head_dir):
+    """Requests added together share a prefix in the step that writes it: the first prefills it,
+    the others take its blocks at once and their features from its rows of the same forward (no
+    gap, so the head drafts for them), and every output is what an engine without prefix caching
+    and Hugging Face generate decode."""
+    path, model = tiny
+    prefix = prompts()[3] + prompts()[1]  # 47 tokens: two full blocks
+    together = [GenerationRequest(f"r{i}", prefix + prompts()[j], SamplingParams(max_tokens=MAX_TOKENS))
+                for i, j in enumerate((0, 2, 5))]
+    eng = engine(model, f"eagle:{head_dir}", 3)
+    prop, bs = eng.spec.proposer, eng.runner.kv.block_size
+    for r in together:
+        eng.add_request(r)
+    first = eng.step()  # the three prefills, in one forward
+    prop._fuse_pending()
+    lender = prop._seqs["r0"]
+    for sharer in ("r1", "r2"):
+        st = prop._seqs[sharer]
+        assert st.filled == len(together[int(sharer[1])].prompt_token_ids)  # no gap: it can draft
+        assert torch.equal(st.feats[: 2 * bs], lender.feats[: 2 * bs])  # the lender's rows
+    assert not prop._borrow
+    got: dict[str, dict] = {}
+    for out in first:
+        _collect(got, out)
+    while eng.has_work():
+        for out in eng.step():
+            _collect(got, out)
+    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
+                          max_num_seqs=8, prefix_caching=False)
+    m = model.with_fresh_kv(config)
+    plain = run_to_completion(LLMEngine(config, m, build_spec_controller(config, m)), together)
+    ref = HFReference(path, model.eos_token_ids)
+    for r in together:
+        assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
+    for r in together[1:]:
+        assert got[r.request_id]["cached"] == 2 * bs and got[r.request_id]["spec"].draft_tokens > 0
+    assert got["r0"]["cached"] == 0
+    assert not prop._seqs and eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
