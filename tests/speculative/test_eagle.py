@@ -46,9 +46,9 @@ def head_dir(tiny, tmp_path_factory):
     return out
 
 
-def engine(model, drafter: str | None, k=3, num_blocks: int | None = None) -> LLMEngine:
+def engine(model, drafter: str | None, k=3, num_blocks: int | None = None, prefix_caching: bool = True) -> LLMEngine:
     spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
-    config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8)
+    config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8, prefix_caching=prefix_caching)
     m = model.with_fresh_kv(config, num_blocks)
     return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
 
@@ -416,10 +416,7 @@ def test_a_continued_conversation_shares_its_prefix_under_eagle_and_changes_no_t
     assert got["continued"]["cached"] == (len(first.prompt_token_ids) + len(done["first"]["ids"]) - 1) // bs * bs > 0
     assert got["other"]["cached"] == bs
     assert got["continued"]["spec"].draft_tokens > 0
-    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
-                          max_num_seqs=8, prefix_caching=False)
-    m = model.with_fresh_kv(config)
-    plain = run_to_completion(LLMEngine(config, m, build_spec_controller(config, m)), later)
+    plain = run_to_completion(engine(model, f"eagle:{head_dir}", 3, prefix_caching=False), later)
     ref = HFReference(path, model.eos_token_ids)
     for r in later:
         assert plain[r.request_id]["cached"] == 0
@@ -455,10 +452,7 @@ def test_requests_admitted_in_one_step_borrow_the_features_of_the_prefix_it_writ
     while eng.has_work():
         for out in eng.step():
             _collect(got, out)
-    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
-                          max_num_seqs=8, prefix_caching=False)
-    m = model.with_fresh_kv(config)
-    plain = run_to_completion(LLMEngine(config, m, build_spec_controller(config, m)), together)
+    plain = run_to_completion(engine(model, f"eagle:{head_dir}", 3, prefix_caching=False), together)
     ref = HFReference(path, model.eos_token_ids)
     for r in together:
         assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
