@@ -117,7 +117,7 @@ class LLMEngine:
         when the prefill's rows are owed (its prompt's log-probabilities). Under a feature tap (a
         drafter that reads the target's features of every position: EAGLE) only as many leading
         blocks as the tap has features for (kept, or the rows of the forward that writes them in
-        this step), and none when it keeps none (a KVSync tap)."""
+        this step), and none under a tap that cannot stand in for a prefix (no ``adopt_prefix``)."""
         if seq.request.params.prompt_logprobs is not None:
             return 0
         tap = getattr(self.runner, "feature_tap", None)

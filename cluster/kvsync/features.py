@@ -6,7 +6,11 @@ float32, float16 or bfloat16 bytes; ``encode_features`` / ``check_features`` / `
 whether this engine can give what a DraftServer's Info asks for (``feature_request_refusal``: a
 native target runner, the target the head was trained for, the width) and ``FeatureBuffer``, the engine side's feature tap: installed on the target runner, it keeps per
 sequence the features of every position a committed target forward ran (in the wire dtype), so
-that a Propose sends the positions the draft side lacks and a resync resends them from position 0.
+that a Propose sends the positions the draft side lacks and a resync resends them from position 0;
+under prefix caching it keeps the rows of every prefix block the target's KV cache indexes and
+gives them to a sequence that shares the block (``keep_prefix`` / ``adopt_prefix``, a block the
+same step writes borrowed from its writer's rows), so the draft side gets a shared prefix's
+features as if the target had run it.
 It records nothing until the DraftServer names its feature layers (``want``); a sequence whose
 prefill ran before that has no features from position 0 and is not drafted (never a draft from
 missing features). Memory: one row per position of each running sequence, freed when the runner
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from cluster.api import stubs
+from cluster.models.kv_cache import CachedBlock
 from cluster.models.runner import SeqChunk
+from cluster.speculative.prefix_features import PrefixFeatureStore
 
 # wire dtype name -> (FeatureDtype value in kvsync.proto, torch dtype)
 FEATURE_DTYPES = {"float32": (1, torch.float32), "float16": (2, torch.float16), "bfloat16": (3, torch.bfloat16)}
@@ -91,6 +97,7 @@ class FeatureBuffer:
         self.dtype = dtype
         self.feature_layers: tuple[int, ...] = ()  # empty: the runner computes no features
         self._seqs: dict[str, _Rows] = {}
+        self._prefix = PrefixFeatureStore()  # rows of the target's indexed prefix blocks
 
     @property
     def width(self) -> int:
@@ -106,12 +113,14 @@ class FeatureBuffer:
         if layers != self.feature_layers:
             self.feature_layers = layers
             self._seqs.clear()
+            self._prefix.clear()
 
     def record(self, chunks: list[SeqChunk], features: torch.Tensor) -> None:
         """features [sum len(token_ids), width] float32 of a committed target forward."""
         if features.shape[-1] != self.width:
             raise ValueError(f"features are {features.shape[-1]} wide, expected {self.width}")
         rows = features.to(FEATURE_DTYPES[self.dtype][1])
+        borrowed = self._prefix.borrowed_rows(chunks)  # sharers' rows of blocks this forward wrote
         row = 0
         for c in chunks:
             n = len(c.token_ids)
@@ -124,6 +133,13 @@ class FeatureBuffer:
                 grown[: st.filled] = st.feats[: st.filled]
                 st.feats = grown
             st.feats[c.start_pos : end] = rows[row : row + n]
+            for lender, start, split, stop, r in borrowed.get(c.seq_id, ()):
+                src = self._seqs.get(lender)
+                if start > st.filled or src is None or src.filled < split:
+                    break
+                st.feats[start:split] = src.feats[start:split]  # the lender ran these in an earlier forward
+                st.feats[split:stop] = rows[r : r + stop - split]
+                st.filled = stop
             if c.start_pos <= st.filled:  # contiguous from 0 (a prefill that ran before want() is not)
                 st.filled = max(st.filled, end)
             row += n
@@ -138,5 +154,32 @@ class FeatureBuffer:
         rows = self._seqs[seq_id].feats[start:end]  # [end - start, width]
         return encode_features(rows, start, self.dtype)
 
+    def keep_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> None:
+        """The target's KV cache just indexed these full blocks of the sequence: keep their rows."""
+        st = self._seqs.get(seq_id)
+        if st is not None:
+            self._prefix.keep(st.feats, st.filled, blocks)
+
+    def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock], in_flight: dict[int, str] | None = None) -> int:
+        """A sequence starts on these cached blocks (the target will not run them): its rows
+        there are the kept ones, then those of blocks this step writes for another sequence
+        (``in_flight``), borrowed from its rows when the forward is recorded; returns for how many
+        leading blocks. Before the draft side named its layers nothing is recorded for anyone:
+        every block is shared (the sequence is not drafted, as one prefilled then)."""
+        if not self.feature_layers:
+            self._seqs.pop(seq_id, None)
+            return len(blocks)
+        kept, num_blocks, end = self._prefix.adopt(seq_id, blocks, in_flight)
+        if not num_blocks:
+            self._seqs.pop(seq_id, None)
+            return 0
+        dtype = FEATURE_DTYPES[self.dtype][1]
+        st = self._seqs[seq_id] = _Rows(torch.zeros(max(64, 2 * end), self.width, dtype=dtype))
+        for b, rows in kept:
+            st.feats[b.start : b.end] = rows
+        st.filled = kept[-1][0].end if kept else 0
+        return num_blocks
+
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+        self._prefix.forget(seq_id)

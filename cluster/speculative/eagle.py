@@ -34,6 +34,7 @@ from cluster.models.kv_cache import CachedBlock
 from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.drafting import draft_rounds
 from cluster.speculative.eagle_head import EagleHead, load_head
+from cluster.speculative.prefix_features import PrefixFeatureStore
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput
 
@@ -83,12 +84,7 @@ class EagleProposer:
         self._pending: list[tuple[list[tuple[_SeqState, int, int]], torch.Tensor]] = []
         self._pending_rows = 0
         self.last_caught_up = 0  # committed positions the last propose ran (its feeds), all rows
-        # fused features of the target's indexed prefix blocks: block -> (its prefix key, [bs, H]);
-        # at most one entry per KV block (a block indexed again replaces its entry)
-        self._prefix: dict[int, tuple[bytes, torch.Tensor]] = {}
-        # sequences admitted this step onto blocks the step's forward writes for another (the
-        # lender): sharer -> [(lender, start, end)], taken from the lender's rows when recorded
-        self._borrow: dict[str, list[tuple[str, int, int]]] = {}
+        self._prefix = PrefixFeatureStore()  # fused features [bs, H] of the target's indexed prefix blocks
         if target_runner.feature_tap is not None:
             raise ValueError("the target runner already feeds another EAGLE drafter")
         target_runner.feature_tap = self
@@ -118,10 +114,7 @@ class EagleProposer:
         or one a portfolio drafts for with another member — never pays ``fc`` over its prompt
         (~1% of a long summarize request's time, 2 cores)."""
         features = features.to(torch.float32)
-        rows_of, row = {}, 0  # seq -> (first position, first row) of its chunk in ``features``
-        for c in chunks:
-            rows_of[c.seq_id] = (c.start_pos, row, c.start_pos + len(c.token_ids))
-            row += len(c.token_ids)
+        borrowed = self._prefix.borrowed_rows(chunks)  # sharers' rows of blocks this forward wrote
         writes = []
         for c in chunks:
             end = c.start_pos + len(c.token_ids)
@@ -132,15 +125,19 @@ class EagleProposer:
                 grown = st.feats.new_zeros(max(2 * st.feats.shape[0], end), st.feats.shape[1])
                 grown[: st.feats.shape[0]] = st.feats
                 st.feats = grown
-            for lender, start, stop in self._borrow.pop(c.seq_id, ()):
-                first, r0, last = rows_of.get(lender, (0, 0, 0))
-                if first <= start and stop <= last and start <= st.filled:  # its rows are in this forward
-                    self._pending.append(([(st, start, stop)], features[r0 + start - first : r0 + stop - first]))
-                    self._pending_rows += stop - start
-                    st.filled = max(st.filled, stop)
+            for lender, start, split, stop, row in borrowed.get(c.seq_id, ()):
+                src = self._seqs.get(lender)
+                if start > st.filled or src is None or src.filled < split:
+                    break
+                if split > start:  # the lender ran these in an earlier forward: its fused rows
+                    self._fuse_pending()
+                    st.feats[start:split] = src.feats[start:split]
+                if stop > split:
+                    self._pending.append(([(st, split, stop)], features[row : row + stop - split]))
+                    self._pending_rows += stop - split
+                st.filled = stop
             st.filled = max(st.filled, end) if c.start_pos <= st.filled else st.filled
             writes.append((st, c.start_pos, end))
-        self._borrow.clear()  # (a sharer whose lender ran no rows here keeps a gap: it does not draft)
         self._pending.append((writes, features))  # handed over: kept as is
         self._pending_rows += features.shape[0]
         if self._pending_rows >= self.max_raw_rows:
@@ -179,9 +176,7 @@ class EagleProposer:
         if st is None:
             return
         self._fuse_pending()
-        for b in blocks:
-            if st.filled >= b.end:
-                self._prefix[b.block] = (b.key, st.feats[b.start : b.end].clone())
+        self._prefix.keep(st.feats, st.filled, blocks)
 
     def adopt_prefix(self, seq_id: str, blocks: list[CachedBlock], in_flight: dict[int, str] | None = None) -> int:
         """A sequence starts with these cached blocks of the target (positions from 0; the
@@ -189,27 +184,15 @@ class EagleProposer:
         blocks as are kept under the same key, then those of the blocks the step being scheduled
         writes for another sequence (``in_flight``: block -> that sequence), borrowed from its
         rows when the forward is recorded. Returns how many."""
-        kept, borrowed = [], []
-        for b in blocks:
-            entry = self._prefix.get(b.block)
-            if not borrowed and entry is not None and entry[0] == b.key:
-                kept.append((b, entry[1]))
-            elif in_flight and b.block in in_flight and in_flight[b.block] != seq_id:
-                borrowed.append((in_flight[b.block], b.start, b.end))
-            else:
-                break
-        self._borrow.pop(seq_id, None)
-        if kept or borrowed:
-            end = (borrowed[-1][2] if borrowed else kept[-1][0].end)
+        kept, num_blocks, end = self._prefix.adopt(seq_id, blocks, in_flight)
+        if num_blocks:
             st = self._seqs[seq_id] = _SeqState(torch.zeros(max(64, 2 * end), self.head.cfg.hidden_size))
             for b, feats in kept:
                 st.feats[b.start : b.end] = feats
             st.filled = kept[-1][0].end if kept else 0
-            if borrowed:
-                self._borrow[seq_id] = borrowed
         else:
             self._seqs.pop(seq_id, None)  # (a state left by blocks given back at an earlier try)
-        return len(kept) + len(borrowed)
+        return num_blocks
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -313,6 +296,6 @@ class EagleProposer:
 
     def release(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
-        self._borrow.pop(seq_id, None)
+        self._prefix.forget(seq_id)
 
     forget = release  # the target runner freed the sequence (e.g. its start-up calibration run)

@@ -287,11 +287,8 @@ def test_engine_with_remote_eagle_is_lossless_and_frees_features(tiny, head_dir,
     params = lambda i: SamplingParams(max_tokens=16)  # noqa: E731
     plain = run_to_completion(engine(model, None), requests(params))
     remote = _remote(address, model.runner.vocab_size)  # bfloat16 features
-    config = EngineConfig(model="tiny", spec=SpecConfig(drafter=f"eagle:{head_dir}", num_draft_tokens=3),
-                          max_num_seqs=8)
-    m = model.with_fresh_kv(config)
     try:
-        eng = LLMEngine(config, m, build_spec_controller(config, m, remote))
+        eng = engine(model, f"eagle:{head_dir}", 3, proposer=remote)
         got = run_to_completion(eng, requests(params))
         for rid in plain:
             assert got[rid]["ids"] == plain[rid]["ids"], rid
@@ -306,6 +303,39 @@ def test_engine_with_remote_eagle_is_lossless_and_frees_features(tiny, head_dir,
             old.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[pb2.ProposeSeq(
                 seq_id="x", base_len=0, new_tokens=[1, 2, 3], num_draft_tokens=3)]), timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upgrade" in err.value.details()
+    finally:
+        remote.close()
+
+
+def test_requests_sharing_a_prefix_with_a_remote_eagle_get_its_features_from_the_engine(tiny, head_dir, eagle_served):
+    """Placement separate under prefix caching: requests sharing a prefix (in the step that writes
+    it, and a later one from the kept blocks) skip its prefill on the target, the engine's feature
+    buffer gives them the prefix's rows, so the DraftServer's head drafts for them; outputs equal
+    plain decoding, and every feature row is freed on both sides."""
+    from tests.speculative.test_eagle import prompts
+
+    _, model = tiny
+    core, draft, address = eagle_served
+    prefix = prompts()[3] + prompts()[1]  # 47 tokens: two full blocks
+    together = [GenerationRequest(f"t{i}", prefix + prompts()[j], SamplingParams(max_tokens=16))
+                for i, j in enumerate((0, 2, 5))]
+    later = [GenerationRequest("later", prefix + prompts()[1], SamplingParams(max_tokens=16))]
+    plain = run_to_completion(engine(model, None), together + later)
+    remote = _remote(address, model.runner.vocab_size)  # bfloat16 features
+    try:
+        eng = engine(model, f"eagle:{head_dir}", 3, proposer=remote)
+        got = run_to_completion(eng, together)
+        got.update(run_to_completion(eng, later))
+        bs = eng.runner.kv.block_size
+        for r in together + later:
+            assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
+        assert got["t0"]["cached"] == 0
+        for rid in ("t1", "t2", "later"):
+            assert got[rid]["cached"] == 2 * bs and got[rid]["spec"].draft_tokens > 0, rid
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+        assert remote._features.num_sequences == 0
+        remote.flush_releases()
+        assert core.num_sequences == 0 and core._features == {} and draft._seqs == {}
     finally:
         remote.close()
 

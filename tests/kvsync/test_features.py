@@ -42,6 +42,30 @@ def test_buffer_keeps_contiguous_rows_by_position_and_forgets():
         buf.record([SeqChunk("a", [1], 0, 1)], torch.zeros(1, 3))
 
 
+def test_buffer_gives_a_sharing_sequence_the_rows_of_its_cached_prefix():
+    """Kept rows of an indexed block, and rows borrowed from the block's writer in the same
+    forward: the sharer covers its prefix as if the target had run it; before the draft side names
+    its layers every block is shared (nothing is recorded for anyone)."""
+    from cluster.models.kv_cache import CachedBlock
+
+    buf = FeatureBuffer(hidden_size=2, fingerprint="t", dtype="float32")
+    blocks = [CachedBlock(7, b"k0", 0, 4), CachedBlock(8, b"k1", 4, 8)]
+    assert buf.adopt_prefix("early", blocks) == 2 and not buf.covers("early", 1)
+    buf.want((0, 3))
+    pos = lambda a, b: torch.arange(a, b).float().view(-1, 1).repeat(1, 4)  # noqa: E731 row p is all p
+    buf.record([SeqChunk("a", [1] * 6, 0, 1)], pos(0, 6))
+    buf.keep_prefix("a", blocks)  # block 8 (positions 4..7) is not covered: not kept
+    assert buf.adopt_prefix("b", blocks) == 1 and buf.covers("b", 4) and not buf.covers("b", 5)
+    # "c" shares block 7 (kept) and block 8, which "a" began (4..5) and ends in this step (6..7)
+    assert buf.adopt_prefix("c", blocks, {8: "a"}) == 2 and not buf.covers("c", 5)
+    buf.record([SeqChunk("a", [2, 2, 2], 6, 1), SeqChunk("c", [3, 3], 8, 1)],
+               torch.cat([pos(6, 9), pos(8, 10) + 100]))
+    assert buf.covers("c", 10)
+    torch.testing.assert_close(decode_features(buf.encode("c", 0, 10)),
+                               torch.cat([pos(0, 6), pos(6, 8), pos(8, 10) + 100]))
+    assert buf.adopt_prefix("d", [CachedBlock(7, b"another prefix", 0, 4)]) == 0
+
+
 def test_feature_requests_this_engine_cannot_serve_are_refused_with_the_reason():
     from cluster.api import stubs
     from cluster.kvsync.features import feature_request_refusal

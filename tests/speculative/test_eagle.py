@@ -46,11 +46,13 @@ def head_dir(tiny, tmp_path_factory):
     return out
 
 
-def engine(model, drafter: str | None, k=3, num_blocks: int | None = None, prefix_caching: bool = True) -> LLMEngine:
+def engine(model, drafter: str | None, k=3, num_blocks: int | None = None, prefix_caching: bool = True,
+           proposer=None, **cfg) -> LLMEngine:
+    """A tiny-model engine (own KV pool); with ``proposer``, the drafter's proposer given (a DraftServer's client)."""
     spec = SpecConfig(drafter=drafter, num_draft_tokens=k) if drafter else None
-    config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8, prefix_caching=prefix_caching)
+    config = EngineConfig(model="tiny", spec=spec, max_num_seqs=8, prefix_caching=prefix_caching, **cfg)
     m = model.with_fresh_kv(config, num_blocks)
-    return LLMEngine(config, m, build_spec_controller(config, m) if spec else None)
+    return LLMEngine(config, m, build_spec_controller(config, m, proposer) if spec else None)
 
 
 def prompts() -> list[list[int]]:
@@ -445,7 +447,7 @@ def test_requests_admitted_in_one_step_borrow_the_features_of_the_prefix_it_writ
         st = prop._seqs[sharer]
         assert st.filled == len(together[int(sharer[1])].prompt_token_ids)  # no gap: it can draft
         assert torch.equal(st.feats[: 2 * bs], lender.feats[: 2 * bs])  # the lender's rows
-    assert not prop._borrow
+    assert not prop._prefix._borrow
     got: dict[str, dict] = {}
     for out in first:
         _collect(got, out)
@@ -461,3 +463,32 @@ def test_requests_admitted_in_one_step_borrow_the_features_of_the_prefix_it_writ
         assert got[r.request_id]["cached"] == 2 * bs and got[r.request_id]["spec"].draft_tokens > 0
     assert got["r0"]["cached"] == 0
     assert not prop._seqs and eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+
+
+def test_a_block_its_writer_began_in_an_earlier_step_is_borrowed_whole(tiny, head_dir):
+    """A chunked prefill ends a block it began a step before (positions 16..23, then 24..31); a
+    request admitted in that step shares the block: its features there are the writer's rows of
+    the earlier forward and of this one, and it decodes what Hugging Face generate does."""
+    path, model = tiny
+    writer_ids = prompts()[3] + prompts()[2] + [7, 9]  # 40 tokens: chunks of 24 and 16
+    writer = GenerationRequest("writer", writer_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    sharer = GenerationRequest("sharer", writer_ids[:34] + prompts()[5], SamplingParams(max_tokens=MAX_TOKENS))
+    eng = engine(model, f"eagle:{head_dir}", 3, max_num_batched_tokens=24)
+    prop, bs = eng.spec.proposer, eng.runner.kv.block_size
+    got: dict[str, dict] = {}
+    eng.add_request(writer)
+    for out in eng.step():  # the writer's first 24 prompt tokens
+        _collect(got, out)
+    eng.add_request(sharer)
+    for out in eng.step():  # the writer's last 16, the sharer admitted onto blocks 0 and 1
+        _collect(got, out)
+    prop._fuse_pending()
+    assert prop._seqs["sharer"].filled >= 2 * bs + 1
+    assert torch.equal(prop._seqs["sharer"].feats[: 2 * bs], prop._seqs["writer"].feats[: 2 * bs])
+    while eng.has_work():
+        for out in eng.step():
+            _collect(got, out)
+    assert got["sharer"]["cached"] == 2 * bs and got["sharer"]["spec"].draft_tokens > 0
+    ref = HFReference(path, model.eos_token_ids)
+    for r in (writer, sharer):
+        check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
