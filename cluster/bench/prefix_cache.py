@@ -19,6 +19,10 @@ committed), timed from the burst's start to each request's first token and to th
 end, cold then warm in a rotating order, each burst on a fresh engine (an empty cache). Checked: every request's greedy tokens are the same on
 both engines. Reported per segment: medians of warm / cold mean time to first token and time to
 the burst's end, and the share of the burst's prompt tokens that came from the cache.
+With ``--placement separate`` (``--path spec``, a model drafter: ``eagle``): the drafter runs in a
+DraftServer on 127.0.0.1 (a KVSync gRPC server in this process, as the service's DraftServer
+deployment hosts it), each engine its client (``RemoteProposer``); a shared prefix's features
+reach the DraftServer from the engine's feature buffer.
 Ignores: eviction under memory pressure (the pool holds every turn here), arrivals spread in time.
 """
 from __future__ import annotations
@@ -41,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_side_by_side_arguments(p, "chat,edit,json", "both engines' drafter with --path spec (auto K)")
     p.add_argument("--path", choices=("plain", "spec"), default="plain",
                    help="both engines plain, or both speculative with --drafter")
+    p.add_argument("--placement", choices=("shared", "separate"), default="shared",
+                   help="with --path spec: the drafter in the engine, or in a DraftServer on 127.0.0.1 (KVSync)")
     p.add_argument("--turn2-tokens", type=int, default=16, help="tokens of the timed second turn (each burst request's)")
     p.add_argument("--burst", type=int, default=0, choices=range(0, len(BURST_QUESTIONS) + 1), metavar="N",
                    help=f"N (2 to {len(BURST_QUESTIONS)}) requests at once under each prompt as their system prompt, "
@@ -62,13 +68,14 @@ def _turn(engine, req) -> tuple[float, float, list[int], int]:
     return first if first is not None else end, end, ids, cached
 
 
-def _burst(engine, reqs) -> tuple[list[float], float, dict[str, list[int]], int]:
+def _burst(engine, reqs) -> tuple[list[float], float, dict[str, list[int]], int, int]:
     """All ``reqs`` added at once: (seconds to each one's first token, to the last one's end,
-    output ids by request id, prompt tokens from the cache over all of them)."""
+    output ids by request id, prompt tokens from the cache over all of them, draft tokens
+    proposed for them)."""
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     ids: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    cached = 0
+    cached = drafted = 0
     for r in reqs:
         engine.add_request(r)
     while engine.has_work():
@@ -76,9 +83,11 @@ def _burst(engine, reqs) -> tuple[list[float], float, dict[str, list[int]], int]
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - t0
             ids[out.request_id] += out.new_token_ids
-            cached += out.num_cached_tokens if out.finished else 0
+            if out.finished:
+                cached += out.num_cached_tokens
+                drafted += out.spec.draft_tokens if out.spec is not None else 0
     end = time.perf_counter() - t0
-    return [first.get(r.request_id, end) for r in reqs], end, ids, cached
+    return [first.get(r.request_id, end) for r in reqs], end, ids, cached, drafted
 
 
 def _burst_prompts(tokenizer, row: dict, n: int) -> list[list[int]]:
@@ -97,17 +106,62 @@ def _second_turn(tokenizer, row: dict, answer: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench.timed_run import engine_for, request_for
+    from cluster.bench.timed_run import engine_for
     from cluster.common.config import SpecConfig
 
     if args.burst == 1:
         print("--burst needs at least 2 requests", file=sys.stderr)
         return 2
+    if args.placement == "separate" and args.path != "spec":
+        print("--placement separate needs --path spec (a drafter to place)", file=sys.stderr)
+        return 2
     target, segments = load_target(args)
     spec = SpecConfig(drafter=args.drafter, num_draft_tokens="auto") if args.path == "spec" else None
-    engines = {"cold": engine_for(target, spec, prefix_caching=False), "warm": engine_for(target, spec)}
-    if args.burst:
-        return run_burst(args, target, segments, lambda caching: engine_for(target, spec, prefix_caching=caching))
+    server, client = _draft_server(args, target) if args.placement == "separate" else (None, lambda: None)
+    try:
+        make = lambda caching: engine_for(target, spec, client(), prefix_caching=caching)  # noqa: E731
+        if args.burst:
+            return run_burst(args, target, segments, make)
+        return run_turns(args, target, segments, make)
+    finally:
+        if server is not None:
+            server.stop(0)
+
+
+def _draft_server(args: argparse.Namespace, target):
+    """Placement separate: a DraftServer core hosting ``--drafter`` behind a KVSync server on
+    127.0.0.1; returns (the server, a maker of engine-side clients)."""
+    from cluster.kvsync.client import RemoteProposer
+    from cluster.kvsync.drafters import build_remote_proposer
+    from cluster.kvsync.server import DraftServerCore, start_server
+    from cluster.speculative.proposer import parse_drafter_choice
+
+    draft, vocab = build_remote_proposer(parse_drafter_choice(args.drafter), args.model, "float32", target=target)
+    server, port = start_server(DraftServerCore(draft, vocab_size=vocab, drafter=args.drafter), host="127.0.0.1")
+    return server, lambda: RemoteProposer(f"127.0.0.1:{port}", expected_vocab_size=vocab)
+
+
+def _close(engine) -> None:
+    """An engine's DraftServer client (placement separate) closes its channel."""
+    close = getattr(getattr(engine.spec, "proposer", None), "close", None)
+    if close is not None:
+        close()
+
+
+def run_turns(args: argparse.Namespace, target, segments: list[str], engine_for) -> int:
+    """``engine_for(prefix_caching)``: the two engines, each kept for the whole run."""
+    engines: dict = {}
+    try:
+        engines = {"cold": engine_for(False), "warm": engine_for(True)}
+        return _turns(args, target, segments, engines)
+    finally:
+        for engine in engines.values():
+            _close(engine)
+
+
+def _turns(args: argparse.Namespace, target, segments: list[str], engines: dict) -> int:
+    from cluster.bench.timed_run import request_for
+
     runs: list[dict] = []
     mismatches: list[str] = []
     t_start = time.perf_counter()
@@ -144,23 +198,30 @@ def run_burst(args: argparse.Namespace, target, segments: list[str], engine_for)
     runs: list[dict] = []
     mismatches: list[str] = []
     t_start = time.perf_counter()
-    _burst(engine_for(False), [request_for("warm-up", [1, 2, 3], 2, segments[0])])  # first-call costs, untimed
+    warm_up = engine_for(False)
+    _burst(warm_up, [request_for("warm-up", [1, 2, 3], 2, segments[0])])  # first-call costs, untimed
+    _close(warm_up)
     for rnd, seg, row, _, _, order in prompt_walk(args, target, segments, VARIANTS):
         rid = f"{row['id']}-r{rnd}"
         prompts = _burst_prompts(target.tokenizer, row, args.burst)
         got: dict[str, dict] = {}
         for variant in order:
             reqs = [request_for(f"{rid}-{variant}-{j}", p, args.turn2_tokens, seg) for j, p in enumerate(prompts)]
-            firsts, end, ids, cached = _burst(engine_for(variant == "warm"), reqs)
-            got[variant] = dict(ttft_s=sum(firsts) / len(firsts), e2e_s=end, cached=cached,
-                                ids=[ids[r.request_id] for r in reqs])
+            engine = engine_for(variant == "warm")
+            try:
+                firsts, end, ids, cached, drafted = _burst(engine, reqs)
+                fallbacks = engine.stats().draft_fallbacks if engine.spec is not None else 0
+            finally:
+                _close(engine)
+            got[variant] = dict(ttft_s=sum(firsts) / len(firsts), e2e_s=end, cached=cached, drafted=drafted,
+                                fallbacks=fallbacks, ids=[ids[r.request_id] for r in reqs])
         if got["cold"]["ids"] != got["warm"]["ids"]:
             mismatches.append(f"{rid}: a burst request's tokens differ with the prefix cache")
         prompt_tokens = sum(len(p) for p in prompts)
         runs.append(dict(round=rnd, segment=seg, prompt=row["id"], prompt_tokens=prompt_tokens,
                          shared_prefix_tokens=_common_prefix(prompts), cached_tokens=got["warm"]["cached"],
                          cold_cached=got["cold"]["cached"],
-                         **{f"{v}_{k}": got[v][k] for v in VARIANTS for k in ("ttft_s", "e2e_s")}))
+                         **{f"{v}_{k}": got[v][k] for v in VARIANTS for k in ("ttft_s", "e2e_s", "drafted", "fallbacks")}))
         print(f"r{rnd} {seg} {row['id']}: burst of {args.burst}, {prompt_tokens} prompt tokens, {got['warm']['cached']} "
               f"cached: mean first token {got['warm']['ttft_s'] * 1e3:.0f} ms warm vs {got['cold']['ttft_s'] * 1e3:.0f} "
               f"ms cold", file=sys.stderr, flush=True)
@@ -190,11 +251,13 @@ def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict]
     mode = {"burst": args.burst, "burst_questions": list(BURST_QUESTIONS[:args.burst])} if args.burst else {
         "follow_up": FOLLOW_UP}
     return report(args, "prefix_cache", seconds, mismatches, table, runs, turn2_tokens=args.turn2_tokens,
-                  **mode, path=args.path, drafter=args.drafter if args.path == "spec" else None)
+                  **mode, path=args.path, placement=args.placement if args.path == "spec" else None, drafter=args.drafter if args.path == "spec" else None)
 
 
 def format_table(report_: dict) -> str:
     path = report_.get("path", "plain") + (f" ({report_['drafter']})" if report_.get("drafter") else "")
+    if report_.get("placement") == "separate":
+        path += " in a DraftServer"
     what = (f"bursts of {report_['burst']} requests under one system prompt (ttft: the burst's mean; e2e: its end)"
             if report_.get("burst") else "turn 2 of a conversation")
     lines = [f"bench prefix_cache: {report_['rounds']} round(s), {path} path, {what}; medians of "

@@ -27,8 +27,8 @@ BENCHES = {
     "scoring": "what scoring a text (prompt_logprobs / echo with max_tokens 0) costs next to prefilling it "
                "and to generating it, the scored values checked against generation's",
     "prefix_cache": "what the prefix cache buys a conversation's second turn (or, --burst N, N requests at once "
-                    "under one system prompt): time to first token and to the end with and without it, side by "
-                    "side, the tokens checked the same",
+                    "under one system prompt; --placement separate: the drafter in a DraftServer): time to first "
+                    "token and to the end with and without it, side by side, the tokens checked the same",
 }
 MODULES = {"mapped": "cluster.mapper.heldout"}  # default: cluster.bench.<name>
 

@@ -43,3 +43,25 @@ def test_bench_prefix_cache_burst_shares_the_system_prompt_within_the_burst(tmp_
 
 def test_bench_prefix_cache_refuses_a_burst_of_one(tmp_path):
     assert main(["bench", "prefix_cache", "--burst", "1", "--json", str(tmp_path / "x.json")]) == 2
+
+
+@pytest.mark.model
+def test_bench_prefix_cache_burst_with_the_head_in_a_draft_server(tmp_path, capsys):
+    """Placement separate: the shipped head in a DraftServer on 127.0.0.1, each engine its KVSync
+    client; the burst shares the system prompt on the target and the head still drafts for every
+    request (the engine's feature buffer gives the DraftServer the shared prefix's features)."""
+    out = tmp_path / "burst.json"
+    rc = main(["bench", "prefix_cache", "--burst", "3", "--path", "spec", "--placement", "separate",
+               "--drafter", "eagle", "--segments", "json", "--prompts-per-segment", "1", "--rounds", "1",
+               "--turn2-tokens", "6", "--threads", "2", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert report["lossless"] and report["placement"] == "separate"
+    assert run["cached_tokens"] == 2 * (run["shared_prefix_tokens"] // 16 * 16) > 0
+    assert run["warm_drafted"] > 0 and run["cold_drafted"] > 0  # (fallbacks on the deadline: reported, not judged)
+    assert "spec (eagle) in a DraftServer path" in capsys.readouterr().out
+
+
+def test_bench_prefix_cache_refuses_a_separate_placement_without_a_drafter(tmp_path):
+    assert main(["bench", "prefix_cache", "--placement", "separate", "--json", str(tmp_path / "x.json")]) == 2
