@@ -54,18 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _turn(engine, req) -> tuple[float, float, list[int], int]:
-    """(seconds to the first token, to the end, output ids, prompt tokens from the cache)."""
-    t0 = time.perf_counter()
-    first, ids, cached = None, [], 0
-    engine.add_request(req)
-    while engine.has_work():
-        for out in engine.step():
-            if out.new_token_ids and first is None:
-                first = time.perf_counter() - t0
-            ids += out.new_token_ids
-            cached = out.num_cached_tokens if out.finished else cached
-    end = time.perf_counter() - t0
-    return first if first is not None else end, end, ids, cached
+    """One request alone: (seconds to the first token, to the end, output ids, prompt tokens from the cache)."""
+    (first,), end, ids, cached, _ = _burst(engine, [req])
+    return first, end, ids[req.request_id], cached
 
 
 def _burst(engine, reqs) -> tuple[list[float], float, dict[str, list[int]], int, int]:
@@ -250,8 +241,9 @@ def build_report(args: argparse.Namespace, segments: list[str], runs: list[dict]
         }
     mode = {"burst": args.burst, "burst_questions": list(BURST_QUESTIONS[:args.burst])} if args.burst else {
         "follow_up": FOLLOW_UP}
-    return report(args, "prefix_cache", seconds, mismatches, table, runs, turn2_tokens=args.turn2_tokens,
-                  **mode, path=args.path, placement=args.placement if args.path == "spec" else None, drafter=args.drafter if args.path == "spec" else None)
+    spec = args.path == "spec"
+    return report(args, "prefix_cache", seconds, mismatches, table, runs, turn2_tokens=args.turn2_tokens, **mode,
+                  path=args.path, placement=args.placement if spec else None, drafter=args.drafter if spec else None)
 
 
 def format_table(report_: dict) -> str:
