@@ -169,15 +169,12 @@ class FeatureBuffer:
         if not self.feature_layers:
             self._seqs.pop(seq_id, None)
             return len(blocks)
-        kept, num_blocks, end = self._prefix.adopt(seq_id, blocks, in_flight)
-        if not num_blocks:
+        num_blocks, rows, filled = self._prefix.adopt(seq_id, blocks, in_flight, self.width,
+                                                      FEATURE_DTYPES[self.dtype][1])
+        if num_blocks:
+            self._seqs[seq_id] = _Rows(rows, filled)
+        else:
             self._seqs.pop(seq_id, None)
-            return 0
-        dtype = FEATURE_DTYPES[self.dtype][1]
-        st = self._seqs[seq_id] = _Rows(torch.zeros(max(64, 2 * end), self.width, dtype=dtype))
-        for b, rows in kept:
-            st.feats[b.start : b.end] = rows
-        st.filled = kept[-1][0].end if kept else 0
         return num_blocks
 
     def forget(self, seq_id: str) -> None:

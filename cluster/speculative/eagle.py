@@ -184,12 +184,10 @@ class EagleProposer:
         blocks as are kept under the same key, then those of the blocks the step being scheduled
         writes for another sequence (``in_flight``: block -> that sequence), borrowed from its
         rows when the forward is recorded. Returns how many."""
-        kept, num_blocks, end = self._prefix.adopt(seq_id, blocks, in_flight)
+        num_blocks, feats, filled = self._prefix.adopt(seq_id, blocks, in_flight, self.head.cfg.hidden_size,
+                                                       torch.float32)
         if num_blocks:
-            st = self._seqs[seq_id] = _SeqState(torch.zeros(max(64, 2 * end), self.head.cfg.hidden_size))
-            for b, feats in kept:
-                st.feats[b.start : b.end] = feats
-            st.filled = kept[-1][0].end if kept else 0
+            self._seqs[seq_id] = _SeqState(feats, filled)
         else:
             self._seqs.pop(seq_id, None)  # (a state left by blocks given back at an earlier try)
         return num_blocks

@@ -37,12 +37,13 @@ class PrefixFeatureStore:
             if filled >= b.end:
                 self._kept[b.block] = (b.key, rows[b.start : b.end].clone())
 
-    def adopt(self, seq_id: str, blocks: list[CachedBlock],
-              in_flight: dict[int, str] | None) -> tuple[list[tuple[CachedBlock, torch.Tensor]], int, int]:
-        """A sequence starts on these cached blocks (positions from 0): (the leading blocks with
-        kept rows, and those rows; how many blocks it gets features for in all, kept then
-        borrowed; the position they reach). Borrowed: blocks ``in_flight`` (block -> the sequence
-        whose forward rows write it this step) after the kept ones, resolved by ``borrowed_rows``."""
+    def adopt(self, seq_id: str, blocks: list[CachedBlock], in_flight: dict[int, str] | None,
+              width: int, dtype: torch.dtype) -> tuple[int, torch.Tensor | None, int]:
+        """A sequence starts on these cached blocks (positions from 0): (how many leading blocks
+        it gets features for, kept then borrowed; its rows [capacity, width] by position, the
+        kept ones written, None when none; the positions written from 0). Kept: blocks with rows
+        under the same key. Borrowed: blocks ``in_flight`` (block -> the sequence whose forward
+        rows write it this step) after the kept ones, resolved by ``borrowed_rows``."""
         kept: list[tuple[CachedBlock, torch.Tensor]] = []
         borrowed: list[tuple[str, int, int]] = []
         for b in blocks:
@@ -56,8 +57,13 @@ class PrefixFeatureStore:
         self._borrow.pop(seq_id, None)
         if borrowed:
             self._borrow[seq_id] = borrowed
-        end = borrowed[-1][2] if borrowed else (kept[-1][0].end if kept else 0)
-        return kept, len(kept) + len(borrowed), end
+        if not kept and not borrowed:
+            return 0, None, 0
+        end = borrowed[-1][2] if borrowed else kept[-1][0].end
+        rows = torch.zeros(max(64, 2 * end), width, dtype=dtype)
+        for b, kept_rows in kept:
+            rows[b.start : b.end] = kept_rows
+        return len(kept) + len(borrowed), rows, kept[-1][0].end if kept else 0
 
     def borrowed_rows(self, chunks: list[SeqChunk]) -> dict[str, list[tuple[str, int, int, int, int]]]:
         """A committed forward over ``chunks`` (its rows in chunk order): per borrower in it,
