@@ -1,5 +1,6 @@
 """OpenAI's Responses API on the Router's HTTP app: ``POST /v1/responses``, ``GET`` and ``DELETE``
-``/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+``/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``
+(refused: no response runs in the background).
 
 Owns: one Responses request's life — bearer auth first, then the body (``cluster.api.responses_api``),
 the previous response's conversation from the ResponseStore when it names one (400 when the store
@@ -140,7 +141,20 @@ def add_routes(app: FastAPI, router: "Router", read_body, metadata_of, answer, e
     async def list_input_items(response_id: str, request: Request) -> Response:
         try:
             record = await _stored(request, response_id)
+            if "input_items" not in record:  # stored by a version that did not keep them
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"the input items of response {response_id!r} "
+                                   "were not stored (it was stored by an earlier version of this server)")
             return JSONResponse(item_page(record["input_items"], dict(request.query_params)))
+        except ServiceError as err:
+            return error(err)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> Response:
+        try:
+            await _stored(request, response_id)
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"response {response_id!r} cannot be cancelled: "
+                               "only a background response can be, and this server runs none (it refuses "
+                               "background: true)")
         except ServiceError as err:
             return error(err)
 

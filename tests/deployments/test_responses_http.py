@@ -97,6 +97,25 @@ def test_input_items_list_what_a_response_was_sent_page_by_page(client, addrs):
         client.responses.input_items.list(gone.id)
 
 
+def test_a_record_stored_without_input_items_and_cancel_are_refused_clearly(client):
+    from ray import serve
+    old = client.responses.create(model="fake", input="stored long ago", max_output_tokens=1)
+    store = serve.get_deployment_handle("ResponseStore", app_name="resp")
+    record = store.get.remote(old.id).result()
+    del record["input_items"]  # as a version before input_items were kept stored it
+    store.put.remote(old.id, record, 1000).result()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.input_items.list(old.id)
+    assert "were not stored" in e.value.body["message"], e.value.body
+    assert client.responses.retrieve(old.id).id == old.id  # the response itself still is
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(old.id)
+    assert "only a background response" in e.value.body["message"], e.value.body
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    assert client.responses.retrieve(old.id).status == old.status  # a refused cancel changed nothing
+
+
 def test_delete_store_false_and_eviction(client):
     kept = client.responses.create(model="fake", input="keep me", max_output_tokens=2)
     gone = client.responses.create(model="fake", input="not me", max_output_tokens=2, store=False)
