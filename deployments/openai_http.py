@@ -34,7 +34,7 @@ from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body, error_event, http_error_body
 from cluster.api.openai_responses import DONE, Kind, Responder
 from cluster.api.openai_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody,
-                                        chat_fields, chat_tools, check_choices, check_model, completion_batch,
+                                        chat_fields, check_choices, check_model, completion_batch,
                                         echoed_prompts, num_candidates, parse_body, tokenize_body)
 from cluster.api.requests import Limits, check_size
 from cluster.api.responses import Accumulator
@@ -96,7 +96,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             resp = Responder(kind, request_id, vreq.label, router.served_model, decision,
                              include_usage=body.stream and body.include_usage,
                              logprobs=vreq.params.logprobs is not None,
-                             tools=chat_tools(body) if kind is Kind.CHAT else None,
+                             tools=body.tool_plan if kind is Kind.CHAT else None,
                              echo=echoed_prompts(body) if kind is Kind.COMPLETION else None, per_prompt=n)
             ranked = each > n  # best_of: more candidates than answers
             choices = [c for p in prompt_requests(vreq, batch, router.limits)

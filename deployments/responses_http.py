@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cluster.api.auth import check_bearer
 from cluster.api.openai_errors import error_body
-from cluster.api.openai_schemas import ChatCompletionRequest, chat_fields, chat_tools, parse_body
+from cluster.api.openai_schemas import ChatCompletionRequest, chat_fields, parse_body
 from cluster.api.requests import check_size
 from cluster.api.responses import Accumulator
 from cluster.api.responses_api import ResponseRequest, chat_body, conversation, json_size
@@ -82,21 +82,22 @@ async def lifecycle(router: "Router", raw: bytes, metadata: list, request_id: st
                                                  lambda: chat_fields(chat, len(raw), router.served_model))
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
-            shape = ResponseShape(request_id, body, router.served_model, decision, chat_tools(chat))
+            shape = ResponseShape(request_id, body, router.served_model, decision, chat.tool_plan)
             events = ResponseEvents(shape) if body.stream else None
             acc = Accumulator(request_id, decision)
             async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(), whole=not body.stream)) as outs:
                 async for out in outs:
                     tel.output(out, closes=True)
                     acc.add(out)
-                    if out.finished:  # stored before the response (or its last event) leaves
-                        await _store(router, shape, history, shape.whole("".join(acc.text), out))
-                    if events is not None:
-                        for e in ([] if started else events.start()) + events.feed(out):
-                            yield e
-                        started = True
-            if events is None:
-                last = shape.whole("".join(acc.text), acc.final)
+                    made = [] if events is None else ([] if started else events.start()) + events.feed(out)
+                    if out.finished:  # one whole response, stored before it (or its last event) leaves
+                        whole = shape.whole("".join(acc.text), out) if events is None else events.response
+                        await _store(router, shape, history, whole)
+                        if events is None:
+                            last = whole
+                    for e in made:
+                        yield e
+                    started = started or bool(made)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event
             err = router._failure(exc, request_id, metadata, tel)
             if started:

@@ -20,13 +20,15 @@ Ignores: transport, response shapes (``openai_responses``), error bodies (``open
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.api.openai_tools import Tool, ToolCall, ToolChoice, ToolPlan, rendered_calls, tool_plan, tools_preamble
+from cluster.api.openai_tools import Tool, ToolCall, ToolChoice, ToolPlan, rendered_calls, tools_preamble
+from cluster.api.openai_tools import tool_plan as plan_tools
 from cluster.api.requests import Limits, RequestFields
 from cluster.api.status import ServiceError, invalid
 from cluster.common.request import MAX_LOGPROBS, SpecMode
@@ -140,6 +142,16 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan | None:
+        """The calls this request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` make (None:
+        none); an ``auto`` answer follows ``response_format`` where it asks for JSON. Worked out once
+        per request (the prompt's tool list, the output's constraint and the responder read it);
+        INVALID_ARGUMENT naming ``tool_choice`` where it cannot be honoured."""
+        auto = self.tool_choice in (None, "auto")
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls is not False,
+                          _json_schema(self.response_format) if auto else "")
 
 
 class CompletionRequest(_Common):
@@ -365,14 +377,6 @@ def _num_logprobs(value: int | None, param: str) -> int | None:
     return value
 
 
-def chat_tools(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The calls a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` make (None:
-    none); an ``auto`` answer follows ``response_format`` where it asks for JSON."""
-    auto = body.tool_choice in (None, "auto")
-    return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False,
-                     _json_schema(body.response_format) if auto else "")
-
-
 def _messages(body: ChatCompletionRequest) -> tuple[tuple[str, str], ...]:
     """(role, text) of each message: an assistant's calls rendered after its content, a tool
     message's result as its content (its ``tool_call_id`` must answer an earlier call); with tools,
@@ -392,7 +396,7 @@ def _messages(body: ChatCompletionRequest) -> tuple[tuple[str, str], ...]:
             raise invalid(f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no earlier tool call", "messages")
         out.append((m.role, text))
     if body.tools:
-        preamble = tools_preamble(body.tools, chat_tools(body))
+        preamble = tools_preamble(body.tools, body.tool_plan)
         if out and out[0][0] == "system":
             out[0] = ("system", f"{out[0][1]}\n\n{preamble}" if out[0][1] else preamble)
         else:
@@ -404,7 +408,7 @@ def chat_fields(body: ChatCompletionRequest, size: int, served: str) -> RequestF
     check_model(body, served)
     _refuse(body)
     top = _num_logprobs(body.top_logprobs, "top_logprobs")
-    plan = chat_tools(body)
+    plan = body.tool_plan
     messages = _messages(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prediction = "" if body.prediction is None else _text(body.prediction.content, "prediction.content", "prediction")

@@ -111,7 +111,8 @@ class ResponseShape:
 
 class ResponseEvents:
     """The streamed response: ``start()``, then ``feed(out)`` per engine delta, each returning the
-    events it makes (as SSE text); the last delta's events end with the whole response."""
+    events it makes (as SSE text); the last delta's events end with the whole response (then also
+    ``response``, the record a stored stream keeps: what the client was sent, not a second assembly)."""
 
     def __init__(self, shape: ResponseShape) -> None:
         from cluster.api.openai_tools import CallStream
@@ -123,6 +124,7 @@ class ResponseEvents:
         self.message_at: int | None = None  # the open message's output index
         self.named_at: int | None = None  # a named function's call: its output index
         self.calls = CallStream(shape.call_id) if shape.tools is not None and shape.tools.function is None else None
+        self.response: dict | None = None  # the whole response, once the last delta was fed
 
     def _emit(self, type_: str, **fields) -> str:
         self.seq += 1
@@ -204,8 +206,8 @@ class ResponseEvents:
                        self._emit("response.content_part.done", item_id=item["id"], output_index=self.message_at,
                                   content_index=0, part=part),
                        self._emit("response.output_item.done", output_index=self.message_at, item=item)]
-        whole = self.shape.response(status, self.items, final)
-        events.append(self._emit(f"response.{status}", response=whole))
+        self.response = self.shape.response(status, self.items, final)
+        events.append(self._emit(f"response.{status}", response=self.response))
         return events
 
     def error(self, code: str, message: str, param: str | None) -> str:

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from cluster.api.openai_responses import Kind, Responder
-from cluster.api.openai_schemas import ChatCompletionRequest, chat_fields, chat_tools, parse_body
+from cluster.api.openai_schemas import ChatCompletionRequest, chat_fields, parse_body
 from cluster.api.openai_tools import CALL_CLOSE, CALL_OPEN, CallStream, parse_calls, tool_plan
 from cluster.api.responses import Accumulator
 from cluster.api.status import ServiceError
@@ -73,8 +73,18 @@ def test_a_named_function_decodes_its_arguments():
     system, user = f.messages
     assert system[0] == "system" and "get_weather" in system[1] and "get_time" in system[1]
     assert "Call the function get_weather" in system[1] and user == ("user", "weather in Paris?")
-    plan = chat_tools(body(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}))
+    plan = body(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}).tool_plan
     assert json.loads(plan.json_schema) == {"type": "object", "properties": {}} and not plan.parallel
+
+
+def test_a_request_works_out_its_plan_once(monkeypatch):
+    import cluster.api.openai_schemas as schemas
+    made = []
+    monkeypatch.setattr(schemas, "plan_tools", lambda *a: made.append(a) or tool_plan(*a))
+    b = body(tools=[WEATHER, TIME], tool_choice="required")
+    f = chat_fields(b, 100, "m")  # the prompt's tool list and the output's grammar
+    assert b.tool_plan.grammar == f.grammar and "get_time" in f.messages[0][1]  # and the responder
+    assert len(made) == 1 and b.model_dump() == body(tools=[WEATHER, TIME], tool_choice="required").model_dump()
 
 
 ONE_TIME, ONE_WEATHER = call("get_time", {"zone": "UTC"}), call("get_weather", {"city": "Oslo", "unit": "c"})
@@ -83,7 +93,7 @@ ONE_TIME, ONE_WEATHER = call("get_time", {"zone": "UTC"}), call("get_weather", {
 def test_required_decodes_calls_of_any_tool_and_nothing_else(compiler):
     f = fields(tools=[WEATHER, TIME], tool_choice="required")
     assert f.json_schema == "" and CALL_OPEN in f.grammar and "Reply with a call now" in f.messages[0][1]
-    plan = chat_tools(body(tools=[WEATHER, TIME], tool_choice="required"))
+    plan = body(tools=[WEATHER, TIME], tool_choice="required").tool_plan
     assert plan.parallel and accepts(compiler, plan, ONE_TIME) and accepts(compiler, plan, ONE_WEATHER)
     assert accepts(compiler, plan, ONE_TIME + "\n" + ONE_WEATHER) and accepts(compiler, plan, ONE_TIME + ONE_TIME)
     for wrong in (call("get_time", {"city": "Oslo", "unit": "c"}),  # another tool's arguments
@@ -92,7 +102,7 @@ def test_required_decodes_calls_of_any_tool_and_nothing_else(compiler):
                   CALL_OPEN + '{ "name": "get_time", "arguments": {"zone": "UTC"}}' + CALL_CLOSE,  # compact JSON only
                   ONE_TIME + " and more text", ""):
         assert not accepts(compiler, plan, wrong), wrong
-    single = chat_tools(body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    single = body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False).tool_plan
     assert not single.parallel and accepts(compiler, single, ONE_WEATHER)
     assert not accepts(compiler, single, ONE_TIME + ONE_TIME)
 
@@ -100,17 +110,17 @@ def test_required_decodes_calls_of_any_tool_and_nothing_else(compiler):
 def test_auto_answers_or_calls_as_the_first_bytes_choose(compiler):
     f = fields(tools=[WEATHER, TIME])  # tool_choice unset: OpenAI's auto
     assert f.grammar and "otherwise answer directly" in f.messages[0][1]
-    plan = chat_tools(body(tools=[WEATHER, TIME]))
-    assert plan.choice == "auto" and plan == chat_tools(body(tools=[WEATHER, TIME], tool_choice="auto"))
+    plan = body(tools=[WEATHER, TIME]).tool_plan
+    assert plan.choice == "auto" and plan == body(tools=[WEATHER, TIME], tool_choice="auto").tool_plan
     for ok in ("It is sunny in Paris.", "<b>bold</b> answer", "a <tool_call> mentioned inside text", "{}",
                ONE_TIME, ONE_TIME + "\n" + ONE_WEATHER):
         assert accepts(compiler, plan, ok), ok
     for wrong in (CALL_OPEN + "sunny", ONE_TIME + " then text", call("get_weather", {"city": "Oslo"}), ""):
         assert not accepts(compiler, plan, wrong), wrong
     # with response_format json the answer follows it; a call still may be made
-    typed = chat_tools(body(tools=[TIME], response_format={"type": "json_schema", "json_schema": {
+    typed = body(tools=[TIME], response_format={"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"answer": {"type": "string"}},
-                                "required": ["answer"], "additionalProperties": False}}}))
+                                "required": ["answer"], "additionalProperties": False}}}).tool_plan
     assert accepts(compiler, typed, '{"answer":"sunny"}') and accepts(compiler, typed, ONE_TIME)
     assert not accepts(compiler, typed, "sunny") and not accepts(compiler, typed, '{"other":1}')
     assert fields(tools=[TIME], response_format={"type": "json_object"}).json_schema == ""  # in the grammar
@@ -189,7 +199,7 @@ def _acc(text: str, reason: FinishReason) -> Accumulator:
 
 
 def test_responses_carry_the_calls_with_openais_finish_reasons():
-    named = chat_tools(body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    named = body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_plan
     r = Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=named)
     b = r.body([_acc('{"city":"Paris","unit":"c"}', FinishReason.STOP)], _acc("", FinishReason.STOP).final)
     (choice,) = b["choices"]
@@ -200,7 +210,7 @@ def test_responses_carry_the_calls_with_openais_finish_reasons():
     cut = r.body([_acc('{"city":"Par', FinishReason.LENGTH)], _acc("", FinishReason.LENGTH).final)["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"city":"Par'
     for choice_ in ("required", "auto"):
-        plan = chat_tools(body(tools=[WEATHER, TIME], tool_choice=choice_))
+        plan = body(tools=[WEATHER, TIME], tool_choice=choice_).tool_plan
         calls = Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=plan)
         two = calls.body([_acc(ONE_TIME + "\n" + ONE_WEATHER, FinishReason.EOS)], _acc("", FinishReason.EOS).final)
         choice = two["choices"][0]
@@ -216,7 +226,7 @@ def test_responses_carry_the_calls_with_openais_finish_reasons():
         first_cut = calls.body([_acc(CALL_OPEN + '{"name": "get_t', FinishReason.LENGTH)],
                                _acc("", FinishReason.LENGTH).final)["choices"][0]
         assert first_cut["message"] == {"role": "assistant", "content": CALL_OPEN + '{"name": "get_t'}  # no call
-    auto = Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=chat_tools(body(tools=[WEATHER])))
+    auto = Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=body(tools=[WEATHER]).tool_plan)
     answer = auto.body([_acc("It is sunny.", FinishReason.EOS)], _acc("", FinishReason.EOS).final)["choices"][0]
     assert answer["message"] == {"role": "assistant", "content": "It is sunny."} and answer["finish_reason"] == "stop"
 
@@ -233,7 +243,7 @@ def _events(r: Responder, parts: list[str], reason: FinishReason) -> list[dict]:
 
 
 def test_streamed_calls():
-    named = chat_tools(body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    named = body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_plan
     events = _events(Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=named), ['{"city"', ':"Oslo",', '"unit":"c"}'],
                      FinishReason.STOP)
     deltas = [e["choices"][0]["delta"] for e in events]
@@ -242,7 +252,7 @@ def test_streamed_calls():
                                                                "function": None}
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city":"Oslo","unit":"c"}'
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "stop"]
-    required = chat_tools(body(tools=[WEATHER, TIME], tool_choice="required"))
+    required = body(tools=[WEATHER, TIME], tool_choice="required").tool_plan
     events = _events(Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=required),
                      [ONE_TIME[:5], ONE_TIME[5:20], ONE_TIME[20:] + "\n" + ONE_WEATHER[:9], ONE_WEATHER[9:], ""],
                      FinishReason.EOS)
@@ -252,7 +262,7 @@ def test_streamed_calls():
         {"index": 0, "id": "call_rid_0_0", "type": "function", "function": {"name": "get_time", "arguments": '{"zone":"UTC"}'}}]
     assert events[2]["choices"][0]["delta"]["tool_calls"][0]["index"] == 1
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, None, "tool_calls"]
-    auto = chat_tools(body(tools=[WEATHER]))
+    auto = body(tools=[WEATHER]).tool_plan
     events = _events(Responder(Kind.CHAT, "rid", "", "m", DECISION, tools=auto), ["<", "tool", " is a word", ""],
                      FinishReason.EOS)  # a prefix of the marker is held, then sent as text once it is not one
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "<tool is a word"

@@ -3,7 +3,7 @@ function's streamed arguments, whole calls of auto / required, the budget cuttin
 no model)."""
 import json
 
-from cluster.api.openai_schemas import ChatCompletionRequest, chat_tools, parse_body
+from cluster.api.openai_schemas import ChatCompletionRequest, parse_body
 from cluster.api.openai_tools import CALL_CLOSE, CALL_OPEN
 from cluster.api.responses_api import ResponseRequest, chat_body
 from cluster.api.responses_api_output import ResponseEvents, ResponseShape
@@ -17,7 +17,7 @@ WEATHER = {"type": "function", "name": "w", "parameters": {"type": "object", "pr
 def shape(**fields) -> ResponseShape:
     body = parse_body(json.dumps({"input": "hi", **fields}).encode(), ResponseRequest)
     chat = parse_body(json.dumps(chat_body(body, [])).encode(), ChatCompletionRequest)
-    return ResponseShape("rid", body, "m", DECISION, chat_tools(chat))
+    return ResponseShape("rid", body, "m", DECISION, chat.tool_plan)
 
 
 def outputs(parts: list[str], reason: FinishReason) -> list[RequestOutput]:
