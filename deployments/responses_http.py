@@ -91,7 +91,7 @@ async def lifecycle(router: "Router", raw: bytes, metadata: list, request_id: st
                     acc.add(out)
                     made = [] if events is None else ([] if started else events.start()) + events.feed(out)
                     if out.finished:  # one whole response, stored before it (or its last event) leaves
-                        whole = shape.whole("".join(acc.text), out) if events is None else events.response
+                        whole = shape.whole("".join(acc.text), out, acc.logprobs) if events is None else events.response
                         await _store(router, shape, history, whole)
                         if events is None:
                             last = whole

@@ -80,10 +80,23 @@ def _chat_entry(lp: Logprob) -> dict:
     return {"token": _token(lp), "logprob": lp.logprob, "bytes": list(lp.token)}
 
 
+def logprob_entries(logprobs: list[TokenLogprobs]) -> list[dict]:
+    """One entry per token with its ``top_logprobs``: a chat choice's ``logprobs.content``, a
+    Responses ``output_text``'s ``logprobs``."""
+    return [{**_chat_entry(t.chosen), "top_logprobs": [_chat_entry(a) for a in t.top]} for t in logprobs]
+
+
+def answer_logprobs(logprobs: list[TokenLogprobs], last: RequestOutput | None) -> list[TokenLogprobs]:
+    """The entries of an answer's text: ``last``, the final output when these are its last tokens —
+    an end-of-turn token that ended the answer ends no text, so it has none."""
+    if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
+        return logprobs[:-1]
+    return logprobs
+
+
 def chat_logprobs(logprobs: list[TokenLogprobs]) -> dict:
     """A chat choice's ``logprobs``: ``content``, one entry per token with its ``top_logprobs``."""
-    return {"content": [{**_chat_entry(t.chosen), "top_logprobs": [_chat_entry(a) for a in t.top]}
-                        for t in logprobs], "refusal": None}
+    return {"content": logprob_entries(logprobs), "refusal": None}
 
 
 def completion_logprobs(logprobs: list[TokenLogprobs], offset: int) -> dict:
@@ -163,9 +176,7 @@ class Responder:
         if not self.logprobs:
             return None
         if self.kind is Kind.CHAT:
-            if last is not None and last.finish_reason is FinishReason.EOS and logprobs:
-                logprobs = logprobs[:-1]
-            return chat_logprobs(logprobs)
+            return chat_logprobs(answer_logprobs(logprobs, last))
         offset = self._text_offset.get(index, 0)
         body = completion_logprobs(logprobs, offset)
         self._text_offset[index] = offset + sum(map(len, body["tokens"]))

@@ -2,13 +2,14 @@
 
 Owns: the JSON shape of a Responses body this server accepts (pydantic, strict; an unknown field
 is 400 naming it, as the chat endpoint's), the refusal of what it does not do (images and files,
-reasoning, ``include``, ``background``, ``truncation: "auto"``, hosted tools — each accepted only at
-the value that asks for nothing), and the conversion into the chat body the chat endpoint would
+reasoning, ``include`` beyond the answer's log-probabilities, ``background``, ``truncation: "auto"``,
+hosted tools — each accepted only at the value that asks for nothing), and the conversion into the chat body the chat endpoint would
 get (``chat_body``): ``instructions`` a system message first, an ``input`` string one user
 message, input items messages (``developer`` as ``system``), ``function_call`` items an
 assistant's ``tool_calls`` (consecutive calls one message), ``function_call_output`` items
 ``tool`` messages; flat function ``tools`` the chat endpoint's nested ones; ``text.format`` its
-``response_format``; ``max_output_tokens`` its ``max_completion_tokens``. A response that continues
+``response_format``; ``max_output_tokens`` its ``max_completion_tokens``; ``include``
+[``message.output_text.logprobs``] with ``top_logprobs`` its ``logprobs`` / ``top_logprobs``. A response that continues
 another (``previous_response_id``) starts from that response's stored conversation — its input
 and output, not its instructions, as OpenAI's — so every rule of the chat endpoint (tool results
 answer earlier calls, roles, sizes, constraints) holds here too, with the same messages.
@@ -23,6 +24,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api.status import invalid
+from cluster.common.request import MAX_LOGPROBS
+
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value served: the answer's log-probabilities
 
 
 class _Body(BaseModel):
@@ -103,13 +107,13 @@ class ResponseRequest(_Body):
     # OpenAI's, accepted only at the value that asks for nothing
     truncation: str | None = None  # "disabled"
     reasoning: dict[str, Any] | None = None  # {} or effort null
-    include: list[str] | None = None  # []
+    include: list[str] | None = None  # [] or [LOGPROBS]
     background: bool | None = None  # false
     service_tier: str | None = None  # auto / default
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = None  # 0
+    top_logprobs: int | None = None  # with include [LOGPROBS]: this many most likely tokens per position
     stream_options: dict[str, Any] | None = None  # include_obfuscation false
     # specserve extensions (gRPC's fields)
     top_k: int | None = None
@@ -122,6 +126,11 @@ class ResponseRequest(_Body):
     def stored(self) -> bool:
         return self.store is not False
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """``include`` asks for the answer's log-probabilities (each ``output_text``'s ``logprobs``)."""
+        return LOGPROBS in (self.include or ())
+
 
 def _refuse(body: ResponseRequest) -> None:
     """What this server does not do: a clear 400 naming the field, never ignored."""
@@ -130,12 +139,18 @@ def _refuse(body: ResponseRequest) -> None:
          "truncation may only be 'disabled': a conversation longer than the model's context is refused"),
         ("reasoning", bool(body.reasoning) and any(v is not None for v in body.reasoning.values()),
          "reasoning is not supported: the served model does not reason"),
-        ("include", bool(body.include), "include is not supported (no reasoning, search or logprob items here)"),
+        ("include", bool(set(body.include or ()) - {LOGPROBS}),
+         f"include may only list {LOGPROBS!r} (no reasoning, search or file items here), "
+         f"got {sorted(set(body.include or ()) - {LOGPROBS})}"),
+        ("include", body.wants_logprobs and bool(body.tools) and body.tool_choice != "none",
+         f"include {LOGPROBS!r} with tools is not supported: log-probabilities come with a text answer only"),
         ("background", bool(body.background), "background responses are not supported: send them in the foreground"),
         ("service_tier", body.service_tier not in (None, "auto", "default"),
          "service_tier may only be 'auto' or 'default'"),
-        ("top_logprobs", bool(body.top_logprobs),
-         "top_logprobs is not supported on /v1/responses: use /v1/chat/completions logprobs"),
+        ("top_logprobs", body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS,
+         f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}"),
+        ("top_logprobs", bool(body.top_logprobs) and not body.wants_logprobs,
+         f"top_logprobs needs include [{LOGPROBS!r}]: without it no log-probabilities are returned"),
         ("max_tool_calls", body.max_tool_calls is not None,
          "max_tool_calls is not supported: parallel_tool_calls false allows one call"),
         ("stream_options", bool(body.stream_options) and any(body.stream_options.values()),
@@ -238,6 +253,8 @@ def chat_body(body: ResponseRequest, history: list[dict]) -> dict:
                        ("draft_scope", body.draft_scope)):
         if value is not None:
             out[key] = value
+    if body.wants_logprobs:
+        out["logprobs"], out["top_logprobs"] = True, body.top_logprobs or 0
     return out
 
 

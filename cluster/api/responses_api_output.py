@@ -4,7 +4,8 @@ Owns: turning one engine request's outputs into a Responses ``response`` — ``o
 ``message`` with one ``output_text`` part; ``function_call`` items, one per call, from the same
 tool plan the chat endpoint decodes under: ``cluster.api.openai_tools``), ``status``
 (``completed``; ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
-budget ended it), ``usage`` (``input_tokens`` / ``output_tokens`` / ``total_tokens``), the request's
+budget ended it), the answer's ``logprobs`` when ``include`` asks for them (every token's entry with
+its ``top_logprobs``, as the chat endpoint's; streamed, each text delta carries its tokens'), ``usage`` (``input_tokens`` / ``output_tokens`` / ``total_tokens``), the request's
 settings echoed, and the ``specserve`` extension (route, speculation counters) — and, streamed
 (``ResponseEvents``), OpenAI's event sequence: ``response.created``, ``response.in_progress``, per
 item ``response.output_item.added`` … ``response.output_item.done`` (text as
@@ -20,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cluster.api.openai_responses import spec_dict
-from cluster.common.request import FinishReason, RequestOutput
+from cluster.api.openai_responses import answer_logprobs, logprob_entries, spec_dict
+from cluster.common.request import FinishReason, RequestOutput, TokenLogprobs
 from cluster.routing.policy import RouteDecision
 
 if TYPE_CHECKING:
@@ -53,21 +54,22 @@ class ResponseShape:
     def call_id(self) -> str:
         return f"call_{self.request_id}_0"
 
-    def message_item(self, text: str, status: str) -> dict:
+    def message_item(self, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
+        """The answer's message; ``logprobs``: its text's entries (``include`` asked for them)."""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return {"type": "message", "id": f"msg_{self.request_id}", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}] if text or status != "in_progress"
-                else []}
+                "content": [part] if text or status != "in_progress" else []}
 
     def call_item(self, k: int, call: dict, status: str) -> dict:
         return {"type": "function_call", "id": f"fc_{self.request_id}_{k}", "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
-    def output(self, text: str, finish: FinishReason | None) -> list[dict]:
-        """The output items of a whole output ``text``: an answer's message, or the calls (then
-        what followed them, a call cut short, as a message)."""
+    def output(self, text: str, finish: FinishReason | None, logprobs: list[dict] | None = None) -> list[dict]:
+        """The output items of a whole output ``text``: an answer's message (with its ``logprobs``
+        entries), or the calls (then what followed them, a call cut short, as a message)."""
         status = "incomplete" if finish is FinishReason.LENGTH else "completed"
         if self.tools is None:
-            return [self.message_item(text, status)]
+            return [self.message_item(text, status, logprobs)]
         content, calls = self.tools.message(text, self.call_id)
         items = [self.call_item(k, c, status) for k, c in enumerate(calls)]
         if content or not calls:
@@ -88,7 +90,8 @@ class ResponseShape:
             "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": b.stored, "temperature": 1.0 if b.temperature is None else b.temperature,
             "text": {"format": fmt}, "tool_choice": choice, "tools": tools,
-            "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled", "usage": None,
+            "top_p": 1.0 if b.top_p is None else b.top_p, "top_logprobs": b.top_logprobs or 0,
+            "truncation": "disabled", "usage": None,
             "user": b.user, "metadata": b.metadata or {},
             "specserve": {"route": {"path": self.decision.path.value, "reason": self.decision.reason.value},
                           "request_id": self.request_id},
@@ -103,10 +106,11 @@ class ResponseShape:
             out["specserve"]["spec"] = spec_dict(final.spec)
         return out
 
-    def whole(self, text: str, final: RequestOutput) -> dict:
-        """The unary response."""
+    def whole(self, text: str, final: RequestOutput, logprobs: list[TokenLogprobs] = ()) -> dict:
+        """The unary response; ``logprobs``: every output token's (when ``include`` asked for them)."""
         status = "incomplete" if final.finish_reason is FinishReason.LENGTH else "completed"
-        return self.response(status, self.output(text, final.finish_reason), final)
+        entries = logprob_entries(answer_logprobs(list(logprobs), final)) if self.body.wants_logprobs else None
+        return self.response(status, self.output(text, final.finish_reason, entries), final)
 
 
 class ResponseEvents:
@@ -125,6 +129,8 @@ class ResponseEvents:
         self.named_at: int | None = None  # a named function's call: its output index
         self.calls = CallStream(shape.call_id) if shape.tools is not None and shape.tools.function is None else None
         self.response: dict | None = None  # the whole response, once the last delta was fed
+        self.logprobs: list[dict] = []  # the answer's entries so far (include asked for them) ...
+        self.pending: list[dict] = []  # ... of which these wait for text to ride on (held-back bytes)
 
     def _emit(self, type_: str, **fields) -> str:
         self.seq += 1
@@ -144,8 +150,10 @@ class ResponseEvents:
                     self._emit("response.content_part.added", item_id=item_id, output_index=self.message_at,
                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
         self.text += delta
+        riding, self.pending = self.pending, []
+        self.logprobs += riding
         out.append(self._emit("response.output_text.delta", item_id=self.items[self.message_at]["id"],
-                              output_index=self.message_at, content_index=0, delta=delta, logprobs=[]))
+                              output_index=self.message_at, content_index=0, delta=delta, logprobs=riding))
         return out
 
     def _call(self, call: dict, status: str) -> list[str]:
@@ -164,7 +172,9 @@ class ResponseEvents:
     def feed(self, out: RequestOutput) -> list[str]:
         plan, events = self.shape.tools, []
         if plan is None:
-            if out.text_delta:
+            if self.shape.body.wants_logprobs:
+                self.pending += logprob_entries(answer_logprobs(out.logprobs, out if out.finished else None))
+            if out.text_delta or (out.finished and self.pending):  # the last entries ride on an empty delta
                 events += self._text(out.text_delta)
         elif plan.function is not None:
             if self.named_at is None:
@@ -199,10 +209,10 @@ class ResponseEvents:
         if self.message_at is None and not self.items:  # nothing at all was said: an empty message
             events += self._text("")
         if self.message_at is not None:
-            item = self.items[self.message_at] = self.shape.message_item(self.text, status)
+            item = self.items[self.message_at] = self.shape.message_item(self.text, status, self.logprobs)
             part = item["content"][0]
             events += [self._emit("response.output_text.done", item_id=item["id"], output_index=self.message_at,
-                                  content_index=0, text=self.text, logprobs=[]),
+                                  content_index=0, text=self.text, logprobs=self.logprobs),
                        self._emit("response.content_part.done", item_id=item["id"], output_index=self.message_at,
                                   content_index=0, part=part),
                        self._emit("response.output_item.done", output_index=self.message_at, item=item)]

@@ -48,6 +48,12 @@ def test_settings_become_the_chat_endpoints():
                                                                "parameters": body.tools[0].parameters}}]
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     assert (chat["seed"], chat["top_k"], chat["mode"], chat["segment"], chat["draft_scope"]) == (3, 5, "plain", "chat", "t1")
+    assert "logprobs" not in chat and "top_logprobs" not in chat  # not asked for
+    asked = chat_body(req(include=["message.output_text.logprobs"], top_logprobs=4), [])
+    assert (asked["logprobs"], asked["top_logprobs"]) == (True, 4)
+    assert chat_body(req(include=["message.output_text.logprobs"]), [])["top_logprobs"] == 0
+    assert "logprobs" in chat_body(req(include=["message.output_text.logprobs"], tool_choice="none",
+                                       tools=[{"type": "function", "name": "f"}]), [])  # no call can be made
     named = chat_body(req(tool_choice={"type": "function", "name": "w"}), [])
     assert named["tool_choice"] == {"type": "function", "function": {"name": "w"}}
     assert chat_body(req(text={"format": {"type": "json_object"}}), [])["response_format"] == {"type": "json_object"}
@@ -78,7 +84,11 @@ def test_a_continuation_starts_from_the_history_and_stores_its_output_as_the_ass
     (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text", "needs schema"),
     (dict(text={"verbosity": "high"}), "text", "verbosity may only be 'medium'"),
     (dict(service_tier="flex"), "service_tier", "may only be 'auto' or 'default'"),
-    (dict(top_logprobs=3), "top_logprobs", "use /v1/chat/completions logprobs"),
+    (dict(top_logprobs=3), "top_logprobs", "top_logprobs needs include ['message.output_text.logprobs']"),
+    (dict(top_logprobs=21, include=["message.output_text.logprobs"]), "top_logprobs", "must be in [0, 20], got 21"),
+    (dict(include=["reasoning.encrypted_content"]), "include", "got ['reasoning.encrypted_content']"),
+    (dict(include=["message.output_text.logprobs"], tools=[{"type": "function", "name": "f"}]), "include",
+     "with tools is not supported"),
     (dict(max_tool_calls=2), "max_tool_calls", "not supported"),
 ])
 def test_refusals_name_the_field(fields, param, needle):

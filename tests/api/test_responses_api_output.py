@@ -7,7 +7,7 @@ from cluster.api.openai_schemas import ChatCompletionRequest, parse_body
 from cluster.api.openai_tools import CALL_CLOSE, CALL_OPEN
 from cluster.api.responses_api import ResponseRequest, chat_body
 from cluster.api.responses_api_output import ResponseEvents, ResponseShape
-from cluster.common.request import FinishReason, RequestOutput
+from cluster.common.request import FinishReason, Logprob, RequestOutput, TokenLogprobs
 from cluster.routing.policy import Path, RouteDecision, RouteReason
 
 DECISION = RouteDecision(Path.SPECULATIVE, RouteReason.BELOW_ENTER_THRESHOLD)
@@ -51,6 +51,34 @@ def test_text_streams_and_ends_in_the_whole_response():
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["content"][0]["text"] == "Hello!" and final["usage"]["input_tokens"] == 5
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+
+
+def lp(token: bytes, value: float) -> TokenLogprobs:
+    return TokenLogprobs(Logprob(7, value, token), (Logprob(7, value, token), Logprob(8, value - 1, b"x")))
+
+
+def test_logprobs_ride_on_the_text_they_make_and_an_end_of_turn_has_none():
+    s = shape(include=["message.output_text.logprobs"], top_logprobs=2)
+    outs = [RequestOutput("e", [1], "He", num_prompt_tokens=5, logprobs=[lp(b"H", -0.1), lp(b"e", -0.2)]),
+            RequestOutput("e", [2], "", num_prompt_tokens=5, logprobs=[lp(b"\xc3", -0.3)]),  # half a character
+            RequestOutput("e", [3, 4], "\u00e9", num_prompt_tokens=5, logprobs=[lp(b"\xa9", -0.4), lp(b"", -0.5)],
+                          finished=True, finish_reason=FinishReason.EOS, num_output_tokens=5)]
+    ev = ResponseEvents(s)
+    events = [json.loads(e.strip().split("\n")[1][6:]) for out in outs for e in ev.feed(out)]
+    deltas = [(e["delta"], [x["logprob"] for x in e["logprobs"]]) for e in events
+              if e["type"] == "response.output_text.delta"]
+    assert deltas == [("He", [-0.1, -0.2]), ("\u00e9", [-0.3, -0.4])]  # the end-of-turn token: no entry
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert [x["bytes"] for x in done["logprobs"]] == [[72], [101], [0xc3], [0xa9]]
+    assert done["logprobs"][0]["top_logprobs"] == [{"token": "H", "logprob": -0.1, "bytes": [72]},
+                                                  {"token": "x", "logprob": -1.1, "bytes": [120]}]
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["logprobs"] == done["logprobs"] and final["top_logprobs"] == 2
+    whole = s.whole("He\u00e9", outs[-1], [t for o in outs for t in o.logprobs])
+    assert whole["output"] == final["output"]  # unary: the same entries
+    plain = shape()
+    assert plain.whole("Hi", outs[-1], outs[0].logprobs)["output"][0]["content"][0]["logprobs"] == []  # not asked
+    assert [e["logprobs"] for e in stream(plain, ["a", "b"], FinishReason.STOP) if "logprobs" in e] == [[], [], []]
 
 
 def test_a_named_functions_arguments_stream_as_they_come():

@@ -277,7 +277,8 @@ RESPONSE_FIELDS = {
                                        {"format": {"type": "json_schema"}}, {"verbosity": "low"}]), json_values),
     "reasoning": st.one_of(st.none(), st.just({"effort": "high"}), json_values),
     "truncation": st.sampled_from(["disabled", "auto", None]),
-    "include": st.one_of(st.just([]), st.just(["message.output_text.logprobs"])),
+    "include": st.one_of(st.just([]), st.just(["message.output_text.logprobs"]), st.just(["reasoning.encrypted_content"])),
+    "top_logprobs": st.one_of(st.none(), st.integers(-1, 22), st.just("3")),
     "metadata": st.one_of(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), json_values),
 }
 KNOWN_RESPONSE = set(__import__("cluster.api.responses_api", fromlist=["ResponseRequest"]).ResponseRequest.model_fields)
@@ -308,7 +309,14 @@ def judge_response(status: int, ctype: str, text: str, body: dict) -> str | None
         last = [line for line in text.splitlines() if line.startswith("event: ")][-1]
         return None if last in ("event: response.completed", "event: response.incomplete") else f"stream ended {last}"
     answer = json.loads(text)
-    return None if answer["object"] == "response" and answer["status"] in ("completed", "incomplete") else "not a response"
+    if answer["object"] != "response" or answer["status"] not in ("completed", "incomplete"):
+        return "not a response"
+    entries = [e for item in answer["output"] if item["type"] == "message"
+               for part in item["content"] for e in part["logprobs"]]
+    if entries and (body.get("include") != ["message.output_text.logprobs"]
+                    or len(entries) > answer["usage"]["output_tokens"]):
+        return f"{len(entries)} logprobs entries for include {body.get('include')!r}"
+    return None
 
 
 def judge_items(url: str, response_id: str, query: dict, auth: str) -> str | None:

@@ -772,3 +772,11 @@ def test_real_responses_api_calls_a_tool_and_continues_with_its_output(real):
     j = real.responses.create(model="default", input="Describe a person as JSON.", max_output_tokens=32, temperature=0,
                               text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
     jsonschema.validate(json.loads(j.output_text), schema)
+    ask = {"model": "default", "temperature": 0, "extra_body": {"mode": "plain"}}
+    lp = real.responses.create(input="Name a colour.", max_output_tokens=8, top_logprobs=2,
+                               include=["message.output_text.logprobs"], **ask).output[0].content[0].logprobs
+    ref = real.chat.completions.create(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
+                                       logprobs=True, top_logprobs=2, **ask).choices[0].logprobs.content
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in lp] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in ref] and lp  # the chat endpoint's entries
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(lp, ref)) < 1e-4

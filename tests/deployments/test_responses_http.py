@@ -152,6 +152,22 @@ def test_a_stream_is_openais_event_sequence_ending_in_the_stored_response(client
     assert unary.output_text == deltas
 
 
+def test_logprobs_when_include_asks_unary_streamed_and_stored(client):
+    args = dict(model="fake", input="log me", max_output_tokens=6, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**args)
+    entries = r.output[0].content[0].logprobs
+    assert len(entries) == r.usage.output_tokens == 6 and "".join(e.token for e in entries) == r.output_text
+    assert all(e.logprob == -0.25 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+               for e in entries)  # the fake engine's stand-ins (the values' contract: tests/sampling)
+    events = list(client.responses.create(**args, stream=True))
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [x.token for x in streamed] == [x.token for x in done.logprobs] == [e.token for e in entries]
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == entries
+    assert client.responses.create(**{**args, "include": []} | {"top_logprobs": None}).output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("kwargs,param,needle", [
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]), "input",
      "input[0].content[0].type 'input_image' is not supported"),
@@ -159,7 +175,8 @@ def test_a_stream_is_openais_event_sequence_ending_in_the_stored_response(client
     (dict(reasoning={"effort": "high"}), "reasoning", "reasoning is not supported"),
     (dict(truncation="auto"), "truncation", "truncation may only be 'disabled'"),
     (dict(background=True), "background", "background responses are not supported"),
-    (dict(include=["message.output_text.logprobs"]), "include", "include is not supported"),
+    (dict(include=["file_search_call.results"]), "include", "include may only list 'message.output_text.logprobs'"),
+    (dict(top_logprobs=2), "top_logprobs", "top_logprobs needs include"),
     (dict(input=[{"type": "item_reference", "id": "x"}]), "input", "'item_reference' is not supported"),
     (dict(input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]), "messages",
      "answers no earlier tool call"),  # the chat endpoint's rule, on the converted messages

@@ -492,3 +492,50 @@ def test_a_block_its_writer_began_in_an_earlier_step_is_borrowed_whole(tiny, hea
     ref = HFReference(path, model.eos_token_ids)
     for r in (writer, sharer):
         check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrivals_aborts_and_preemption_under_shared_prefixes_change_no_token(tiny, head_dir, seed):
+    """A seeded random schedule on a pool small enough to preempt, prefills chunked: requests
+    under two shared prefixes arrive at random steps (several in one step: same-step borrowing),
+    some are aborted while they run (lenders among them). Every request that finishes decodes
+    what Hugging Face generate does, and afterwards no KV block, head state or pending borrow is
+    left behind."""
+    import random
+
+    path, model = tiny
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (37, 50)]
+    eng = engine(model, f"eagle:{head_dir}", 3, num_blocks=14, max_num_batched_tokens=40)
+    prop = eng.spec.proposer
+    pending = [GenerationRequest(f"q{i}", rnd.choice(prefixes) + torch.randint(0, 49152, (rnd.randint(1, 9),),
+                                                                             generator=g).tolist(),
+                                 SamplingParams(max_tokens=MAX_TOKENS)) for i in range(14)]
+    prompt_of = {r.request_id: r.prompt_token_ids for r in pending}
+    doomed = {r.request_id: rnd.randint(1, 8) for r in rnd.sample(pending, 4)}  # aborted this many steps in
+    got: dict[str, dict] = {}
+    age: dict[str, int] = {}
+    aborted: set[str] = set()
+    while pending or eng.has_work():
+        for _ in range(rnd.choice((0, 0, 1, 2, 3))):  # arrivals, several at once now and then
+            if pending:
+                r = pending.pop(0)
+                eng.add_request(r)
+                age[r.request_id] = 0
+        for rid in list(age):
+            age[rid] += 1
+            if doomed.get(rid) == age[rid] and got.get(rid, {}).get("finish") is None:
+                eng.abort(rid)
+                aborted.add(rid)
+        for out in eng.step():
+            _collect(got, out)
+    finished = [rid for rid in got if got[rid]["finish"] is not None and rid not in aborted]
+    assert aborted and eng.scheduler.num_preemptions > 0, (aborted, eng.scheduler.num_preemptions)
+    assert sum(got[r]["cached"] for r in finished) > 0 and sum(got[r]["spec"].draft_tokens for r in finished) > 0
+    ref = HFReference(path, model.eos_token_ids)
+    assert len(finished) + len(aborted) == len(prompt_of)  # every request answered or aborted
+    for rid in finished:
+        check_greedy_match(got[rid]["ids"], ref.greedy(list(prompt_of[rid]), MAX_TOKENS))
+    assert not prop._seqs and not prop._prefix._borrow
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
