@@ -340,6 +340,27 @@ def test_requests_sharing_a_prefix_with_a_remote_eagle_get_its_features_from_the
         remote.close()
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrivals_aborts_and_preemption_with_a_remote_eagle_change_no_token(tiny, head_dir, eagle_served, seed):
+    """Placement separate under the same seeded random schedule as the shared head's test
+    (``random_schedule``: preemption, chunked prefills, shared prefixes, aborts): every finished
+    request equals HF generate, no draft call failed or fell back, and every feature row is freed
+    on both sides."""
+    from tests.speculative.test_eagle import random_schedule
+
+    _, model = tiny
+    core, draft, address = eagle_served
+    remote = _remote(address, model.runner.vocab_size)  # bfloat16 features
+    try:
+        eng = random_schedule(tiny, head_dir, seed, proposer=remote)
+        assert eng.stats().draft_fallbacks == 0 and remote.num_failures == 0
+        assert remote.tracked() == {} and remote._features.num_sequences == 0 and not remote._features._prefix._borrow
+        remote.flush_releases()
+        assert core.num_sequences == 0 and core._features == {} and draft._seqs == {}
+    finally:
+        remote.close()
+
+
 def test_client_refuses_a_head_for_another_target(tiny):
     """The DraftServer's head was trained for another target than the engine's: refused at connect,
     the engine decodes plainly."""

@@ -494,21 +494,19 @@ def test_a_block_its_writer_began_in_an_earlier_step_is_borrowed_whole(tiny, hea
         check_greedy_match(got[r.request_id]["ids"], ref.greedy(r.prompt_token_ids, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_arrivals_aborts_and_preemption_under_shared_prefixes_change_no_token(tiny, head_dir, seed):
-    """A seeded random schedule on a pool small enough to preempt, prefills chunked: requests
-    under two shared prefixes arrive at random steps (several in one step: same-step borrowing),
-    some are aborted while they run (lenders among them). Every request that finishes decodes
-    what Hugging Face generate does, and afterwards no KV block, head state or pending borrow is
-    left behind."""
+def random_schedule(tiny, head_dir, seed: int, proposer=None) -> LLMEngine:
+    """Run a seeded random schedule on the eagle head (``proposer``: a DraftServer's client) with
+    a pool small enough to preempt and chunked prefills: requests under two shared prefixes arrive
+    at random steps (several in one step: same-step borrowing), four are aborted while they run
+    (lenders among them). Asserts that it preempted, aborted, shared and drafted, and that every
+    request that finished decodes what Hugging Face generate does; returns the engine."""
     import random
 
     path, model = tiny
     rnd = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     prefixes = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (37, 50)]
-    eng = engine(model, f"eagle:{head_dir}", 3, num_blocks=14, max_num_batched_tokens=40)
-    prop = eng.spec.proposer
+    eng = engine(model, f"eagle:{head_dir}", 3, num_blocks=14, max_num_batched_tokens=40, proposer=proposer)
     pending = [GenerationRequest(f"q{i}", rnd.choice(prefixes) + torch.randint(0, 49152, (rnd.randint(1, 9),),
                                                                              generator=g).tolist(),
                                  SamplingParams(max_tokens=MAX_TOKENS)) for i in range(14)]
@@ -533,9 +531,17 @@ def test_random_arrivals_aborts_and_preemption_under_shared_prefixes_change_no_t
     finished = [rid for rid in got if got[rid]["finish"] is not None and rid not in aborted]
     assert aborted and eng.scheduler.num_preemptions > 0, (aborted, eng.scheduler.num_preemptions)
     assert sum(got[r]["cached"] for r in finished) > 0 and sum(got[r]["spec"].draft_tokens for r in finished) > 0
-    ref = HFReference(path, model.eos_token_ids)
     assert len(finished) + len(aborted) == len(prompt_of)  # every request answered or aborted
+    ref = HFReference(path, model.eos_token_ids)
     for rid in finished:
         check_greedy_match(got[rid]["ids"], ref.greedy(list(prompt_of[rid]), MAX_TOKENS))
-    assert not prop._seqs and not prop._prefix._borrow
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
+    return eng
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrivals_aborts_and_preemption_under_shared_prefixes_change_no_token(tiny, head_dir, seed):
+    """``random_schedule`` on the engine's own head: afterwards no head state or pending borrow is
+    left behind (placement separate: tests/kvsync/test_drafters.py)."""
+    prop = random_schedule(tiny, head_dir, seed).spec.proposer
+    assert not prop._seqs and not prop._prefix._borrow
