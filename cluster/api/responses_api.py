@@ -2,17 +2,18 @@
 
 Owns: the JSON shape of a Responses body this server accepts (pydantic, strict; an unknown field
 is 400 naming it, as the chat endpoint's), the refusal of what it does not do (images and files,
-reasoning, ``include`` beyond the answer's log-probabilities, ``background``, ``truncation: "auto"``,
-hosted tools — each accepted only at the value that asks for nothing), and the conversion into the chat body the chat endpoint would
-get (``chat_body``): ``instructions`` a system message first, an ``input`` string one user
-message, input items messages (``developer`` as ``system``), ``function_call`` items an
-assistant's ``tool_calls`` (consecutive calls one message), ``function_call_output`` items
-``tool`` messages; flat function ``tools`` the chat endpoint's nested ones; ``text.format`` its
-``response_format``; ``max_output_tokens`` its ``max_completion_tokens``; ``include``
-[``message.output_text.logprobs``] with ``top_logprobs`` its ``logprobs`` / ``top_logprobs``. A response that continues
-another (``previous_response_id``) starts from that response's stored conversation — its input
-and output, not its instructions, as OpenAI's — so every rule of the chat endpoint (tool results
-answer earlier calls, roles, sizes, constraints) holds here too, with the same messages.
+reasoning, ``include`` beyond the answer's log-probabilities, ``background``, ``truncation:
+"auto"``, hosted tools — each accepted only at the value that asks for nothing), and the
+conversion into the chat body the chat endpoint would get (``chat_body``): ``instructions`` a
+system message first, an ``input`` string one user message, input items messages (``developer``
+as ``system``), ``function_call`` items an assistant's ``tool_calls`` (consecutive calls one
+message), ``function_call_output`` items ``tool`` messages; flat function ``tools`` the chat
+endpoint's nested ones; ``text.format`` its ``response_format``; ``max_output_tokens`` its
+``max_completion_tokens``; ``include`` [``message.output_text.logprobs``] with ``top_logprobs``
+its ``logprobs`` / ``top_logprobs``. A response that continues another (``previous_response_id``)
+starts from that response's stored conversation — its input and output, not its instructions, as
+OpenAI's — so every rule of the chat endpoint (tool results answer earlier calls, roles, sizes,
+constraints) holds here too, with the same messages.
 Ignores: storing responses (``deployments.response_store``), the response's shape
 (``cluster.api.responses_api_output``), transport.
 """

@@ -4,8 +4,9 @@ Owns: turning one engine request's outputs into a Responses ``response`` — ``o
 ``message`` with one ``output_text`` part; ``function_call`` items, one per call, from the same
 tool plan the chat endpoint decodes under: ``cluster.api.openai_tools``), ``status``
 (``completed``; ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
-budget ended it), the answer's ``logprobs`` when ``include`` asks for them (every token's entry with
-its ``top_logprobs``, as the chat endpoint's; streamed, each text delta carries its tokens'), ``usage`` (``input_tokens`` / ``output_tokens`` / ``total_tokens``), the request's
+budget ended it), the answer's ``logprobs`` when ``include`` asks for them (every token's entry
+with its ``top_logprobs``, as the chat endpoint's; streamed, each text delta carries its
+tokens'), ``usage`` (``input_tokens`` / ``output_tokens`` / ``total_tokens``), the request's
 settings echoed, and the ``specserve`` extension (route, speculation counters) — and, streamed
 (``ResponseEvents``), OpenAI's event sequence: ``response.created``, ``response.in_progress``, per
 item ``response.output_item.added`` … ``response.output_item.done`` (text as
