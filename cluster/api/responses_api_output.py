@@ -149,7 +149,8 @@ class ResponseEvents:
             item_id = self.items[-1]["id"]
             out += [self._emit("response.output_item.added", output_index=self.message_at, item=self.items[-1]),
                     self._emit("response.content_part.added", item_id=item_id, output_index=self.message_at,
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+                               content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
         self.text += delta
         riding, self.pending = self.pending, []
         self.logprobs += riding

@@ -69,6 +69,7 @@ def test_logprobs_ride_on_the_text_they_make_and_an_end_of_turn_has_none():
               if e["type"] == "response.output_text.delta"]
     assert deltas == [("He", [-0.1, -0.2]), ("\u00e9", [-0.3, -0.4])]  # the end-of-turn token: no entry
     done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert next(e for e in events if e["type"] == "response.content_part.added")["part"]["logprobs"] == []
     assert [x["bytes"] for x in done["logprobs"]] == [[72], [101], [0xc3], [0xa9]]
     assert done["logprobs"][0]["top_logprobs"] == [{"token": "H", "logprob": -0.1, "bytes": [72]},
                                                   {"token": "x", "logprob": -1.1, "bytes": [120]}]
