@@ -83,18 +83,19 @@ async def lifecycle(router: "Router", raw: bytes, metadata: list, request_id: st
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
             shape = ResponseShape(request_id, body, router.served_model, decision, chat.tool_plan)
+            # a stream's events keep its text and log-probabilities; a unary response's, the accumulator
             events = ResponseEvents(shape) if body.stream else None
-            acc = Accumulator(request_id, decision)
+            acc = None if body.stream else Accumulator(request_id, decision)
             async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(), whole=not body.stream)) as outs:
                 async for out in outs:
                     tel.output(out, closes=True)
-                    acc.add(out)
+                    if acc is not None:
+                        acc.add(out)
                     made = [] if events is None else ([] if started else events.start()) + events.feed(out)
                     if out.finished:  # one whole response, stored before it (or its last event) leaves
-                        whole = shape.whole("".join(acc.text), out, acc.logprobs) if events is None else events.response
+                        whole = events.response if acc is None else shape.whole("".join(acc.text), out, acc.logprobs)
                         await _store(router, shape, history, whole)
-                        if events is None:
-                            last = whole
+                        last = None if acc is None else whole
                     for e in made:
                         yield e
                     started = started or bool(made)
