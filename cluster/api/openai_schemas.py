@@ -86,6 +86,8 @@ class _Common(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the output like EOS
     min_tokens: int | None = None  # vLLM's: no stop but the budget before this many tokens
+    repetition_penalty: float | None = None  # vLLM's: None is 1.0 (none)
+    min_p: float | None = None  # vLLM's: None is 0 (no cut)
 
     @property
     def include_usage(self) -> bool:
@@ -349,6 +351,7 @@ def _common(body: _Common, size: int, max_tokens: int | None) -> dict:
                 json_schema=_json_schema(body.response_format), regex=body.regex or "",
                 grammar=body.grammar or "",
                 stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens or 0,
+                repetition_penalty=body.repetition_penalty, min_p=body.min_p or 0.0,
                 temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
                 top_k=body.top_k or 0, seed=body.seed,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),

@@ -192,6 +192,8 @@ class RequestFields:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    repetition_penalty: float | None = None  # None: 1.0 (none)
+    min_p: float = 0.0
 
 
 def check_size(size: int, limits: Limits) -> None:
@@ -247,7 +249,9 @@ def fields_from_proto(pb, limits: Limits) -> RequestFields:
         prompt_logprobs=int(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None,
         presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
         logit_bias=tuple(pb.logit_bias.items()), stop_token_ids=tuple(pb.stop_token_ids),
-        min_tokens=int(pb.min_tokens))
+        min_tokens=int(pb.min_tokens),
+        repetition_penalty=float(pb.repetition_penalty) if pb.HasField("repetition_penalty") else None,
+        min_p=float(pb.min_p))
 
 
 def validate_request(pb, request_id: str, limits: Limits, *, label: str = "",
@@ -315,7 +319,8 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
             seed=f.seed, stop=tuple(f.stop), ignore_eos=bool(f.ignore_eos), logprobs=f.logprobs,
             prompt_logprobs=f.prompt_logprobs,
             presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty, logit_bias=f.logit_bias,
-            stop_token_ids=tuple(f.stop_token_ids), min_tokens=f.min_tokens)
+            stop_token_ids=tuple(f.stop_token_ids), min_tokens=f.min_tokens,
+            repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty, min_p=f.min_p)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
     if params.min_tokens and constraint is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # GenerateRequest's fields since the first release; later ones (draft_scope, 15; prediction, 16;
 # logprobs, 17; presence_penalty, frequency_penalty, logit_bias, 18-20; stop_token_ids, min_tokens,
-# 21-22; prompt_logprobs, 23; grammar, 24) only where listed
+# 21-22; prompt_logprobs, 23; grammar, 24; repetition_penalty, min_p, 25-26) only where listed
 FIELDS_OF_EVERY_SERVER = frozenset({
     "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "mode", "segment", "json_schema", "regex", "ignore_eos",

@@ -4,7 +4,7 @@ pays under it, side by side on both paths.
 Owns: per workload prompt and round, one greedy request through an ``LLMEngine`` on the real
 target for each path (``plain``; ``spec``: ``--drafter`` at auto K) and each shaping (``none``;
 ``penalties``: presence 0.5 and frequency 0.5; ``bias``: +1 on 50 token ids; ``min_tokens``: half
-the budget), the shapings in a rotating order; each shaping's spec tokens checked against its plain
+the budget; ``repetition``: repetition_penalty 1.2 over prompt and output), the shapings in a rotating order; each shaping's spec tokens checked against its plain
 tokens (speculation verifies against the shaped target: any difference is reported and fails the
 run). Reported per segment: the median over prompts and rounds of each shaping's tokens/s over
 the ``none`` run of the same prompt, round and path (what the shaping costs; its output differs,
@@ -22,7 +22,7 @@ from cluster.bench.side_by_side import (add_side_by_side_arguments, both_paths, 
                                         report, write_report)
 
 BIASED_IDS = range(1000, 1050)  # ordinary tokens of SmolLM2's vocabulary, none special
-SHAPINGS = ("none", "penalties", "bias", "min_tokens")
+SHAPINGS = ("none", "penalties", "bias", "min_tokens", "repetition")
 PATHS = ("plain", "spec")
 
 
@@ -34,6 +34,8 @@ def shaped(params, shaping: str):
         params.logit_bias = tuple((t, 1.0) for t in BIASED_IDS)
     elif shaping == "min_tokens":
         params.min_tokens = params.max_tokens // 2
+    elif shaping == "repetition":
+        params.repetition_penalty = 1.2
     return params
 
 

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                         "alternatives; with --max-tokens 0 the prompt is only scored")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="vLLM's: divides the logit of every token the prompt or output holds, in (0, 10] (unset: none)")
+    p.add_argument("--min-p", type=float, default=0.0, help="cut tokens less likely than this times the most likely one")
     p.add_argument("--logit-bias", type=_logit_bias, default={}, metavar="ID:BIAS[,ID:BIAS...]",
                    help="add BIAS (in [-100, 100]) to token ID's logit, e.g. 42:-100,7:5")
     p.add_argument("--min-tokens", type=int, default=0, help="no stop but --max-tokens before this many tokens")
@@ -83,7 +86,9 @@ def build_request(args):
                               draft_scope=args.draft_scope,
                               prediction=args.prediction, presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty, logit_bias=args.logit_bias,
-                              min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids)
+                              min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids, min_p=args.min_p)
+    if args.repetition_penalty is not None:
+        req.repetition_penalty = args.repetition_penalty
     if args.logprobs is not None:
         req.logprobs = args.logprobs
     if args.prompt_logprobs is not None:

@@ -46,6 +46,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0
 PENALTY_RANGE = 2.0
+REPETITION_PENALTY_MAX = 10.0  # repetition_penalty lies in (0, this]
 # most token ids a request may stop on (``SamplingParams.stop_token_ids``; each is checked per token)
 MAX_STOP_TOKEN_IDS = 64
 
@@ -84,6 +85,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's and HF's: every token the prompt or the output holds has its logit divided by it where
+    # positive, multiplied where negative (> 1 discourages repeats); applied first, on the raw logits
+    repetition_penalty: float = 1.0
+    # vLLM's and HF's: after temperature, top-k and top-p, tokens less likely than min_p times the
+    # most likely token are cut (``cluster.sampling.sampler.filtered_logits``); 0: no cut
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
@@ -126,6 +133,13 @@ class SamplingParams:
             if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
                 raise InvalidRequestError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
             setattr(self, name, value)
+        self.repetition_penalty = _finite_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX:g}] (1 = none), "
+                                      f"got {self.repetition_penalty!r}")
+        self.min_p = _finite_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = none), got {self.min_p!r}")
         self.logit_bias = self._checked_bias(self.logit_bias)
 
     @staticmethod
@@ -151,7 +165,8 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Logit bias or a penalty: the target's rows are shaped before sampling (``penalize``)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def holds_ends(self, num_output: int) -> bool:
         """Under ``min_tokens`` after ``num_output`` output tokens: the rows from here on have the

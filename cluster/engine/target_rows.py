@@ -1,7 +1,7 @@
 """The target's rows as each request's sampling sees them, before a token is chosen from them.
 
 Owns: ``process_rows``, a step's target logits [sum(K_i + 1), V] with each sequence's rows shaped
-by its request — logit bias, presence / frequency penalties and ``min_tokens``' masking of the
+by its request — repetition penalty, logit bias, presence / frequency penalties and ``min_tokens``' masking of the
 tokens that end the output (``cluster.sampling.penalties``,
 row j counting the first j draft tokens) and then, for a constrained sequence, row j masked by
 its grammar state after its first j draft tokens (the draft walk's masks; a sequence without
@@ -37,7 +37,7 @@ def process_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDra
             rows = out[start : start + k + 1]  # [K_i + 1, V]
             if shape:
                 rows = penalize(rows, params, seq.output_token_ids, [] if draft is None else draft.token_ids,
-                                seq.eos_token_ids)
+                                seq.eos_token_ids, seq.request.prompt_token_ids)
             if seq.grammar is not None:
                 allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
                 if allowed is None:

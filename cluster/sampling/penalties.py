@@ -1,7 +1,9 @@
-"""Logit bias, presence / frequency penalties and min_tokens: the target's logits as the request
-shapes them.
+"""Repetition penalty, logit bias, presence / frequency penalties and min_tokens: the target's
+logits as the request shapes them.
 
-Owns: ``penalize``, one sequence's target rows with its ``SamplingParams.logit_bias`` added to
+Owns: ``penalize``, one sequence's target rows with, first, its ``repetition_penalty`` (vLLM's and
+HF's: a token the prompt, the output or the row's drafts hold has its logit divided by the penalty
+where positive, multiplied where negative), then its ``SamplingParams.logit_bias`` added to
 every row and, per row, its presence and frequency penalties subtracted (OpenAI's definition:
 ``logit[t] -= presence_penalty · [c_t > 0] + frequency_penalty · c_t``, c_t the times token t occurs
 in the output before that row's position). Row j of a verification stands after the committed
@@ -27,10 +29,13 @@ def penalize(
     output_ids: list[int],  # the committed output (the prompt is not counted)
     drafts: list[int],  # [>= R - 1] the draft tokens the rows stand after
     eos_ids: frozenset[int] = frozenset(),  # the model's end-of-sequence tokens
+    prompt_ids: list[int] | tuple[int, ...] = (),  # the prompt (the repetition penalty counts it)
 ) -> torch.Tensor:  # [R, V] a new tensor (rows is not written)
     assert rows.dim() == 2 and len(drafts) >= rows.shape[0] - 1, (
         f"rows {tuple(rows.shape)} after {len(drafts)} drafts")
     out = rows.float().clone()
+    if params.repetition_penalty != 1.0:
+        _repetition(out, params.repetition_penalty, prompt_ids, output_ids, drafts)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=out.device)
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
@@ -51,3 +56,22 @@ def penalize(
         if ends:
             out[:held, torch.tensor(ends, dtype=torch.int64, device=out.device)] = float("-inf")
     return out
+
+
+def _repetition(out: torch.Tensor, penalty: float, prompt_ids, output_ids: list[int], drafts: list[int]) -> None:
+    """out [R, V], in place: every token of the prompt and the output penalized on every row, and a
+    draft token not among them from the row after it on (row j stands after drafts[:j]); each
+    token once per row, however often it occurs."""
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x / penalty, x * penalty)
+
+    seen = set(prompt_ids)
+    seen.update(output_ids)
+    if seen:
+        ids = torch.tensor(sorted(seen), dtype=torch.int64, device=out.device)
+        out[:, ids] = scale(out[:, ids])
+    for j in range(1, out.shape[0]):
+        t = drafts[j - 1]
+        if t not in seen:
+            seen.add(t)
+            out[j:, t] = scale(out[j:, t])

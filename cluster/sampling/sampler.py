@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and seeded (coupled) sampling.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, and seeded (coupled) sampling.
 
 Owns: turning target logits into the filtered scores and probabilities of a request's sampling
 parameters (``filtered_logits`` / ``logits_to_probs``, shared with the rejection sampler and the
@@ -8,7 +8,7 @@ speculative acceptance (``cluster.speculative.rejection_sampler``).
 
 Seeded requests (``SamplingParams.coupled``) are sampled by Gumbel-max: the token at absolute
 position n (its index in prompt + output) is argmax_x(s_n(x) + g_n(x)), where s_n are the
-filtered scores (temperature-scaled logits, -inf outside top-k / top-p) and g_n is i.i.d.
+filtered scores (temperature-scaled logits, -inf outside top-k / top-p / min-p) and g_n is i.i.d.
 Gumbel(0, 1) noise that depends only on (seed, n). Since argmax(s + g) ~ softmax(s), each token
 is exactly distributed as the target's; since g_n does not depend on how the tokens before n
 were produced, the output of a seed is the same whichever path (plain, any K, any drafter)
@@ -66,7 +66,8 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """Scores of a sampling request. logits: [N, V] (any float dtype) -> [N, V] float32.
 
     Order: temperature, then top-k, then top-p (nucleus over the temperature-scaled
-    distribution); filtered tokens get -inf, so softmax of the result is the request's p.
+    distribution), then min-p (a token less likely than ``min_p`` times the most likely one is
+    cut; HF's order); filtered tokens get -inf, so softmax of the result is the request's p.
     """
     assert logits.dim() == 2, f"expected [N, V], got {tuple(logits.shape)}"
     scaled = logits.float() / params.temperature
@@ -82,6 +83,10 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = (cum - sorted_probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        # p_t < min_p · p_max  <=>  s_t < s_max + log(min_p): a ratio, so top-k / top-p's cuts change nothing in it
+        top = scaled.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled < top + math.log(params.min_p), float("-inf"))
     return scaled
 
 

@@ -199,12 +199,12 @@ def _sampling(target_logits, draft_token_ids, draft_probs, target_start, draft_s
     row_num_draft_tokens = k[rows]  # [n]
     t_idx, _ = _pad_index(target_start[rows], row_num_draft_tokens + 1, max_draft_tokens + 1)  # [n, max_draft_tokens + 1]
 
-    # p: target probabilities, processed per distinct (temperature, top_k, top_p).
+    # p: target probabilities, processed per distinct (temperature, top_k, top_p, min_p).
     p = torch.empty(n, max_draft_tokens + 1, vocab, dtype=torch.float32, device=device)  # [n, K+1, V]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for j, i in enumerate(row_list):
         sp = params[i]
-        groups[(sp.temperature, sp.top_k, sp.top_p)].append(j)
+        groups[(sp.temperature, sp.top_k, sp.top_p, sp.min_p)].append(j)
     for members in groups.values():
         sel = torch.tensor(members, dtype=torch.int64, device=device)
         logits = target_logits[t_idx[sel].reshape(-1)]  # [m * (K+1), V]

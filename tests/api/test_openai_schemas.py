@@ -101,10 +101,11 @@ def test_chat_refusals(body, match, param):
 
 
 @pytest.mark.parametrize("body,match,param", [
-    (dict(min_p=0.1), r"unrecognized request argument supplied: min_p — this server does not implement it", "min_p"),
-    (dict(repetition_penalty=1.1, guided_json={}),
-     r"min_p|repetition_penalty, guided_json — .* \(guided_json: use response_format json_schema\)",
-     "repetition_penalty"),
+    (dict(typical_p=0.9), r"unrecognized request argument supplied: typical_p — this server does not implement it",
+     "typical_p"),
+    (dict(length_penalty=1.1, guided_json={}),
+     r"length_penalty, guided_json — .* \(guided_json: use response_format json_schema\)",
+     "length_penalty"),
     (dict(messages=[{"role": "user", "content": "x", "cache": True}]), "supplied: messages.0.cache", "messages"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]),
      "supplied: messages.0.content.0.cache_control", "messages"),
@@ -115,7 +116,7 @@ def test_chat_refusals(body, match, param):
 ])
 def test_a_field_we_do_not_know_is_refused_never_ignored(body, match, param):
     """OpenAI answers 400 "Unrecognized request argument supplied"; so do we — a vLLM client's
-    min_p or guided_json parsed past and ignored would change the output without a word."""
+    typical_p or guided_json parsed past and ignored would change the output without a word."""
     refused(chat, match, param, **body)
     if "messages" not in body:
         refused(completion, match, param, **body)

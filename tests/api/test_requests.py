@@ -277,15 +277,17 @@ def test_a_field_number_the_proto_lacks_is_refused_not_ignored(raw, where):
 
 def test_known_request_fields_are_every_field_of_the_proto():
     names = known_request_fields(pb2)
-    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "grammar"
-    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 24
+    assert names[:3] == ["prompt", "messages", "prompt_token_ids"] and names[-1] == "min_p"
+    assert len(names) == len(pb2.GenerateRequest.DESCRIPTOR.fields) == 26
     # a request using every one of them parses and validates: nothing the list names is refused
     ok = pb2.GenerateRequest(prompt="hi", max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, seed=1, stop=["x"],
                              mode=1, segment="chat", regex="[a-z]+", ignore_eos=True, draft_scope="t1",
                              prediction="hi there", logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
-                             logit_bias={7: -1.5}, stop_token_ids=[5, 9], prompt_logprobs=1)
+                             logit_bias={7: -1.5}, stop_token_ids=[5, 9], prompt_logprobs=1,
+                             repetition_penalty=1.5, min_p=0.25)
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
     assert (v.draft_scope, v.prediction, v.params.logprobs, v.params.prompt_logprobs) == ("t1", "hi there", 2, 1)
+    assert (v.params.repetition_penalty, v.params.min_p) == (1.5, 0.25)
     ok.ClearField("regex")  # min_tokens is refused with a constraint
     ok.min_tokens = 2
     v = validate_request(pb2.GenerateRequest.FromString(ok.SerializeToString()), "r", LIMITS)
@@ -302,3 +304,19 @@ def test_max_tokens_zero_is_a_scoring_request_only_with_prompt_logprobs():
         validate_request(pb2.GenerateRequest(prompt="hi", prompt_logprobs=21), "r", LIMITS)
     unset = validate_request(pb2.GenerateRequest(prompt="hi"), "r", LIMITS)
     assert unset.params.prompt_logprobs is None and not unset.params.scores_only
+
+
+def test_repetition_penalty_and_min_p_are_carried_and_checked():
+    v = validate_request(pb2.GenerateRequest(prompt="abc", repetition_penalty=1.3, min_p=0.1), "r", LIMITS)
+    assert v.params.repetition_penalty == pytest.approx(1.3) and v.params.min_p == pytest.approx(0.1)
+    assert v.params.shapes_logits
+    unset = validate_request(pb2.GenerateRequest(prompt="abc"), "r", LIMITS).params
+    assert (unset.repetition_penalty, unset.min_p, unset.shapes_logits) == (1.0, 0.0, False)
+    for pb, match in (
+            (pb2.GenerateRequest(prompt="abc", repetition_penalty=0.0), r"repetition_penalty must be in \(0, 10\] \(1 = none\), got 0.0"),
+            (pb2.GenerateRequest(prompt="abc", repetition_penalty=11), r"repetition_penalty must be in \(0, 10\]"),
+            (pb2.GenerateRequest(prompt="abc", repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
+            (pb2.GenerateRequest(prompt="abc", min_p=-0.5), r"min_p must be in \[0, 1\] \(0 = none\), got -0.5"),
+            (pb2.GenerateRequest(prompt="abc", min_p=float("inf")), "min_p must be a finite number")):
+        with pytest.raises(ServiceError, match=match):
+            validate_request(pb, "r", LIMITS)

@@ -16,10 +16,10 @@ def test_a_server_older_than_the_list_is_taken_to_implement_the_first_release_on
     check_request_fields(pb2.GenerateRequest(prompt="a", segment="chat", ignore_eos=True, max_tokens=3,
                                              regex="[a-z]", mode=1, seed=3, stop=["."]), old)
     # every field but draft_scope, prediction, logprobs, the penalties, logit_bias, stop_token_ids,
-    # min_tokens, prompt_logprobs and grammar is one of the first release's
+    # min_tokens, prompt_logprobs, grammar, repetition_penalty and min_p is one of the first release's
     assert {f.name for f in pb2.GenerateRequest.DESCRIPTOR.fields} - FIELDS_OF_EVERY_SERVER == {
         "draft_scope", "prediction", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-        "stop_token_ids", "min_tokens", "prompt_logprobs", "grammar"}
+        "stop_token_ids", "min_tokens", "prompt_logprobs", "grammar", "repetition_penalty", "min_p"}
     with pytest.raises(UnsupportedField, match=r"does not implement prediction"):
         check_request_fields(pb2.GenerateRequest(prompt="a", prediction="b"), old)
     with pytest.raises(UnsupportedField, match=r"does not implement logprobs"):  # 0 is set: it asks for them

@@ -94,7 +94,9 @@ FIELDS = {
     "ignore_eos": st.one_of(st.booleans(), json_values),
     "store": st.booleans(),
     "reasoning_effort": st.sampled_from(["low", None]),
-    "min_p": st.floats(0, 1),  # vLLM's: unknown here
+    "min_p": st.one_of(st.floats(-1, 2), st.text(max_size=3)),  # vLLM's
+    "repetition_penalty": st.one_of(st.floats(-1, 12), st.sampled_from([0, 1, None])),  # vLLM's
+    "typical_p": st.floats(0, 1),  # HF's: unknown here
     "guided_json": json_values,  # vLLM's: unknown here
 }
 

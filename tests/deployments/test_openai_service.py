@@ -125,9 +125,9 @@ def test_completions_string_and_token_ids_and_mode(oa):
     c = oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, n=1, user="u1")
     assert c.choices[0].text == fake_output(FAKE.tokenize("xyz"), 5)
     with pytest.raises(openai.BadRequestError) as e:  # a field we do not know: refused, never ignored
-        oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, extra_body={"repetition_penalty": 1.1})
-    assert "unrecognized request argument supplied: repetition_penalty" in e.value.body["message"]
-    assert e.value.body["param"] == "repetition_penalty"
+        oa.completions.create(model=MODEL, prompt="xyz", max_tokens=5, extra_body={"typical_p": 0.9})
+    assert "unrecognized request argument supplied: typical_p" in e.value.body["message"]
+    assert e.value.body["param"] == "typical_p"
     r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "xyz"}], max_tokens=5,
                                    tool_choice="none", store=False, metadata={"k": "v"}, service_tier="auto",
                                    modalities=["text"])  # OpenAI's fields at their do-nothing values
@@ -355,7 +355,9 @@ def _status(fn, **kwargs):
     (dict(extra_body={"mode": "turbo"}), 400, "mode must be one of", "mode"),
     (dict(extra_body={"draft_scope": "tenant 7"}), 400, "draft_scope must be ASCII letters", None),  # gRPC's rule
     (dict(logprobs=False, top_logprobs=3), 400, "top_logprobs needs logprobs: true", "top_logprobs"),
-    (dict(extra_body={"min_p": 0.05}), 400, "unrecognized request argument supplied: min_p", "min_p"),
+    (dict(extra_body={"typical_p": 0.5}), 400, "unrecognized request argument supplied: typical_p", "typical_p"),
+    (dict(extra_body={"min_p": 1.5}), 400, "min_p must be in [0, 1]", None),
+    (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty must be in (0, 10]", None),
     (dict(reasoning_effort="low"), 400, "reasoning_effort is not supported", "reasoning_effort"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role must be one of", None),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
@@ -652,6 +654,27 @@ def test_real_logit_bias_shapes_the_answer_on_both_paths(addrs, real):
         every = grpc_client.generate(prompt=PROMPT, max_tokens=6, mode=MODES[mode], logit_bias={forced: 100},
                                      timeout=300)
         assert list(every.token_ids) == [forced] * 6
+
+
+@pytest.mark.model
+def test_real_repetition_penalty_and_min_p_shape_the_answer_on_both_paths(addrs, real):
+    """vLLM's repetition_penalty and min_p through the official client (extra body fields) on the
+    real model, both paths: the greedy answer under a strong repetition penalty differs from the
+    plain greedy one and equals gRPC's with the same field; a seeded sampled answer under min_p
+    equals gRPC's too. (The values against HF's own: tests/sampling/test_penalties.py,
+    tests/sampling/test_sampler.py.)"""
+    grpc_client = Client(addrs.grpc, "real")
+    plain = grpc_client.generate(prompt=PROMPT, max_tokens=12, mode=MODES["plain"], timeout=300).text
+    for mode in ("speculative", "plain"):
+        args = dict(model="default", prompt=PROMPT, max_tokens=12, temperature=0)
+        penalized = real.completions.create(**args, extra_body={"mode": mode, "repetition_penalty": 2.0}).choices[0].text
+        g = grpc_client.generate(prompt=PROMPT, max_tokens=12, mode=MODES[mode], repetition_penalty=2.0, timeout=300)
+        assert penalized == g.text != plain
+        sampled = real.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5,
+                                          extra_body={"mode": mode, "min_p": 0.3}).choices[0].text
+        g = grpc_client.generate(prompt=PROMPT, max_tokens=12, mode=MODES[mode], temperature=1.0, seed=5, min_p=0.3,
+                                 timeout=300)
+        assert sampled == g.text
 
 
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},

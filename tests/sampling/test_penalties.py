@@ -1,8 +1,8 @@
-"""Logit bias, presence / frequency penalties, min_tokens and stop_token_ids: the unit
-(``penalize`` on hand-made rows) and the contract through the engine on the real default model —
-greedy output under them equals Hugging Face ``generate`` with the same shaping (written here as a
-logits processor, or HF's own ``min_new_tokens`` and ``eos_token_id`` list: independent
-implementations), on the plain path, n-gram at K = 4 and the portfolio at auto K; they change the
+"""Logit bias, presence / frequency penalties, repetition penalty, min_tokens and stop_token_ids:
+the unit (``penalize`` on hand-made rows) and the contract through the engine on the real default
+model — greedy output under them equals Hugging Face ``generate`` with the same shaping (written here
+as a logits processor, or HF's own ``repetition_penalty``, ``min_new_tokens`` and ``eos_token_id``
+list: independent implementations), on the plain path, n-gram at K = 4 and the portfolio at auto K; they change the
 output; seeded sampling under them gives the same tokens on every path."""
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ def test_penalize_counts_the_output_and_the_drafts_before_each_row():
     assert bool((rows == 0).all())
     neg = penalize(torch.zeros(1, 3), SamplingParams(presence_penalty=-1.0), [2], [])
     assert neg[0].tolist() == [0.0, 0.0, 1.0]  # a negative penalty favours repeats
+
+
+def test_repetition_penalty_scales_the_prompt_output_and_each_rows_drafts_once_before_the_bias():
+    rows = torch.tensor([[2.0, -2.0, 1.0, 0.0, 3.0, -1.0]]).repeat(3, 1)
+    p = SamplingParams(repetition_penalty=2.0, logit_bias=((0, 1.0),))
+    out = penalize(rows, p, output_ids=[1, 1], drafts=[4, 4], prompt_ids=[0, 0, 3])
+    assert out[0].tolist() == [2.0, -4.0, 1.0, 0.0, 3.0, -1.0]  # 2 / 2 then + 1; -2 * 2 (once, though twice)
+    assert out[1].tolist() == [2.0, -4.0, 1.0, 0.0, 1.5, -1.0]  # after draft 4
+    assert out[2].tolist() == [2.0, -4.0, 1.0, 0.0, 1.5, -1.0]  # 4 drafted twice: still once
+    assert bool((rows[0] == torch.tensor([2.0, -2.0, 1.0, 0.0, 3.0, -1.0])).all())  # rows not written
+    below = penalize(torch.tensor([[2.0, -2.0]]), SamplingParams(repetition_penalty=0.5), [0, 1], [])
+    assert below[0].tolist() == [4.0, -1.0]  # below 1: repeats favoured
+    assert SamplingParams(repetition_penalty=1.1).shapes_logits and not SamplingParams().shapes_logits
 
 
 def test_min_tokens_masks_the_ends_of_the_rows_below_it():
@@ -93,11 +106,34 @@ SHAPES = [SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.8, frequency_
           SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=2.0, logit_bias=((216, 2.0),))]
 
 
+def _hf_repetition(hf_model, eos, prompt: list[int], params: SamplingParams):
+    """HF greedy with HF's own repetition penalty (over prompt and output, as ours)."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                                max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos[0], eos_token_id=eos,
+                                repetition_penalty=params.repetition_penalty, output_scores=True,
+                                return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.scores]
+
+
+REPETITION = (1.3, 1.15, 0.85)  # above 1 discourages repeats, below 1 favours them
+# shaping -> (request i's params, HF's greedy under them): OpenAI's bias and penalties through the
+# processor above; vLLM's repetition_penalty through HF's own, min_p beside it on every other request
+# (greedy takes the most likely token whatever the cut)
+SHAPINGS = {
+    "openai": (lambda i: SHAPES[i % len(SHAPES)], _hf_shaped),
+    "repetition": (lambda i: SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=REPETITION[i % 3],
+                                            min_p=0.2 if i % 2 else 0.0), _hf_repetition),
+}
+
+
+@pytest.mark.parametrize("shaping", list(SHAPINGS))
 @pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("portfolio", "auto")])
-def test_greedy_under_bias_and_penalties_equals_hf_on_every_path(default_model, hf_reference, drafter, k):
+def test_greedy_under_shaping_equals_hf_on_every_path(default_model, hf_reference, drafter, k, shaping):
+    params_of, hf_greedy = SHAPINGS[shaping]
     rows = workload_rows(per_segment=1)
     tok = default_model.tokenizer
-    reqs = [GenerationRequest(f"p{i}", prompt_ids(tok, row), SHAPES[i % len(SHAPES)], segment=row["segment"])
+    reqs = [GenerationRequest(f"p{i}", prompt_ids(tok, row), params_of(i), segment=row["segment"])
             for i, row in enumerate(rows)]
     if drafter is not None:
         reqs[0].mode = SpecMode.PLAIN  # a plain row beside the speculating ones
@@ -108,7 +144,7 @@ def test_greedy_under_bias_and_penalties_equals_hf_on_every_path(default_model, 
                                for r in reqs])
     eos = sorted(default_model.eos_token_ids)
     for r in reqs:
-        want, scores = _hf_shaped(hf_reference.model, eos, r.prompt_token_ids, r.params)
+        want, scores = hf_greedy(hf_reference.model, eos, r.prompt_token_ids, r.params)
         assert _same_or_near_tie(res[r.request_id]["ids"], want, scores), (r.request_id, res[r.request_id]["ids"], want)
     assert sum(res[r.request_id]["ids"] != plain[r.request_id]["ids"] for r in reqs) >= len(reqs) // 2  # they shape
     if drafter is not None:
@@ -116,10 +152,14 @@ def test_greedy_under_bias_and_penalties_equals_hf_on_every_path(default_model, 
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks
 
 
-def test_seeded_sampling_under_penalties_is_the_same_on_every_path(default_model):
+@pytest.mark.parametrize("vllm_shaping", [False, True], ids=["openai", "repetition-min-p"])
+def test_seeded_sampling_under_penalties_is_the_same_on_every_path(default_model, vllm_shaping):
     ids = prompt_ids(default_model.tokenizer, workload_rows(per_segment=1)[0])
     params = SamplingParams(max_tokens=20, temperature=0.9, seed=11, presence_penalty=1.0, frequency_penalty=0.5,
                             logit_bias=((28, 3.0),))
+    if vllm_shaping:
+        params = SamplingParams(max_tokens=20, temperature=0.9, seed=11, repetition_penalty=1.2, min_p=0.05,
+                                ignore_eos=True)
     outs = [run_to_completion(_engine(default_model, d, k), [GenerationRequest("s", ids, params)])["s"]["ids"]
             for d, k in ((None, 0), ("ngram", 4), ("portfolio", "auto"))]
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 20

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import GREEDY_TEMPERATURE_EPS, SamplingParams
-from cluster.sampling.sampler import NonFiniteScoresError, argmax_rows, gumbel_noise, logits_to_probs, sample
+from cluster.sampling.sampler import NonFiniteScoresError, argmax_rows, filtered_logits, gumbel_noise, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_argmax():
@@ -48,6 +48,27 @@ def test_top_k_and_top_p_masks():
     assert (pp2[0, :3] > 0).all() and pp2[0, 3] == 0
 
 
+def test_min_p_cuts_what_hf_min_p_cuts():
+    """min-p after temperature, top-k and top-p, against HF's own ``MinPLogitsWarper`` (HF's
+    order: temperature, top-k, top-p, min-p)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    pm = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))  # 0.05 < 0.2 * 0.5: cut
+    torch.testing.assert_close(pm, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    assert torch.equal(logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=1.0)), torch.tensor([[1.0, 0, 0, 0]]))
+    g = torch.Generator().manual_seed(5)
+    for min_p, temperature, top_p in ((0.05, 1.0, 1.0), (0.1, 0.7, 1.0), (0.3, 1.3, 0.9), (0.02, 0.5, 0.95)):
+        scores = torch.randn(6, 300, generator=g) * 3
+        ours = filtered_logits(scores, SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p))
+        hf = TemperatureLogitsWarper(temperature)(None, scores.clone())
+        if top_p < 1.0:
+            hf = TopPLogitsWarper(top_p)(None, hf)
+        hf = MinPLogitsWarper(min_p)(None, hf)
+        assert torch.equal(torch.isinf(ours), torch.isinf(hf)), (min_p, temperature, top_p)
+        assert 0 < int(torch.isinf(ours).sum()) < ours.numel()  # it cuts, and leaves tokens
+
+
 def test_temperature_sharpens():
     logits = torch.tensor([[1.0, 0.0]])
     hot = logits_to_probs(logits, SamplingParams(temperature=2.0))[0, 0]
@@ -70,7 +91,8 @@ def test_seed_reproducible_per_position_and_distinct():
     assert not torch.equal(gumbel_noise(7, 3, 50), gumbel_noise(7, 4, 50))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5, top_p=0.85)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5, top_p=0.85),
+                                    SamplingParams(temperature=0.8, min_p=0.2)])
 def test_seeded_sampling_over_many_seeds_keeps_the_distribution(params):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(1, 8, generator=g) * 0.8
@@ -78,7 +100,7 @@ def test_seeded_sampling_over_many_seeds_keeps_the_distribution(params):
     p = p / p.sum()
     n = 6000
     tokens = np.array([int(sample(logits, [SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                                          top_p=params.top_p, seed=s)], [5])[0])
+                                                          top_p=params.top_p, min_p=params.min_p, seed=s)], [5])[0])
                        for s in range(n)])
     counts = np.bincount(tokens, minlength=8).astype(float)
     support = p > 0
@@ -162,6 +184,9 @@ def test_checked_argmax_is_the_argmax_and_refuses_exactly_what_the_finite_check_
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": math.nan}, "top_p"), ({"top_p": math.inf}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": ("",)}, "stop"),
     ({"seed": 1.5}, "seed"), ({"stop_token_ids": ("x",)}, "stop_token_ids"),
+    ({"min_p": -0.1}, r"min_p must be in \[0, 1\]"), ({"min_p": 1.01}, "min_p"), ({"min_p": math.nan}, "min_p"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10\]"), ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"repetition_penalty": 10.5}, "repetition_penalty"), ({"repetition_penalty": math.inf}, "repetition_penalty"),
 ])
 def test_bad_params_raise_clear_errors(kw, msg):
     with pytest.raises(InvalidRequestError, match=msg):

@@ -289,6 +289,18 @@ def test_sampling_with_temperature_top_k_top_p_keeps_target_distribution():
     _assert_distribution(out[acc >= 1, 1], p[1], _references(p[1], q[1:], 8))
 
 
+def test_sampling_with_min_p_keeps_target_distribution():
+    """min_p's cut is part of p (and of q, drafted under the same params): the committed tokens
+    follow the cut distribution, nothing outside it."""
+    params = SamplingParams(temperature=0.9, min_p=0.1)
+    n = 50_000
+    out, acc, p, q = _statistical_run(2, params, one_hot=False, n=n, seed=23)
+    for j in range(2):  # test design: the cut removes tokens but leaves several
+        assert 2 <= (p[j] == 0).sum() <= 5, p[j]
+    _assert_distribution(out[:, 0], p[0], _references(p[0], q, 9))
+    _assert_distribution(out[acc >= 1, 1], p[1], _references(p[1], q[1:], 10))
+
+
 @pytest.mark.parametrize("drafts_from", ["q", "coupled", "one_hot"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6, top_p=0.9)],
                          ids=["t1", "t0.7-k6-p0.9"])
