@@ -22,8 +22,8 @@ BENCHES = {
                   "(edit) original-code predictions, side by side, lossless checked",
     "logprobs": "what asking for log-probabilities (0 or 20 alternatives) costs on the plain and the "
                 "speculative path, side by side, with the tokens checked unchanged",
-    "shaping": "what penalties, logit_bias, min_tokens and repetition_penalty cost on each path and whether speculation still "
-               "pays under them, side by side, spec tokens checked equal to plain",
+    "shaping": "what penalties, logit_bias, min_tokens and repetition_penalty cost on each path and whether "
+               "speculation still pays under them, side by side, spec tokens checked equal to plain",
     "scoring": "what scoring a text (prompt_logprobs / echo with max_tokens 0) costs next to prefilling it "
                "and to generating it, the scored values checked against generation's",
     "prefix_cache": "what the prefix cache buys a conversation's second turn (or, --burst N, N requests at once "

@@ -1,9 +1,9 @@
 """The target's rows as each request's sampling sees them, before a token is chosen from them.
 
 Owns: ``process_rows``, a step's target logits [sum(K_i + 1), V] with each sequence's rows shaped
-by its request — repetition penalty, logit bias, presence / frequency penalties and ``min_tokens``' masking of the
-tokens that end the output (``cluster.sampling.penalties``,
-row j counting the first j draft tokens) and then, for a constrained sequence, row j masked by
+by its request — repetition penalty, logit bias, presence / frequency penalties and
+``min_tokens``' masking of the tokens that end the output (``cluster.sampling.penalties``, row j
+counting the first j draft tokens) and then, for a constrained sequence, row j masked by
 its grammar state after its first j draft tokens (the draft walk's masks; a sequence without
 drafts gets its committed state's mask). The plain step is the case without drafts (one row per
 sequence). Rows of a sequence that asks for neither are left as they are, and the input is

@@ -26,7 +26,7 @@ from cluster.common.request import SamplingParams
 def penalize(
     rows: torch.Tensor,  # [R, V] one sequence's target rows, row j after output_ids + drafts[:j]
     params: SamplingParams,
-    output_ids: list[int],  # the committed output (the prompt is not counted)
+    output_ids: list[int],  # the committed output (presence / frequency do not count the prompt)
     drafts: list[int],  # [>= R - 1] the draft tokens the rows stand after
     eos_ids: frozenset[int] = frozenset(),  # the model's end-of-sequence tokens
     prompt_ids: list[int] | tuple[int, ...] = (),  # the prompt (the repetition penalty counts it)
