@@ -51,6 +51,9 @@ class Sequence:
     # cluster.engine.grammar.GrammarMatcher of a constrained request: the grammar state after the
     # committed output (it follows token_ids, not the KV, so preemption leaves it valid)
     grammar: object = None
+    # cluster.sampling.penalties.SeenTokens of a request with a repetition penalty: its prompt's and
+    # output's distinct tokens, kept up to date step by step (set on its first shaped step)
+    seen_tokens: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

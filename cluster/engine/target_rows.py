@@ -17,7 +17,7 @@ import torch
 from cluster.engine.drafts import StepDrafts
 from cluster.engine.grammar import apply_masks
 from cluster.engine.scheduler import ScheduledSeq
-from cluster.sampling.penalties import penalize
+from cluster.sampling.penalties import SeenTokens, penalize
 
 
 def process_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDrafts) -> torch.Tensor:
@@ -36,8 +36,13 @@ def process_rows(logits: torch.Tensor, seqs: list[ScheduledSeq], drafts: StepDra
                 out = logits.clone()
             rows = out[start : start + k + 1]  # [K_i + 1, V]
             if shape:
+                seen = None
+                if params.repetition_penalty != 1.0:  # its prompt gathered once, then what each step adds
+                    if seq.seen_tokens is None:
+                        seq.seen_tokens = SeenTokens()
+                    seen = seq.seen_tokens.follow(seq.token_ids)
                 rows = penalize(rows, params, seq.output_token_ids, [] if draft is None else draft.token_ids,
-                                seq.eos_token_ids, seq.request.prompt_token_ids)
+                                seq.eos_token_ids, seen)
             if seq.grammar is not None:
                 allowed = None if draft is None else draft.allowed  # [K_i + 1, V]
                 if allowed is None:

@@ -17,6 +17,7 @@ masks (``cluster.engine.grammar``), which rows belong to whom (``cluster.engine.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,13 +30,15 @@ def penalize(
     output_ids: list[int],  # the committed output (presence / frequency do not count the prompt)
     drafts: list[int],  # [>= R - 1] the draft tokens the rows stand after
     eos_ids: frozenset[int] = frozenset(),  # the model's end-of-sequence tokens
-    prompt_ids: list[int] | tuple[int, ...] = (),  # the prompt (the repetition penalty counts it)
+    seen: SeenTokens | None = None,  # prompt + committed output's distinct tokens (a repetition penalty's)
 ) -> torch.Tensor:  # [R, V] a new tensor (rows is not written)
     assert rows.dim() == 2 and len(drafts) >= rows.shape[0] - 1, (
         f"rows {tuple(rows.shape)} after {len(drafts)} drafts")
     out = rows.float().clone()
     if params.repetition_penalty != 1.0:
-        _repetition(out, params.repetition_penalty, prompt_ids, output_ids, drafts)
+        if seen is None:
+            raise ValueError("a repetition penalty needs the sequence's seen tokens (prompt and output)")
+        _repetition(out, params.repetition_penalty, seen, drafts)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=out.device)
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
@@ -58,20 +61,49 @@ def penalize(
     return out
 
 
-def _repetition(out: torch.Tensor, penalty: float, prompt_ids, output_ids: list[int], drafts: list[int]) -> None:
-    """out [R, V], in place: every token of the prompt and the output penalized on every row, and a
+@dataclass(slots=True)
+class SeenTokens:
+    """The distinct tokens of a growing sequence (prompt + committed output) — what a repetition
+    penalty counts — as a set and an id tensor, brought up to date with only the tokens appended
+    since the last call: a long prompt is gathered once, not every step (penalizing 5 rows after a
+    4,000-token prompt took 0.88 ms gathered afresh, 0.33 ms kept, on this 2-core machine)."""
+
+    ids: set[int] = field(default_factory=set)
+    length: int = 0  # tokens of the sequence folded in
+    tensor: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [len(ids)]
+
+    @classmethod
+    def of(cls, token_ids: list[int] | tuple[int, ...]) -> "SeenTokens":
+        return cls().follow(token_ids)
+
+    def follow(self, token_ids: list[int] | tuple[int, ...]) -> "SeenTokens":
+        """Fold in ``token_ids[length:]`` (a sequence only grows; a shorter one starts over)."""
+        if len(token_ids) < self.length:
+            self.ids, self.length, self.tensor = set(), 0, torch.empty(0, dtype=torch.int64)
+        new = []
+        for t in token_ids[self.length:]:
+            if t not in self.ids:
+                self.ids.add(t)
+                new.append(t)
+        if new:
+            self.tensor = torch.cat([self.tensor, torch.tensor(new, dtype=torch.int64)])
+        self.length = len(token_ids)
+        return self
+
+
+def _repetition(out: torch.Tensor, penalty: float, seen: SeenTokens, drafts: list[int]) -> None:
+    """out [R, V], in place: every seen token (prompt and output) penalized on every row, and a
     draft token not among them from the row after it on (row j stands after drafts[:j]); each
     token once per row, however often it occurs."""
     def scale(x: torch.Tensor) -> torch.Tensor:
         return torch.where(x > 0, x / penalty, x * penalty)
 
-    seen = set(prompt_ids)
-    seen.update(output_ids)
-    if seen:
-        ids = torch.tensor(sorted(seen), dtype=torch.int64, device=out.device)
+    if seen.ids:
+        ids = seen.tensor.to(out.device)
         out[:, ids] = scale(out[:, ids])
+    drafted: set[int] = set()
     for j in range(1, out.shape[0]):
         t = drafts[j - 1]
-        if t not in seen:
-            seen.add(t)
+        if t not in seen.ids and t not in drafted:
+            drafted.add(t)
             out[j:, t] = scale(out[j:, t])

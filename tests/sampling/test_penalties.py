@@ -13,7 +13,7 @@ from cluster.common.config import EngineConfig, SpecConfig
 from cluster.common.request import GenerationRequest, SamplingParams, SpecMode
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.speculation import build_spec_controller
-from cluster.sampling.penalties import penalize
+from cluster.sampling.penalties import SeenTokens, penalize
 from tests.engine.helpers import prompt_ids, run_to_completion
 from tests.reference import NEAR_TIE_GAP, workload_rows
 
@@ -35,14 +35,26 @@ def test_penalize_counts_the_output_and_the_drafts_before_each_row():
 def test_repetition_penalty_scales_the_prompt_output_and_each_rows_drafts_once_before_the_bias():
     rows = torch.tensor([[2.0, -2.0, 1.0, 0.0, 3.0, -1.0]]).repeat(3, 1)
     p = SamplingParams(repetition_penalty=2.0, logit_bias=((0, 1.0),))
-    out = penalize(rows, p, output_ids=[1, 1], drafts=[4, 4], prompt_ids=[0, 0, 3])
+    out = penalize(rows, p, output_ids=[1, 1], drafts=[4, 4], seen=SeenTokens.of([0, 0, 3, 1, 1]))
     assert out[0].tolist() == [2.0, -4.0, 1.0, 0.0, 3.0, -1.0]  # 2 / 2 then + 1; -2 * 2 (once, though twice)
     assert out[1].tolist() == [2.0, -4.0, 1.0, 0.0, 1.5, -1.0]  # after draft 4
     assert out[2].tolist() == [2.0, -4.0, 1.0, 0.0, 1.5, -1.0]  # 4 drafted twice: still once
     assert bool((rows[0] == torch.tensor([2.0, -2.0, 1.0, 0.0, 3.0, -1.0])).all())  # rows not written
-    below = penalize(torch.tensor([[2.0, -2.0]]), SamplingParams(repetition_penalty=0.5), [0, 1], [])
+    below = penalize(torch.tensor([[2.0, -2.0]]), SamplingParams(repetition_penalty=0.5), [0, 1], [],
+                     seen=SeenTokens.of([0, 1]))
     assert below[0].tolist() == [4.0, -1.0]  # below 1: repeats favoured
     assert SamplingParams(repetition_penalty=1.1).shapes_logits and not SamplingParams().shapes_logits
+    with pytest.raises(ValueError, match="needs the sequence's seen tokens"):
+        penalize(rows, p, [1], [4, 4])
+
+
+def test_seen_tokens_fold_in_only_what_was_appended():
+    seen = SeenTokens.of([5, 3, 5])
+    assert seen.ids == {3, 5} and seen.tensor.tolist() == [5, 3] and seen.length == 3
+    assert seen.follow([5, 3, 5, 3, 9]).tensor.tolist() == [5, 3, 9] and seen.length == 5
+    tensor = seen.tensor
+    assert seen.follow([5, 3, 5, 3, 9]).tensor is tensor  # nothing appended: nothing rebuilt
+    assert seen.follow([7]).ids == {7} and seen.tensor.tolist() == [7]  # shorter: another sequence, start over
 
 
 def test_min_tokens_masks_the_ends_of_the_rows_below_it():
