@@ -11,7 +11,9 @@ output and the first j draft tokens, so its counts include those drafts: every p
 any drafter) then samples position n from the same shaped distribution, and speculation stays
 lossless against the shaped target. Under ``min_tokens`` the tokens that end the output (EOS
 unless ``ignore_eos``, and ``stop_token_ids``) are masked (-inf) from every row whose position n
-(output tokens before it) is below it, as vLLM's and HF's ``min_new_tokens``. Ignores: temperature / top-k / top-p (``sampler``), grammar
+(output tokens before it) is below it, as vLLM's and HF's ``min_new_tokens``. Also owns
+``SeenTokens``, the distinct tokens a repetition penalty counts, kept per sequence (the engine's
+``Sequence.seen_tokens``). Ignores: temperature / top-k / top-p / min-p (``sampler``), grammar
 masks (``cluster.engine.grammar``), which rows belong to whom (``cluster.engine.target_rows``).
 """
 from __future__ import annotations
