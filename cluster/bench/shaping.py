@@ -1,16 +1,17 @@
 """`specserve bench shaping`: what shaping the target's logits costs, and whether speculation still
 pays under it, side by side on both paths.
 
-Owns: per workload prompt and round, one greedy request through an ``LLMEngine`` on the real
-target for each path (``plain``; ``spec``: ``--drafter`` at auto K) and each shaping (``none``;
+Owns: per workload prompt and round, one greedy request through an ``LLMEngine`` on the real target
+for each path (``plain``; ``spec``: ``--drafter`` at auto K) and each shaping (``none``;
 ``penalties``: presence 0.5 and frequency 0.5; ``bias``: +1 on 50 token ids; ``min_tokens``: half
 the budget; ``repetition``: repetition_penalty 1.2 over prompt and output), the shapings in a
 rotating order; each shaping's spec tokens checked against its plain tokens (speculation verifies
-against the shaped target: any difference is reported and fails the run). Reported per segment: the median over prompts and rounds of each shaping's tokens/s over
-the ``none`` run of the same prompt, round and path (what the shaping costs; its output differs,
-so this is per token), and of spec tokens/s over plain tokens/s for the same prompt, round and
-shaping (whether speculation still pays under it), and pooled tokens/s. Prints a table and writes
-JSON. Ignores: concurrency (one request at a time), sampling, the service.
+against the shaped target: any difference is reported and fails the run). Reported per segment: the
+median over prompts and rounds of each shaping's tokens/s over the ``none`` run of the same prompt,
+round and path (what the shaping costs; its output differs, so this is per token), and of spec
+tokens/s over plain tokens/s for the same prompt, round and shaping (whether speculation still pays
+under it), and pooled tokens/s. Prints a table and writes JSON. Ignores: concurrency (one request at
+a time), sampling, the service.
 """
 from __future__ import annotations
 
