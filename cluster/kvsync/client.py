@@ -291,7 +291,7 @@ class RemoteProposer:
         else:
             base, new = 0, tokens
         p = inp.params
-        params = pb2.DraftSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+        params = pb2.DraftSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)
         if p.seed is not None:
             params.seed = p.seed
         k = min(inp.num_draft_tokens, self.limits.max_draft_tokens)

@@ -243,7 +243,7 @@ class DraftServerCore:
         try:
             return SamplingParams(max_tokens=1, temperature=max(0.0, p.temperature),
                                   top_p=p.top_p if 0.0 < p.top_p <= 1.0 else 1.0,
-                                  top_k=p.top_k, seed=p.seed if p.HasField("seed") else None)
+                                  top_k=p.top_k, min_p=p.min_p, seed=p.seed if p.HasField("seed") else None)
         except ValueError as exc:
             raise ServiceError(_INVALID, f"sequence {seq.seq_id!r}: {exc}") from None
 

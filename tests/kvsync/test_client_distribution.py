@@ -108,3 +108,35 @@ def assert_target_pair_distribution(counts: dict[tuple[int, int], int], target_d
     stat = chisquare(observed.numpy(), expected.numpy() * (observed.sum() / expected.sum()).item())
     assert stat.pvalue > ALPHA, f"chi-square p={stat.pvalue:.2e}: {observed.tolist()} vs {expected.tolist()}"
     return float(stat.pvalue)
+
+
+def test_remote_draft_q_carries_min_p(draft_dir):
+    """The request's min_p reaches the DraftServer: q of each remote draft position equals the
+    draft model's own probabilities under the request's parameters (Hugging Face's logits, our
+    filter), min_p's cut included — the target verifies against a q that really was drafted from."""
+    import transformers
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, min_p=0.3)
+    limits = KVSyncLimits(max_draft_tokens=2, max_batch=4)
+    draft = load_model(str(draft_dir), EngineConfig(model=str(draft_dir), kv_cache_memory_mb=32))
+    core = DraftServerCore(DraftModelProposer(draft.runner), vocab_size=draft.runner.vocab_size, limits=limits)
+    server, port = start_server(core)
+    remote = RemoteProposer(f"127.0.0.1:{port}", limits=limits, budget=DraftBudget(floor_s=30.0, cap_s=30.0))
+    try:
+        from cluster.speculative.types import ProposeInput
+
+        out = remote.propose([ProposeInput("s", list(PROMPT), 2, params)])
+    finally:
+        remote.close()
+        server.stop(0)
+    tokens, q = out.draft_token_ids[0], out.draft_probs[0]  # q [2, V]
+    assert len(tokens) == 2 and q.shape == (2, draft.runner.vocab_size)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(draft_dir), torch_dtype=torch.float32).eval()
+    uncut = SamplingParams(max_tokens=3, temperature=1.0)
+    for j in range(2):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + tokens[:j]])).logits[:, -1].float()  # [1, V]
+        want, full = logits_to_probs(logits, params)[0], logits_to_probs(logits, uncut)[0]
+        assert int((want > 0).sum()) < int((full > 0).sum())  # the cut removes tokens here
+        assert torch.allclose(q[j], want, atol=1e-5), (j, (q[j] > 0).sum(), (want > 0).sum())
+        assert q[j][tokens[j]] > 0

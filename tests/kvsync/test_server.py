@@ -119,6 +119,24 @@ def test_stop_confidence_reaches_the_drafter_and_a_bad_one_is_refused(served):
     assert core.held("c") is None  # refused before anything was held
 
 
+def test_min_p_reaches_the_drafter_and_a_bad_one_is_refused(served):
+    core, rec, stub = served
+    asked = []
+    inner = rec.propose
+    rec.propose = lambda inputs: asked.extend(i.params.min_p for i in inputs) or inner(inputs)
+    both = [seq("a", 0, [1, 2], temperature=0.8), seq("b", 0, [3, 4], temperature=0.8)]
+    both[0].params.min_p = 0.25
+    stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=both), timeout=5)
+    assert asked == [0.25, 0.0]  # 0 (unset, an older client): no cut
+    for bad in (1.5, -0.1, float("nan")):
+        s = seq("c", 0, [1], temperature=0.8)
+        s.params.min_p = bad
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(pb2.ProposeRequest(epoch=core.epoch, seqs=[s]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in err.value.details()
+    assert core.held("c") is None  # refused before anything was held
+
+
 class FeatureReader(Recorder):
     """Reads 2 target layers of a hidden size of 2 (4 values per position), like an EAGLE head;
     keeps the rows it was handed by position."""
