@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cluster.speculative.acceptance import sampled_context
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.suffix_corpus import SEPARATOR, SuffixCorpus
 from cluster.speculative.token_history import TokenHistory
@@ -414,18 +415,19 @@ class SuffixProposer:
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
-                      draft_scope: str = "") -> str | None:
+                      draft_scope: str = "", sampled: bool = False) -> str | None:
         """"m<length>" of the match the next draft rests on (4 and longer pooled), or None when
         nothing matches: adaptive K keeps acceptance per context. A match in the corpus is
         "c<length>", and "c<length>w" where its first token's empirical probability is below
         ``CORPUS_WEAK_PROB`` (on the default model's chat such drafts are right 0.15-0.3 of the
-        time, the others 0.4-0.6: a portfolio weighs them apart)."""
+        time, the others 0.4-0.6: a portfolio weighs them apart). A sampled sequence's label says
+        so (``sampled_context``)."""
         d = self._draft(seq_id, token_ids, memory_key(segment, draft_scope))
         if not d.tokens:
             return None
         if d.from_corpus:
-            return f"c{min(d.match_len, 4)}{'w' if d.probs[0] < CORPUS_WEAK_PROB else ''}"
-        return f"m{min(d.match_len, 4)}"
+            return sampled_context(f"c{min(d.match_len, 4)}{'w' if d.probs[0] < CORPUS_WEAK_PROB else ''}", sampled)
+        return sampled_context(f"m{min(d.match_len, 4)}", sampled)
 
     def release(self, seq_id: str) -> None:
         """The sequence is done (or preempted): learn its last seen tokens into its segment and scope."""

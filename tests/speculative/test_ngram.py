@@ -200,3 +200,9 @@ def test_parse_drafter_choice_none(text):
 def test_parse_drafter_choice_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_drafter_choice(text)
+
+
+def test_a_sampled_sequences_draft_context_is_tagged():
+    p = NgramProposer()
+    assert p.draft_context("a", [1, 2, 3, 1, 2], sampled=True) == "n2+sampled"
+    assert p.draft_context("b", [1, 2, 3, 1, 2]) == "n2" and p.draft_context("c", [5, 6], sampled=True) is None

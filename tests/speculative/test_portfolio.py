@@ -396,3 +396,29 @@ def test_member_prices_are_kept_while_the_cost_model_stands_and_redone_after_it_
         costs.observe_sampling(True, 0.002)
         costs.observe_sampling(False, 0.001)
         assert costs.version == version + 4
+
+
+def test_a_sampled_sequences_acceptance_is_learnt_apart_from_greedy_ones():
+    """Greedy sequences whose drafts are always accepted do not make a sampled sequence's drafts
+    look as good: its contexts are tagged "+sampled" (in the label adaptive K reads too), and its
+    rates start from the prior until sampled sequences are measured; a sampled sequence's rejections
+    leave the greedy rates alone."""
+    good = Fixed([1, 2, 3], "g")
+    pf = PortfolioProposer([Member("good", good)])
+    for seq in ("a", "b"):
+        history = [0]
+        for _ in range(3):
+            pf.propose([inp(seq, history)])
+            history = history + [1, 2, 3]  # every draft token committed
+    greedy = pf.alpha("good", "g", segment="s")
+    assert greedy > 0.8 and pf.alpha("good", "g+sampled", segment="s") == pytest.approx(pf.prior_alpha)
+    assert pf.draft_context("c", [0]) == "good:g"
+    assert pf.draft_context("d", [0], "s", sampled=True) == "good:g+sampled"
+    hot = SamplingParams(max_tokens=8, temperature=1.0)
+    history = [0]
+    for _ in range(3):
+        pf.propose([ProposeInput("e", list(history), 3, hot, segment="s")])
+        assert pf.last_choice.get("e") in (None, "good")
+        history = history + [7, 7, 7]  # never the draft
+    assert pf.alpha("good", "g+sampled", segment="s") < pf.prior_alpha
+    assert pf.alpha("good", "g", segment="s") == pytest.approx(greedy)
