@@ -41,7 +41,7 @@ from cluster.engine.target_rows import process_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.speculative.acceptance import LiveAlpha, sampled_context, with_context
+from cluster.speculative.acceptance import LiveAlpha, acceptance_class, classed_context, with_context
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
@@ -234,16 +234,16 @@ class SpecController:
         drafts with — planned at that member's own draft cost — or None for a single drafter). A
         drafter with a draft context (ngram: the match length) splits both keys by it, so
         acceptance is learnt per context; sequences it has nothing to draft for are left out
-        (K = 0, no probe wasted on them). A sampled sequence's acceptance is learnt apart from
-        greedy ones' (``sampled_context``): in its draft context, or in its segment's key."""
+        (K = 0, no probe wasted on them). Each acceptance class (sampled, shaped logits) is
+        learnt apart (``acceptance_class``): in its draft context, or in its segment's key."""
         context = self._contextual.draft_context if self._contextual is not None else None
         if context is None:
-            return eligible, [(s.seq_id, sampled_context(s.request.segment, not s.request.params.greedy))
+            return eligible, [(s.seq_id, classed_context(s.request.segment, acceptance_class(s.request.params)))
                               for s in eligible], None
         kept, keys, contexts = [], [], []
         for s in eligible:
             ctx = context(s.seq_id, self._context(s), s.request.segment, s.request.draft_scope,
-                          sampled=not s.request.params.greedy)
+                          acceptance_class=acceptance_class(s.request.params))
             if ctx is None:
                 continue
             sub_id = with_context(s.seq_id, ctx)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.speculative.acceptance import sampled_context
+from cluster.speculative.acceptance import classed_context
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.token_history import TokenHistory
 from cluster.speculative.types import DraftProposal, ProposeInput
@@ -102,16 +102,16 @@ class NgramProposer:
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
-                      draft_scope: str = "", sampled: bool = False) -> str | None:
+                      draft_scope: str = "", acceptance_class: str = "") -> str | None:
         """What this sequence's next draft would rest on: "n<size>" of the suffix match (a longer
         match is accepted far more often — on chat a 1-token match was right 12–14% of the time, a
         2-token one 38–47%), or None when nothing matches and there is nothing to
-        draft. Adaptive K keeps acceptance statistics per context (a sampled sequence's apart:
-        ``sampled_context``)."""
+        draft. Adaptive K keeps acceptance statistics per context (each acceptance class apart:
+        ``classed_context``)."""
         if len(token_ids) < 2:
             return None
         _, (n, _) = self._match(seq_id, token_ids)
-        return sampled_context(f"n{n}", sampled) if n else None
+        return classed_context(f"n{n}", acceptance_class) if n else None
 
     def release(self, seq_id: str) -> None:
         self._cache.pop(seq_id, None)

@@ -38,9 +38,9 @@ prefix was accepted (exact for deterministic drafts: a rejected one-hot draft to
 the recovered token); a mismatch inside the committed tokens is one rejection; a draft longer
 than what was committed is censored there (no rejection counted). Where both model-free members
 could draft, each one's context also says whether the other's draft agrees on its first token
-(``+agree``, ``+differ``, ``+alone``); a sampled sequence's contexts are tagged ``+sampled``
-(``sampled_context``: its one-hot drafts are accepted at the target's probability of the token,
-about half as often as greedy ones). No engine change is needed: the committed tokens arrive with the
+(``+agree``, ``+differ``, ``+alone``); a sequence's contexts carry its acceptance class
+(``classed_context``: ``+sampled``, whose one-hot drafts are accepted at the target's probability
+of the token, about half as often as greedy ones; ``+shaped``, under penalties or ``logit_bias``). No engine change is needed: the committed tokens arrive with the
 next ``draft_context`` or ``propose``.
 
 Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):
@@ -72,7 +72,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.common.request import SamplingParams
-from cluster.speculative.acceptance import sampled_context
+from cluster.speculative.acceptance import acceptance_class as acceptance_class_of, classed_context
 from cluster.speculative.adaptive_k import CostModel, catch_up_cost_of, catch_up_wait, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput
@@ -217,8 +217,8 @@ class PortfolioProposer:
 
     # -- Proposer ---------------------------------------------------------------------------------
     def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
-                      draft_scope: str = "", sampled: bool = False) -> str | None:
-        pending = self._prepare(seq_id, token_ids, segment, draft_scope, sampled)
+                      draft_scope: str = "", acceptance_class: str = "") -> str | None:
+        pending = self._prepare(seq_id, token_ids, segment, draft_scope, acceptance_class)
         if pending.chosen is None:
             return None
         return f"{pending.chosen}:{pending.drafts[pending.chosen][1]}"
@@ -231,7 +231,8 @@ class PortfolioProposer:
         for row, inp in enumerate(inputs):
             if inp.num_draft_tokens <= 0:
                 continue
-            pending = self._prepare(inp.seq_id, inp.token_ids, inp.segment, inp.draft_scope, not inp.params.greedy)
+            pending = self._prepare(inp.seq_id, inp.token_ids, inp.segment, inp.draft_scope,
+                                    acceptance_class_of(inp.params))
             if pending.chosen is None:
                 continue
             if self._member(pending.chosen).cost > 0:
@@ -368,10 +369,11 @@ class PortfolioProposer:
         return next(m for m in self.members if m.name == name)
 
     def _prepare(self, seq_id: str, token_ids: list[int], segment: str, draft_scope: str = "",
-                 sampled: bool = False) -> _Pending:
+                 acceptance_class: str = "") -> _Pending:
         """Learn from the tokens committed since the sequence's last drafts, then draft with the
-        cost-0 members and choose; cached until the sequence's tokens change. A sampled
-        sequence's contexts are tagged (``sampled_context``): its rates are learnt apart."""
+        cost-0 members and choose; cached until the sequence's tokens change. The
+        sequence's contexts carry its acceptance class (``classed_context``): its rates are learnt
+        apart."""
         pending = self._pending.get(seq_id)
         if pending is not None and pending.length == len(token_ids):
             return pending
@@ -403,8 +405,8 @@ class PortfolioProposer:
             found.append((m, k))
         if not routed:
             self._refine_by_agreement(pending, candidates, [m for m, _ in found])
-        if sampled:
-            pending.drafts = {name: (draft, sampled_context(ctx, True)) for name, (draft, ctx) in pending.drafts.items()}
+        if acceptance_class:
+            pending.drafts = {name: (draft, classed_context(ctx, acceptance_class)) for name, (draft, ctx) in pending.drafts.items()}
         for m, k in found:
             ctx = pending.drafts[m.name][1]
             rates = (self.alpha(m.name, ctx, seq_id, segment), self.alpha(m.name, ctx, seq_id, segment, later=True))

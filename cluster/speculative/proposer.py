@@ -63,10 +63,10 @@ class ContextualProposer(Protocol):
     that adaptive K estimates acceptance per label."""
 
     def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
-                      draft_scope: str = "", sampled: bool = False) -> str | None:
+                      draft_scope: str = "", acceptance_class: str = "") -> str | None:
         """The label of the next draft for this sequence (of ``segment`` and ``draft_scope``, see
-        ``ProposeInput``; ``sampled``: it samples, and its label says so — ``sampled_context`` —
-        so that its acceptance is learnt apart from greedy sequences'); None: nothing to draft now."""
+        ``ProposeInput``; ``acceptance_class``: the sequence's, its label carries it —
+        ``classed_context`` — so that each class's acceptance is learnt apart); None: nothing to draft now."""
 
 
 @runtime_checkable

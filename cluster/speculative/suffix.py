@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.speculative.acceptance import sampled_context
+from cluster.speculative.acceptance import classed_context
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.suffix_corpus import SEPARATOR, SuffixCorpus
 from cluster.speculative.token_history import TokenHistory
@@ -415,19 +415,19 @@ class SuffixProposer:
         return DraftProposal(draft_token_ids=drafts, draft_probs=[None] * len(inputs))
 
     def draft_context(self, seq_id: str, token_ids: list[int], segment: str = "",
-                      draft_scope: str = "", sampled: bool = False) -> str | None:
+                      draft_scope: str = "", acceptance_class: str = "") -> str | None:
         """"m<length>" of the match the next draft rests on (4 and longer pooled), or None when
         nothing matches: adaptive K keeps acceptance per context. A match in the corpus is
         "c<length>", and "c<length>w" where its first token's empirical probability is below
         ``CORPUS_WEAK_PROB`` (on the default model's chat such drafts are right 0.15-0.3 of the
-        time, the others 0.4-0.6: a portfolio weighs them apart). A sampled sequence's label says
-        so (``sampled_context``)."""
+        time, the others 0.4-0.6: a portfolio weighs them apart). The label carries the sequence's
+        acceptance class (``classed_context``)."""
         d = self._draft(seq_id, token_ids, memory_key(segment, draft_scope))
         if not d.tokens:
             return None
-        if d.from_corpus:
-            return sampled_context(f"c{min(d.match_len, 4)}{'w' if d.probs[0] < CORPUS_WEAK_PROB else ''}", sampled)
-        return sampled_context(f"m{min(d.match_len, 4)}", sampled)
+        length = min(d.match_len, 4)
+        label = f"c{length}{'w' if d.probs[0] < CORPUS_WEAK_PROB else ''}" if d.from_corpus else f"m{length}"
+        return classed_context(label, acceptance_class)
 
     def release(self, seq_id: str) -> None:
         """The sequence is done (or preempted): learn its last seen tokens into its segment and scope."""

@@ -229,30 +229,37 @@ def test_seeded_sampling_is_reproducible(default_model, rows):
     assert len({tuple(v) for v in a.values()}) == len(a)
 
 
-def test_greedy_and_sampled_requests_are_judged_by_rates_of_their_own(default_model, rows):
-    """Adaptive K learns a sampled request's acceptance apart from greedy ones' of the same segment
-    (its draft context tagged "+sampled"), for a drafter with draft contexts and for one without;
-    both kinds of request finish, the seeded one as it does alone."""
-    from cluster.speculative.acceptance import CONTEXT_SEP, SAMPLED
+def test_each_acceptance_class_is_judged_by_rates_of_its_own(default_model, rows):
+    """Adaptive K learns a sampled request's acceptance and a shaped one's (a repetition penalty)
+    apart from greedy unshaped ones' of the same segment (their draft contexts tagged "+sampled",
+    "+shaped"), for a drafter with draft contexts and for one without; every request finishes, the
+    seeded and the shaped one as they do alone."""
+    from cluster.speculative.acceptance import CONTEXT_SEP, SAMPLED, SHAPED
 
     tok = default_model.tokenizer
-    hot = SamplingParams(max_tokens=24, temperature=1.0, seed=7)
+    odd = {"hot": SamplingParams(max_tokens=24, temperature=1.0, seed=7),
+           "penalized": SamplingParams(max_tokens=24, repetition_penalty=1.1)}
+    # under the penalty the code prompts end in 2 tokens; this edit prompt drafts at n1 to n3
+    prompt_of = {"hot": rows[0], "penalized": [r for r in rows if r["segment"] == "edit"][3]}
     for drafter in ("ngram", "self:12"):
         eng = spec_engine(default_model, SpecConfig(drafter=drafter, num_draft_tokens="auto"))
         reqs = [GenerationRequest(f"g{i}", prompt_ids(tok, r), SamplingParams(max_tokens=24), segment="edit")
                 for i, r in enumerate(rows[:3])]
-        reqs.append(GenerationRequest("hot", prompt_ids(tok, rows[0]), hot, segment="edit"))
+        reqs += [GenerationRequest(name, prompt_ids(tok, prompt_of[name]), params, segment="edit")
+                 for name, params in odd.items()]
         got = run_to_completion(eng, reqs)
-        assert set(got) == {"g0", "g1", "g2", "hot"}
+        assert set(got) == {"g0", "g1", "g2", *odd}
         learnt = set(eng.spec.adaptive.estimator.to_dict())
-        sampled = {k for k in learnt if k.endswith(SAMPLED)}
-        assert sampled and learnt - sampled, (drafter, learnt)  # both kinds measured, apart
+        sampled, shaped = {k for k in learnt if k.endswith(SAMPLED)}, {k for k in learnt if k.endswith(SHAPED)}
+        assert sampled and shaped and learnt - sampled - shaped, (drafter, learnt)  # each class measured, apart
         assert all(k.startswith("edit") for k in learnt)
         if drafter == "ngram":
             assert all(CONTEXT_SEP in k for k in learnt)  # "edit|n2+sampled": per match length too
-        alone = spec_engine(default_model, SpecConfig(drafter=drafter, num_draft_tokens="auto"))
-        solo = run_to_completion(alone, [GenerationRequest("hot", prompt_ids(tok, rows[0]), hot, segment="edit")])
-        assert solo["hot"]["ids"] == got["hot"]["ids"]
+        for name, params in odd.items():
+            alone = spec_engine(default_model, SpecConfig(drafter=drafter, num_draft_tokens="auto"))
+            solo = run_to_completion(alone, [GenerationRequest(name, prompt_ids(tok, prompt_of[name]), params,
+                                                               segment="edit")])
+            assert solo[name]["ids"] == got[name]["ids"], name
 
 
 def test_vocabulary_mismatch_is_refused(tmp_path, default_model):

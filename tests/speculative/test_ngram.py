@@ -202,7 +202,9 @@ def test_parse_drafter_choice_errors(text, message):
         parse_drafter_choice(text)
 
 
-def test_a_sampled_sequences_draft_context_is_tagged():
+def test_a_draft_context_carries_the_sequences_acceptance_class():
     p = NgramProposer()
-    assert p.draft_context("a", [1, 2, 3, 1, 2], sampled=True) == "n2+sampled"
-    assert p.draft_context("b", [1, 2, 3, 1, 2]) == "n2" and p.draft_context("c", [5, 6], sampled=True) is None
+    assert p.draft_context("a", [1, 2, 3, 1, 2], acceptance_class="+sampled") == "n2+sampled"
+    assert p.draft_context("a", [1, 2, 3, 1, 2], acceptance_class="+sampled+shaped") == "n2+sampled+shaped"
+    assert p.draft_context("b", [1, 2, 3, 1, 2]) == "n2"
+    assert p.draft_context("c", [5, 6], acceptance_class="+shaped") is None

@@ -398,10 +398,15 @@ def test_member_prices_are_kept_while_the_cost_model_stands_and_redone_after_it_
         assert costs.version == version + 4
 
 
-def test_a_sampled_sequences_acceptance_is_learnt_apart_from_greedy_ones():
-    """Greedy sequences whose drafts are always accepted do not make a sampled sequence's drafts
-    look as good: its contexts are tagged "+sampled" (in the label adaptive K reads too), and its
-    rates start from the prior until sampled sequences are measured; a sampled sequence's rejections
+@pytest.mark.parametrize("params, tag", [
+    (SamplingParams(max_tokens=8, temperature=1.0), "+sampled"),
+    (SamplingParams(max_tokens=8, repetition_penalty=1.3), "+shaped"),
+    (SamplingParams(max_tokens=8, temperature=0.7, logit_bias=((5, -2.0),)), "+sampled+shaped"),
+])
+def test_each_acceptance_class_is_learnt_apart_from_greedy_unshaped_sequences(params, tag):
+    """Greedy unshaped sequences whose drafts are always accepted do not make a sampled or shaped
+    sequence's drafts look as good: its contexts carry its acceptance class (in the label adaptive
+    K reads too), and its rates start from the prior until its class is measured; its rejections
     leave the greedy rates alone."""
     good = Fixed([1, 2, 3], "g")
     pf = PortfolioProposer([Member("good", good)])
@@ -411,14 +416,13 @@ def test_a_sampled_sequences_acceptance_is_learnt_apart_from_greedy_ones():
             pf.propose([inp(seq, history)])
             history = history + [1, 2, 3]  # every draft token committed
     greedy = pf.alpha("good", "g", segment="s")
-    assert greedy > 0.8 and pf.alpha("good", "g+sampled", segment="s") == pytest.approx(pf.prior_alpha)
+    assert greedy > 0.8 and pf.alpha("good", f"g{tag}", segment="s") == pytest.approx(pf.prior_alpha)
     assert pf.draft_context("c", [0]) == "good:g"
-    assert pf.draft_context("d", [0], "s", sampled=True) == "good:g+sampled"
-    hot = SamplingParams(max_tokens=8, temperature=1.0)
+    assert pf.draft_context("d", [0], "s", acceptance_class=tag) == f"good:g{tag}"
     history = [0]
     for _ in range(3):
-        pf.propose([ProposeInput("e", list(history), 3, hot, segment="s")])
+        pf.propose([ProposeInput("e", list(history), 3, params, segment="s")])
         assert pf.last_choice.get("e") in (None, "good")
         history = history + [7, 7, 7]  # never the draft
-    assert pf.alpha("good", "g+sampled", segment="s") < pf.prior_alpha
+    assert pf.alpha("good", f"g{tag}", segment="s") < pf.prior_alpha
     assert pf.alpha("good", "g", segment="s") == pytest.approx(greedy)

@@ -78,7 +78,8 @@ def test_own_history_is_matched_before_anything_is_learnt():
     p = SuffixProposer()
     assert ask(p, "a", [7, 1, 2, 3, 7, 1], k=3) == [2, 3, 7]
     assert p.draft_context("a", [7, 1, 2, 3, 7, 1], "s") == "m2"
-    assert p.draft_context("a", [7, 1, 2, 3, 7, 1], "s", sampled=True) == "m2+sampled"  # learnt apart
+    assert p.draft_context("a", [7, 1, 2, 3, 7, 1], "s", acceptance_class="+sampled") == "m2+sampled"  # learnt apart
+    assert p.draft_context("a", [7, 1, 2, 3, 7, 1], "s", acceptance_class="+shaped") == "m2+shaped"
 
 
 def test_the_most_frequent_continuation_wins_and_length_follows_its_probability():
