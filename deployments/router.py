@@ -54,6 +54,7 @@ from cluster.common.request import FinishReason, SpecMode
 from cluster.common.segments import SegmentLabels
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouteReason, RouterPolicy
+from cluster.speculative.acceptance import acceptance_class
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import API_GRPC, RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section
@@ -214,7 +215,8 @@ class Router:
             vreq = dataclasses.replace(vreq, segment=segment)
         decision = self.policy.decide(
             RequestFeatures(mode=vreq.mode, constrained=vreq.constrained, segment=vreq.segment,
-                            predicted=bool(vreq.prediction), scoring=vreq.params.scores_only),
+                            predicted=bool(vreq.prediction), scoring=vreq.params.scores_only,
+                            acceptance_class=acceptance_class(vreq.params)),
             self._view())
         ready = self.spec_ready if decision.path is Path.SPECULATIVE else self.batch_ready
         if not ready:

@@ -10,7 +10,9 @@ finishes the step without speculation (counting ``draft_fallbacks``) like the re
 Without one but with ``config.spec`` it simulates acceptance from ``acceptance_rate_by_segment``:
 each verification step accepts round(rate·K) of its K drafts (deterministic; the per-position α
 this gives is accepted / (accepted + rejections), e.g. 1 of 4 every step: acceptance_rate 0.25,
-α 0.5 — ``cluster.speculative.acceptance``); K per request is its segment's policy (a fixed K,
+α 0.5 — ``cluster.speculative.acceptance``); a key "<segment><class>" (``classed_context``, e.g.
+"chat+sampled") sets one acceptance class's rate apart, and each class's α is reported per segment
+(``live_alpha_by_class``, lifetime counts); K per request is its segment's policy (a fixed K,
 ``max_draft_tokens`` for "auto").
 Failure injection for service tests: a prompt containing ``FAIL_MARKER`` finishes that request
 alone with ``FinishReason.ERROR`` and an ``error`` message after its first tokens (as the real
@@ -35,6 +37,7 @@ from cluster.common.request import (
     FinishReason, GenerationRequest, Logprob, RequestOutput, SpecStats, TokenLogprobs,
 )
 from cluster.engine.protocol import EngineStats
+from cluster.speculative.acceptance import acceptance_class, class_name, classed_context
 from cluster.speculative.proposer import RemoteDraft
 
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); byte b is token b + 3
@@ -70,6 +73,7 @@ class FakeEngine:
         self._waiting = 0
         self._slots: asyncio.Semaphore | None = None
         self._spec_by_segment: dict[str, SpecStats] = {}
+        self._spec_by_class: dict[tuple[str, str], SpecStats] = {}  # (segment, acceptance class name)
         self._fallbacks = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -191,7 +195,7 @@ class FakeEngine:
                 text = self.detokenize(new)
                 if done:
                     finish = FinishReason.LENGTH
-                    self._record(req.segment, stats)
+                    self._record(req.segment, acceptance_class(req.params), stats)
                 yield RequestOutput(rid, new, text, finished=done,
                                     finish_reason=finish if done else None,
                                     logprobs=self.fake_logprobs(new, req.params.logprobs),
@@ -214,7 +218,9 @@ class FakeEngine:
             return [target(pos)]
         k = self._k(req.segment)
         if self.proposer is None:  # simulated acceptance: the segment's accepted share, deterministic
-            rate = self.acceptance_rate_by_segment.get(req.segment, self.default_acceptance_rate)
+            rates = self.acceptance_rate_by_segment
+            rate = rates.get(classed_context(req.segment, acceptance_class(req.params)),
+                             rates.get(req.segment, self.default_acceptance_rate))
             accepted = min(k, int(rate * k + 0.5))
             stats.record(k, accepted)
             return [target(pos + i) for i in range(accepted + 1)]
@@ -235,8 +241,16 @@ class FakeEngine:
         stats.record(len(draft), accepted)
         return [target(pos + i) for i in range(accepted + 1)]
 
-    def _record(self, segment: str, stats: SpecStats) -> None:
+    def _record(self, segment: str, tag: str, stats: SpecStats) -> None:
         self._spec_by_segment.setdefault(segment, SpecStats()).merge(stats)
+        self._spec_by_class.setdefault((segment, class_name(tag)), SpecStats()).merge(stats)
+
+    def _by_segment(self) -> dict[str, dict]:
+        out = {s: st.to_dict() for s, st in self._spec_by_segment.items()}
+        for (segment, name), st in self._spec_by_class.items():
+            out[segment].setdefault("live_alpha_by_class", {})[name] = {
+                "live_alpha": st.alpha, "live_draft_tokens": st.draft_tokens}
+        return out
 
     async def abort(self, request_id: str) -> None:
         # Generators own their cleanup; closing them frees the blocks. Nothing else to do here.
@@ -252,7 +266,7 @@ class FakeEngine:
             moe=self.moe, moe_gate_open=(not self.moe) or bool(self.config.spec and self.config.spec.moe_validated),
             draft_fallbacks=self._fallbacks,
             draft_resyncs=self.proposer.num_resyncs if isinstance(self.proposer, RemoteDraft) else 0,
-            spec_by_segment={s: st.to_dict() for s, st in self._spec_by_segment.items()})
+            spec_by_segment=self._by_segment())
 
     def model_info(self) -> dict:
         spec = self.config.spec

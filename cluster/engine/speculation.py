@@ -41,7 +41,8 @@ from cluster.engine.target_rows import process_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.speculative.acceptance import LiveAlpha, acceptance_class, classed_context, with_context
+from cluster.speculative.acceptance import (ACCEPTANCE_CLASSES, LiveAlpha, acceptance_class, class_name,
+                                            classed_context, with_context)
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate
@@ -123,6 +124,7 @@ class SpecController:
         self.timing = SpecTiming()
         self.segment_stats: dict[str, SpecStats] = {}  # lifetime counters per traffic segment
         self.live_alpha = LiveAlpha()  # per segment, decayed: what the Router gates on
+        self.live_alpha_by_class = LiveAlpha()  # per segment and acceptance class (classed_context)
 
     # -- before scheduling: K per running sequence -----------------------------------------------
     def plan(self, running: list[Sequence]) -> None:
@@ -466,6 +468,8 @@ class SpecController:
             forced = drafts.by_seq[s.seq.seq_id].num_forced
             self.segment_stats.setdefault(segment, SpecStats()).record(k, accepted, forced)
             self.live_alpha.observe(segment, k, accepted)  # the grammar's drafts count in the segment's α
+            self.live_alpha_by_class.observe(classed_context(segment, acceptance_class(s.seq.request.params)),
+                                             k, accepted)
             # adaptive K plans the drafter's share: it learns from the draft tokens after the
             # forced ones, when verification reached them
             # (a fixed-K segment's K needs no α: only sequences adaptive K planned teach it)
@@ -518,6 +522,13 @@ class SpecController:
             live = self.live_alpha.get(segment)
             if live is not None and live.alpha is not None:  # per position, unrounded: it is gated on
                 d["live_alpha"], d["live_draft_tokens"] = live.alpha, int(live.drafted)
+            by_class = {}
+            for tag in ACCEPTANCE_CLASSES:  # each class's own: a request is gated on its class's
+                live = self.live_alpha_by_class.get(classed_context(segment, tag))
+                if live is not None and live.alpha is not None:
+                    by_class[class_name(tag)] = {"live_alpha": live.alpha, "live_draft_tokens": int(live.drafted)}
+            if by_class:
+                d["live_alpha_by_class"] = by_class
             d["moe_gate_open"] = self.moe_gate.allows(segment)
             if self.moe_gate.moe:
                 d["moe_gate"] = self.moe_gate.segment_reason(segment)

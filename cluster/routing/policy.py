@@ -32,7 +32,12 @@ Rule order (first match wins):
    below it: it goes on to rule 7. A request with a prediction skips this rule: the segment's α
    is its drafter's, and the request drafts from its own prediction (it goes on to rule 7, so load
    still sends it plain). Live α is the SpecEngine's recent (decayed) per-position
-   estimate (``live_alpha`` in its stats), not a lifetime average.
+   estimate (``live_alpha`` in its stats), not a lifetime average. A request is judged by its
+   acceptance class's α in the segment (``live_alpha_by_class``: greedy, sampled, logits shaped by
+   penalties or ``logit_bias``; ``cluster.speculative.acceptance.acceptance_class``) once that class
+   has ``min_alpha_samples`` draft tokens measured there, else by the segment's; each class is
+   gated and probed apart. Drafts are accepted about half as often at temperature 0.7 as greedy,
+   so a segment's greedy requests can pay where its sampled ones do not.
 7. hysteresis on SpecEngine in-flight: while routing to spec, stay until in-flight reaches
    ``exit_threshold`` (-> plain, ABOVE_EXIT_THRESHOLD); while routing plain, go back once in-flight
    is below ``enter_threshold`` (BELOW_ENTER_THRESHOLD), else stay plain (HYSTERESIS_PLAIN).
@@ -68,6 +73,7 @@ from dataclasses import dataclass, field
 
 from cluster.common.request import SpecMode
 from cluster.routing.load_latency import Joining, LoadLatencyModel
+from cluster.speculative.acceptance import class_name, classed_context
 
 
 class Path(enum.Enum):
@@ -198,6 +204,7 @@ class RequestFeatures:
     segment: str = "default"
     predicted: bool = False  # it sent a prediction (drafted from whatever the segment's α)
     scoring: bool = False  # max_tokens 0: the prompt scored, nothing generated
+    acceptance_class: str = ""  # ``cluster.speculative.acceptance.acceptance_class`` of its params
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,6 +218,8 @@ class EngineView:
     moe_open_segments: frozenset[str] = frozenset()  # MoE segments the SpecEngine opened live
     # segment -> (live α per position, draft tokens measured)
     alpha_by_segment: tuple[tuple[str, float, int], ...] = ()
+    # (segment, acceptance class name, live α per position, draft tokens measured): each class's own
+    alpha_by_class: tuple[tuple[str, str, float, int], ...] = ()
     break_even_alpha: float | None = None  # per position, from the SpecEngine's measured step costs
     plain_in_flight: int = 0
     # sequences each side runs at once (max_num_seqs x replicas); None: unknown, no balancing
@@ -234,7 +243,15 @@ class EngineView:
     def moe_open(self, segment: str) -> bool:
         return not self.moe or self.moe_gate_open or segment in self.moe_open_segments
 
-    def alpha(self, segment: str) -> tuple[float, int] | None:
+    def alpha(self, segment: str, acceptance_class: str | None = None,
+              min_samples: int = 0) -> tuple[float, int] | None:
+        """(α, draft tokens) of ``segment``: its ``acceptance_class``'s where that has at least
+        ``min_samples`` draft tokens measured, else the segment's over every class."""
+        if acceptance_class is not None:
+            name = class_name(acceptance_class)
+            for seg, cls, alpha, n in self.alpha_by_class:
+                if seg == segment and cls == name and n >= min_samples:
+                    return alpha, n
         for name, alpha, n in self.alpha_by_segment:
             if name == segment:
                 return alpha, n
@@ -247,8 +264,11 @@ class EngineView:
         rows = tuple((seg, float(d.get("live_alpha", d.get("alpha", 0.0))),
                       int(d.get("live_draft_tokens", d.get("draft_tokens", 0))))
                      for seg, d in sorted(spec_by_segment.items()))
+        by_class = tuple((seg, name, float(c["live_alpha"]), int(c["live_draft_tokens"]))
+                         for seg, d in sorted(spec_by_segment.items())
+                         for name, c in sorted((d.get("live_alpha_by_class") or {}).items()))
         opened = frozenset(seg for seg, d in spec_by_segment.items() if d.get("moe_gate_open"))
-        return cls(alpha_by_segment=rows, moe_open_segments=opened, **kw)
+        return cls(alpha_by_segment=rows, alpha_by_class=by_class, moe_open_segments=opened, **kw)
 
 
 class RouterPolicy:
@@ -261,7 +281,7 @@ class RouterPolicy:
         self._spec_open = True
         self._spec_open_by_segment: dict[str, bool] = {}  # segments with thresholds of their own
         self._lock = threading.Lock()
-        self._gated: dict[str, int] = {}  # segment -> requests gated since its last probe
+        self._gated: dict[str, int] = {}  # segment+class -> requests gated since its last probe
         self._moved: dict[str, int] = {}  # segment -> requests moved plain (rule 9) since its last probe
         self._moe_gated: dict[str, int] = {}  # segment -> requests kept plain by its MoE gate since its last probe
 
@@ -294,11 +314,12 @@ class RouterPolicy:
             return RouteDecision(Path.PLAIN, RouteReason.MOE_UNVALIDATED)
         if req.mode is SpecMode.SPECULATIVE:
             return RouteDecision(Path.SPECULATIVE, RouteReason.MODE_SPECULATIVE)
-        measured = None if req.predicted else view.alpha(req.segment)
+        measured = None if req.predicted else view.alpha(req.segment, req.acceptance_class,
+                                                         self.config.min_alpha_samples)
         if measured is not None:
             alpha, samples = measured
             if samples >= self.config.min_alpha_samples and alpha < self.min_alpha(view, req.segment):
-                if not self._probe_due(self._gated, req.segment):
+                if not self._probe_due(self._gated, classed_context(req.segment, req.acceptance_class)):
                     return RouteDecision(Path.PLAIN, RouteReason.BELOW_BREAK_EVEN)
                 return self._probe(req.segment, view, RouteReason.PROBE_BELOW_BREAK_EVEN)
         return self._hysteresis(req.segment, view)

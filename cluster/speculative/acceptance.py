@@ -51,6 +51,19 @@ def acceptance_class(params) -> str:
     return (SAMPLED if not params.greedy else "") + (SHAPED if params.shapes_logits else "")
 
 
+ACCEPTANCE_CLASSES = ("", SAMPLED, SHAPED, SAMPLED + SHAPED)  # every value of ``acceptance_class``
+BASE_CLASS = "base"  # the name of the class of greedy, unshaped sequences
+
+
+def class_name(acceptance_class: str) -> str:
+    """An acceptance class as engine stats and the Router name it: "base", "sampled", "shaped",
+    "sampled+shaped"."""
+    return acceptance_class[1:] if acceptance_class else BASE_CLASS
+
+
+CLASS_NAMES = tuple(class_name(c) for c in ACCEPTANCE_CLASSES)
+
+
 def classed_context(context: str, acceptance_class: str) -> str:
     """A draft context as acceptance is learnt for it: tagged with the sequence's
     ``acceptance_class``."""

@@ -27,6 +27,9 @@ specserve_kv_blocks_free / _kv_blocks_capacity / _kv_usage_ratio  engine        
 specserve_preemptions_total / _draft_fallbacks_total / _draft_resyncs_total  engine
 specserve_spec_break_even_alpha                            engine               (gauge, adaptive K)
 specserve_spec_alpha / _spec_live_alpha                    engine, segment      (gauges: lifetime, gated on)
+specserve_spec_class_live_alpha                            engine, segment, class (gauge: each acceptance
+                                                           class's, gated on once measured: base, sampled,
+                                                           shaped, sampled+shaped)
 specserve_spec_acceptance_rate                             engine, segment      (gauge, accepted / drafted)
 specserve_spec_position_acceptance_rate                    engine, segment, position (gauge)
 specserve_spec_draft_tokens_total / _accepted_tokens_total engine, segment
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from cluster.common.segments import SegmentLabels
+from cluster.speculative.acceptance import CLASS_NAMES
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 
@@ -115,6 +119,10 @@ class SpecserveMetrics:
                              "cumulative) per segment", ("engine", "segment"))
         self.live_alpha = b.gauge("specserve_spec_live_alpha", "Live alpha per segment (per position, decayed "
                                   "by draft tokens): what the Router compares with min_alpha", ("engine", "segment"))
+        self.class_live_alpha = b.gauge("specserve_spec_class_live_alpha", "Live alpha per segment and "
+                                        "acceptance class (base, sampled, shaped, sampled+shaped): what the "
+                                        "Router compares with min_alpha once the class is measured",
+                                        ("engine", "segment", "class"))
         self.acceptance_rate = b.gauge("specserve_spec_acceptance_rate", "Acceptance rate: accepted / drafted "
                                        "draft tokens (cumulative) per segment", ("engine", "segment"))
         self.position_acceptance_rate = b.gauge(
@@ -223,6 +231,9 @@ class SpecserveMetrics:
                 self.acceptance_rate.set(accepted / drafted, es)
             if d.get("live_alpha") is not None:
                 self.live_alpha.set(d["live_alpha"], es)
+            for name, c in (d.get("live_alpha_by_class") or {}).items():
+                if name in CLASS_NAMES:  # a fixed few
+                    self.class_live_alpha.set(c["live_alpha"], {**es, "class": name})
             raw = (segment,)
             self._delta(self.draft_tokens, es, drafted, raw)
             self._delta(self.accepted_tokens, es, accepted, raw)

@@ -53,7 +53,7 @@ def addr():
             limits={"max_tokens": 256, "max_prompt_tokens": 64, "max_message_bytes": 8192, "max_queue": 4},
             spec_engine={"num_cpus": 0.1, "max_num_seqs": 4}, batch_engine={"num_cpus": 0.1, "max_num_seqs": 4},
             engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
-                         "options": {"token_delay_s": 0.02, "acceptance_rate_by_segment": {"lowalpha": 0.1}}}),
+                         "options": {"token_delay_s": 0.02, "acceptance_rate_by_segment": {"lowalpha": 0.1, "mixed+sampled": 0.1}}}),
         "moe": fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                       "options": {"moe": True}}),
         "sep": SEP_ARGS,
@@ -368,6 +368,21 @@ def test_segment_below_break_even_goes_plain(main):
     wait_for(lambda: main.generate(prompt="abc", max_tokens=2, segment="lowalpha").route.reason
              == "below_break_even", what="router to see the segment's live alpha")
     assert main.generate(prompt="abc", max_tokens=2, segment="code").route.path == 1
+
+
+def test_a_segments_sampled_requests_are_gated_apart_from_its_greedy_ones(main):
+    """Segment "mixed": greedy requests' drafts are accepted, sampled ones' are not (the fake
+    engine's rates). Once each class is measured, sampled requests go plain below break-even and
+    greedy ones still speculate: the Router reads each class's α from the SpecEngine's stats."""
+    greedy = main.generate(prompt="abc", max_tokens=20, segment="mixed")
+    assert greedy.route.path == 1 and greedy.spec.acceptance_rate > 0.5
+    hot = main.generate(prompt="abc", max_tokens=20, segment="mixed", temperature=1.0)
+    assert hot.route.path == 1 and hot.spec.acceptance_rate < 0.5  # unmeasured yet: the segment's α
+    wait_for(lambda: main.generate(prompt="abc", max_tokens=2, segment="mixed", temperature=1.0).route.reason
+             == "below_break_even", what="router to see the sampled class's live alpha")
+    assert main.generate(prompt="abc", max_tokens=2, segment="mixed").route.path == 1
+    by_class = engine_stats("main", "SpecEngine")["spec_by_segment"]["mixed"]["live_alpha_by_class"]
+    assert by_class["base"]["live_alpha"] > 0.5 > by_class["sampled"]["live_alpha"], by_class
 
 
 def test_burst_moves_to_plain_and_back(main):

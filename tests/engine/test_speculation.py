@@ -232,8 +232,8 @@ def test_seeded_sampling_is_reproducible(default_model, rows):
 def test_each_acceptance_class_is_judged_by_rates_of_its_own(default_model, rows):
     """Adaptive K learns a sampled request's acceptance and a shaped one's (a repetition penalty)
     apart from greedy unshaped ones' of the same segment (their draft contexts tagged "+sampled",
-    "+shaped"), for a drafter with draft contexts and for one without; every request finishes, the
-    seeded and the shaped one as they do alone."""
+    "+shaped"), for a drafter with draft contexts and for one without, and reports each class's
+    live α; every request finishes, the seeded and the shaped one as they do alone."""
     from cluster.speculative.acceptance import CONTEXT_SEP, SAMPLED, SHAPED
 
     tok = default_model.tokenizer
@@ -255,6 +255,12 @@ def test_each_acceptance_class_is_judged_by_rates_of_its_own(default_model, rows
         assert all(k.startswith("edit") for k in learnt)
         if drafter == "ngram":
             assert all(CONTEXT_SEP in k for k in learnt)  # "edit|n2+sampled": per match length too
+        edit = eng.stats().spec_by_segment["edit"]  # the Router gates each class on its own live α
+        by_class = edit["live_alpha_by_class"]
+        assert set(by_class) == {"base", "sampled", "shaped"}, by_class
+        assert all(c["live_draft_tokens"] > 0 for c in by_class.values()), by_class
+        # the classes split the segment's decayed draft count (each truncated to a whole token)
+        assert abs(sum(c["live_draft_tokens"] for c in by_class.values()) - edit["live_draft_tokens"]) < len(by_class)
         for name, params in odd.items():
             alone = spec_engine(default_model, SpecConfig(drafter=drafter, num_draft_tokens="auto"))
             solo = run_to_completion(alone, [GenerationRequest(name, prompt_ids(tok, prompt_of[name]), params,

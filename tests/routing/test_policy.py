@@ -11,7 +11,7 @@ SPEC, PLAIN = Path.SPECULATIVE, Path.PLAIN
 
 def decide(policy, in_flight=0, **kw):
     view_kw = {k: kw.pop(k) for k in list(kw) if k in ("spec_available", "moe", "moe_gate_open",
-                                                        "alpha_by_segment", "break_even_alpha",
+                                                        "alpha_by_segment", "alpha_by_class", "break_even_alpha",
                                                         "moe_open_segments")}
     d = policy.decide(RequestFeatures(**kw), EngineView(spec_in_flight=in_flight, **view_kw))
     return d.path, d.reason
@@ -184,6 +184,37 @@ def test_engine_view_from_stats():
     assert v.alpha("code") == (0.7, 40) and v.alpha("chat") is None and v.spec_in_flight == 3
     v = EngineView.from_spec_by_segment({"code": {**lifetime, "live_alpha": 0.6, "live_draft_tokens": 30}})
     assert v.alpha("code") == (0.6, 30)
+
+
+def test_each_acceptance_class_is_gated_on_its_own_alpha_once_measured():
+    """A segment whose greedy requests pay and whose sampled ones do not: each request is judged
+    by its class's α (with ``min_alpha_samples`` measured), probed apart; a class measured less
+    (here: shaped) falls back to the segment's α over every class."""
+    p = RouterPolicy(RouterConfig(min_alpha=0.3, min_alpha_samples=10, probe_every=3))
+    view = dict(alpha_by_segment=(("chat", 0.4, 300),),
+                alpha_by_class=(("chat", "base", 0.55, 200), ("chat", "sampled", 0.12, 100), ("chat", "shaped", 0.0, 4)))
+    gated, probe = (PLAIN, RouteReason.BELOW_BREAK_EVEN), (SPEC, RouteReason.PROBE_BELOW_BREAK_EVEN)
+    sampled = [decide(p, segment="chat", acceptance_class="+sampled", **view) for _ in range(6)]
+    assert sampled == [gated, gated, probe, gated, gated, probe]
+    assert decide(p, segment="chat", acceptance_class="", **view)[0] is SPEC  # greedy: 0.55
+    assert decide(p, segment="chat", acceptance_class="+shaped", **view)[0] is SPEC  # 4 samples: the segment's 0.4
+    # a gated class's probes are its own: greedy traffic in between does not use them up
+    mixed = [decide(p, segment="chat", acceptance_class=c, **view) for c in ("+sampled", "", "+sampled", "", "+sampled")]
+    assert [m[0] for m in mixed] == [PLAIN, SPEC, PLAIN, SPEC, SPEC] and mixed[-1] == probe
+    # without class rows (an engine that predates them) every class is judged by the segment's α
+    assert decide(p, segment="chat", acceptance_class="+sampled", alpha_by_segment=(("chat", 0.2, 300),)) == gated
+    assert decide(p, segment="chat", acceptance_class="+sampled", alpha_by_segment=(("chat", 0.4, 300),))[0] is SPEC
+
+
+def test_engine_view_reads_each_classes_live_alpha():
+    stats = {"chat": {"alpha": 0.4, "draft_tokens": 500, "live_alpha": 0.41, "live_draft_tokens": 300,
+                      "live_alpha_by_class": {"base": {"live_alpha": 0.55, "live_draft_tokens": 200},
+                                              "sampled": {"live_alpha": 0.12, "live_draft_tokens": 100}}},
+             "code": {"alpha": 0.6, "draft_tokens": 50}}
+    v = EngineView.from_spec_by_segment(stats)
+    assert v.alpha("chat", "+sampled", 10) == (0.12, 100) and v.alpha("chat", "", 10) == (0.55, 200)
+    assert v.alpha("chat", "+sampled", 101) == (0.41, 300)  # too few of its own: the segment's
+    assert v.alpha("chat") == (0.41, 300) and v.alpha("code", "+sampled", 10) == (0.6, 50)
 
 
 def test_a_segment_exactly_at_break_even_is_kept_and_just_below_is_gated():

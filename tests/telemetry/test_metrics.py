@@ -85,7 +85,10 @@ def test_requests_latency_and_acceptance_are_scraped(metrics):
 
 
 def _stats(fallbacks, resyncs, segs, free=30, waiting=2):
-    by_segment = {k: {**v.to_dict(), "live_alpha": 0.6, "live_draft_tokens": 8} for k, v in segs.items()}
+    by_class = {"base": {"live_alpha": 0.7, "live_draft_tokens": 6}, "sampled": {"live_alpha": 0.2, "live_draft_tokens": 2},
+                "unknown": {"live_alpha": 0.1, "live_draft_tokens": 2}}
+    by_segment = {k: {**v.to_dict(), "live_alpha": 0.6, "live_draft_tokens": 8, "live_alpha_by_class": by_class}
+                  for k, v in segs.items()}
     return EngineStats(num_running=1, num_waiting=waiting, kv_blocks_total=40, kv_blocks_free=free,
                        num_preemptions=0, spec_enabled=True, drafter="ngram", draft_fallbacks=fallbacks,
                        draft_resyncs=resyncs, break_even_alpha=0.3, spec_by_segment=by_segment)
@@ -111,6 +114,10 @@ def test_engine_stats_export_gauges_and_counter_deltas(metrics):
     assert _get(s, "specserve_spec_acceptance_rate", engine="spec", segment="code") == pytest.approx(0.75)
     assert _get(s, "specserve_spec_alpha", engine="spec", segment="code") == pytest.approx(6 / 7)  # 1 rejection
     assert _get(s, "specserve_spec_live_alpha", engine="spec", segment="code") == 0.6
+    assert _get(s, "specserve_spec_class_live_alpha", engine="spec", segment="code", **{"class": "base"}) == 0.7
+    assert _get(s, "specserve_spec_class_live_alpha", engine="spec", segment="code", **{"class": "sampled"}) == 0.2
+    classes = {dict(labels).get("class") for name, labels in s if name == "specserve_spec_class_live_alpha"}
+    assert classes == {"base", "sampled"}  # only the four class names become labels
     assert _get(s, "specserve_spec_break_even_alpha", engine="spec") == 0.3
     assert _get(s, "specserve_spec_rejections_total", engine="spec", segment="code") == 1
     assert _get(s, "specserve_spec_position_acceptance_rate", engine="spec", segment="code", position="0") == 1.0
