@@ -50,11 +50,11 @@ from cluster.api.requests import (
 from cluster.api.responses import Accumulator, chunk
 from cluster.api.status import ENGINE_GONE, EngineFailure, ServiceError, internal_error
 from cluster.common.config import SpecConfig
+from cluster.common.acceptance_class import acceptance_class
 from cluster.common.request import FinishReason, SpecMode
 from cluster.common.segments import SegmentLabels
 from cluster.routing.load_latency import InFlightMeter
 from cluster.routing.policy import EngineView, Path, RequestFeatures, RouteDecision, RouteReason, RouterPolicy
-from cluster.speculative.acceptance import acceptance_class
 from cluster.telemetry.metrics import SpecserveMetrics
 from cluster.telemetry.router_telemetry import API_GRPC, RequestTelemetry
 from cluster.telemetry.tracing import configure_from_section

@@ -31,13 +31,13 @@ import os
 import time
 from typing import AsyncIterator
 
+from cluster.common.acceptance_class import acceptance_class, class_name, classed_context
 from cluster.common.config import AUTO_K, EngineConfig
 from cluster.common.errors import EngineOverloadedError, InvalidRequestError
 from cluster.common.request import (
     FinishReason, GenerationRequest, Logprob, RequestOutput, SpecStats, TokenLogprobs,
 )
 from cluster.engine.protocol import EngineStats
-from cluster.speculative.acceptance import acceptance_class, class_name, classed_context
 from cluster.speculative.proposer import RemoteDraft
 
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); byte b is token b + 3

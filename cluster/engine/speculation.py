@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.common.acceptance_class import ACCEPTANCE_CLASSES, acceptance_class, class_name, classed_context
 from cluster.common.config import AUTO_K, EngineConfig, SpecConfig
 from cluster.common.request import SpecMode, SpecStats
 from cluster.engine.drafters import build_drafters, draft_cost_ratio
@@ -41,8 +42,7 @@ from cluster.engine.target_rows import process_rows
 from cluster.engine.protocol import EngineStats
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
-from cluster.speculative.acceptance import (ACCEPTANCE_CLASSES, LiveAlpha, acceptance_class, class_name,
-                                            classed_context, with_context)
+from cluster.speculative.acceptance import LiveAlpha, with_context
 from cluster.speculative.adaptive_k import AdaptiveK, StepCostModel
 from cluster.speculative.calibration import StepCosts, measure_step_costs
 from cluster.speculative.moe import MoeGate

@@ -34,7 +34,7 @@ Rule order (first match wins):
    still sends it plain). Live α is the SpecEngine's recent (decayed) per-position
    estimate (``live_alpha`` in its stats), not a lifetime average. A request is judged by its
    acceptance class's α in the segment (``live_alpha_by_class``: greedy, sampled, logits shaped by
-   penalties or ``logit_bias``; ``cluster.speculative.acceptance.acceptance_class``) once that class
+   penalties or ``logit_bias``; ``cluster.common.acceptance_class.acceptance_class``) once that class
    has ``min_alpha_samples`` draft tokens measured there, else by the segment's; each class is
    gated and probed apart. Drafts are accepted about half as often at temperature 0.7 as greedy,
    so a segment's greedy requests can pay where its sampled ones do not.
@@ -71,9 +71,9 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
+from cluster.common.acceptance_class import class_name, classed_context
 from cluster.common.request import SpecMode
 from cluster.routing.load_latency import Joining, LoadLatencyModel
-from cluster.speculative.acceptance import class_name, classed_context
 
 
 class Path(enum.Enum):
@@ -204,7 +204,7 @@ class RequestFeatures:
     segment: str = "default"
     predicted: bool = False  # it sent a prediction (drafted from whatever the segment's α)
     scoring: bool = False  # max_tokens 0: the prompt scored, nothing generated
-    acceptance_class: str = ""  # ``cluster.speculative.acceptance.acceptance_class`` of its params
+    acceptance_class: str = ""  # ``cluster.common.acceptance_class.acceptance_class`` of its params
 
 
 @dataclass(slots=True, frozen=True)

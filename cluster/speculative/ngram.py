@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.speculative.acceptance import classed_context
+from cluster.common.acceptance_class import classed_context
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.token_history import TokenHistory
 from cluster.speculative.types import DraftProposal, ProposeInput

@@ -71,8 +71,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from cluster.common.acceptance_class import acceptance_class as acceptance_class_of, classed_context
 from cluster.common.request import SamplingParams
-from cluster.speculative.acceptance import acceptance_class as acceptance_class_of, classed_context
 from cluster.speculative.adaptive_k import CostModel, catch_up_cost_of, catch_up_wait, draft_cost_of, verify_overhead
 from cluster.speculative.proposer import DrafterKind, Proposer
 from cluster.speculative.types import DraftProposal, ProposeInput

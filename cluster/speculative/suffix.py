@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.speculative.acceptance import classed_context
+from cluster.common.acceptance_class import classed_context
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.suffix_corpus import SEPARATOR, SuffixCorpus
 from cluster.speculative.token_history import TokenHistory

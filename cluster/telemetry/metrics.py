@@ -47,8 +47,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from cluster.common.acceptance_class import CLASS_NAMES
 from cluster.common.segments import SegmentLabels
-from cluster.speculative.acceptance import CLASS_NAMES
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 

@@ -234,7 +234,8 @@ def test_each_acceptance_class_is_judged_by_rates_of_its_own(default_model, rows
     apart from greedy unshaped ones' of the same segment (their draft contexts tagged "+sampled",
     "+shaped"), for a drafter with draft contexts and for one without, and reports each class's
     live α; every request finishes, the seeded and the shaped one as they do alone."""
-    from cluster.speculative.acceptance import CONTEXT_SEP, SAMPLED, SHAPED
+    from cluster.common.acceptance_class import SAMPLED, SHAPED
+    from cluster.speculative.acceptance import CONTEXT_SEP
 
     tok = default_model.tokenizer
     odd = {"hot": SamplingParams(max_tokens=24, temperature=1.0, seed=7),

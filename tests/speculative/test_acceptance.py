@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from cluster.common.request import SamplingParams, SpecStats
-from cluster.speculative.acceptance import (AcceptanceEstimator, AlphaCounts, LiveAlpha, acceptance_class,
-                                            classed_context, expected_committed)
+from cluster.common.request import SpecStats
+from cluster.speculative.acceptance import AcceptanceEstimator, AlphaCounts, LiveAlpha, expected_committed
 
 
 def test_expected_committed_matches_design_numbers():
@@ -135,20 +134,3 @@ def test_live_alpha_halves_an_observation_after_half_life_draft_tokens():
     assert live.get("code") is None and set(live.segments()) == {"chat"}
     with pytest.raises(ValueError):
         LiveAlpha(half_life=0)
-
-
-@pytest.mark.parametrize("fields, tag", [
-    ({}, ""),
-    ({"temperature": 0.0, "top_k": 5, "min_tokens": 2}, ""),  # greedy stays greedy; min_tokens shapes no rate
-    ({"temperature": 0.7}, "+sampled"),
-    ({"temperature": 1.0, "top_p": 0.9, "min_p": 0.05}, "+sampled"),
-    ({"repetition_penalty": 1.2}, "+shaped"),
-    ({"presence_penalty": 0.5}, "+shaped"),
-    ({"frequency_penalty": -0.5}, "+shaped"),
-    ({"logit_bias": ((3, 1.0),)}, "+shaped"),
-    ({"temperature": 0.8, "repetition_penalty": 1.1}, "+sampled+shaped"),
-])
-def test_acceptance_class_names_sampling_and_shaped_logits(fields, tag):
-    params = SamplingParams(max_tokens=8, **fields)
-    assert acceptance_class(params) == tag
-    assert classed_context("n2", acceptance_class(params)) == f"n2{tag}"
