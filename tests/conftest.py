@@ -8,7 +8,11 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "2")))
+# One torch thread per test process: ``make test`` runs two pytest workers on two cores (xdist), and
+# two OpenMP pools of two threads each on two cores spin at each other's barriers.
+torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
+
+pytest_plugins = ["tests.time_budget", "tests.worker_groups"]
 
 
 def pytest_addoption(parser):
@@ -19,6 +23,26 @@ def pytest_addoption(parser):
                     help="hypothesis examples against the FakeEngine app (default: the CI profile, "
                          "tests/chaos/conftest.py); the real-model fuzz runs a seventh of it, at least 30")
     group.addoption("--chaos-report", default=None, help="write the chaos suite's figures as JSON here")
+
+
+@pytest.fixture(scope="session")
+def serve_shared():
+    """One Ray + Serve session shared by the ``ray`` modules that only deploy apps and send requests
+    (``tests.deployments.harness.SharedServe``); ``tests.worker_groups`` runs them one after another."""
+    from tests.deployments.harness import SHARED
+
+    yield SHARED
+    SHARED.close()
+
+
+@pytest.hookimpl(trylast=True)  # after the module's own fixtures (its apps) are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Close the shared Serve session as soon as the next test does not use it: a module that starts
+    Ray its own way must not find it running."""
+    if "serve_shared" in item.fixturenames and (nextitem is None or "serve_shared" not in nextitem.fixturenames):
+        from tests.deployments.harness import SHARED
+
+        SHARED.close()
 
 
 @pytest.fixture(scope="session")
@@ -38,10 +62,14 @@ def default_model(default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model_dir, default_model):
+def hf_reference(default_model_dir, default_model, tmp_path_factory, worker_id):
+    """HF ``generate`` on the default model; under xdist the run's workers share what they computed
+    (the folder above each worker's own temporary folder is the run's)."""
     from tests.reference import HFReference
 
-    return HFReference(default_model_dir, default_model.eos_token_ids)
+    run_dir = tmp_path_factory.getbasetemp()
+    share = (run_dir.parent if worker_id != "master" else run_dir) / "hf-reference"
+    return HFReference(default_model_dir, default_model.eos_token_ids, share_dir=share)
 
 
 @pytest.fixture(scope="session")

@@ -41,10 +41,10 @@ def test_openai_with_addr_needs_the_http_url(tmp_path, capsys):
 
 
 @pytest.mark.ray
-def test_bench_serve_api_openai_quick(tmp_path):
+def test_bench_serve_api_openai_quick(tmp_path, serve_shared):
     import yaml
 
-    from tests.deployments.harness import Client, fake_args, serve_apps_at
+    from tests.deployments.harness import Client, fake_args
 
     app_args = fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                       "options": {"token_delay_s": 0.01}})
@@ -52,7 +52,7 @@ def test_bench_serve_api_openai_quick(tmp_path):
     config.write_text(yaml.safe_dump({"applications": [{"name": "oai", "args": app_args}]}))
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    with serve_apps_at({"oai": app_args}) as addrs:
+    with serve_shared.apps({"oai": app_args}) as addrs:
         Client(addrs.grpc, "oai").wait_ready()
         args = p.parse_args(["--json", str(tmp_path / "serve.json"), "--addr", addrs.grpc, "--app", "oai",
                              "--config", str(config), "--api", "openai", "--http-url", f"{addrs.http}/oai/v1",

@@ -1,4 +1,5 @@
-"""One local Ray + Serve instance per test module: 127.0.0.1 only, bounded CPUs, no dashboard."""
+"""Local Ray + Serve for the tests: 127.0.0.1 only, bounded CPUs, no dashboard; one session per module
+(``serve_apps``) or one shared by the modules that can share it (``SharedServe``)."""
 from __future__ import annotations
 
 import contextlib
@@ -117,6 +118,68 @@ def deploy_apps(apps: dict[str, dict], timeout_s: float = 240) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
         time.sleep(0.5)
+
+
+# Every variable the modules on the shared session read (each module its own token), set once
+# before Ray starts so that every replica inherits them; OTEL_BSP_SCHEDULE_DELAY: replicas export
+# spans every 200 ms instead of every 5 s (a traced test waits for them).
+SHARED_ENV = {"SPECSERVE_TEST_TOKEN": "test-token-123", "KVSYNC_SERVICE_TOKEN": "kvsync-s3cret",
+              "SPECSERVE_OA_TOKEN": "oa-token-456", "SPECSERVE_RESP_TOKEN": "resp-token-789",
+              "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
+class SharedServe:
+    """One Ray + Serve session for the ``ray`` modules that only deploy apps and send requests
+    (the ``serve_shared`` fixture): started on first use, each module's apps deployed for the module
+    and deleted after it, closed when the next test does not use it (``tests/conftest.py``) — a
+    module that starts Ray its own way (its own environment, metrics port, ``specserve serve``)
+    never finds it running. The proxy's message cap is the default limits' (1 MiB); an app that
+    needs a bigger one is refused here (it would need a session of its own)."""
+
+    def __init__(self) -> None:
+        self._session = None
+        self.addrs: Addresses | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._session is not None
+
+    def _start(self) -> Addresses:
+        from deployments.app_config import proxy_env
+
+        if self._session is None:
+            session = serve_session_at(env={**SHARED_ENV, **proxy_env([{}])})
+            self.addrs = session.__enter__()
+            self._session = session
+        return self.addrs
+
+    @contextlib.contextmanager
+    def apps(self, apps: dict[str, dict], timeout_s: float = 240):
+        """Deploy ``apps`` (name -> AppConfig args) for the ``with`` block; yields the Addresses."""
+        from ray import serve
+
+        from deployments.app_config import AppConfig, proxy_env
+
+        cap = int(next(iter(proxy_env([{}]).values())))
+        for name, args in apps.items():
+            if AppConfig(**args).proxy_max_message_bytes() > cap:
+                raise ValueError(f"app {name!r} needs a gRPC proxy cap over the shared session's {cap} bytes")
+        addrs = self._start()
+        try:
+            deploy_apps(apps, timeout_s=timeout_s)
+            yield addrs
+        finally:
+            for name in apps:
+                with contextlib.suppress(Exception):
+                    serve.delete(name)
+
+    def close(self) -> None:
+        if self._session is not None:
+            session, self._session, self.addrs = self._session, None, None
+            session.__exit__(None, None, None)
+
+
+SHARED = SharedServe()  # the ``serve_shared`` fixture's (tests/conftest.py)
 
 
 class Client:

@@ -9,11 +9,11 @@ import pytest
 
 from cluster.api import stubs
 from cluster.kvsync.tls import KVSyncTLS
-from tests.deployments.harness import Client, fake_args, serve_apps
+from tests.deployments.harness import SHARED_ENV, Client, fake_args
 from tests.kvsync.certs import NAME, self_signed
 
 pytestmark = pytest.mark.ray
-TOKEN = "kvsync-service-token"
+TOKEN = SHARED_ENV["KVSYNC_SERVICE_TOKEN"]
 pb2 = stubs.kvsync_pb2()
 
 
@@ -22,7 +22,7 @@ def expected(prompt: str, n: int) -> list[int]:
     return [ids[i % len(ids)] for i in range(n)]
 
 
-def test_separate_placement_with_auth_and_tls(tmp_path):
+def test_separate_placement_with_auth_and_tls(tmp_path, serve_shared):
     from ray import serve
 
     cert, key = self_signed(tmp_path)
@@ -30,7 +30,8 @@ def test_separate_placement_with_auth_and_tls(tmp_path):
                      kvsync={"tls_cert_file": cert, "tls_key_file": key, "tls_server_name": NAME},
                      engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                   "options": {"token_delay_s": 0.02}})
-    with serve_apps({"sec": args}, env={"KVSYNC_SERVICE_TOKEN": TOKEN}) as addr:
+    with serve_shared.apps({"sec": args}) as addrs:
+        addr = addrs.grpc
         client = Client(addr, "sec", TOKEN)
         client.wait_ready()
         prompt = "one two three one two three "

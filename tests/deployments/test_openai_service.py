@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API end to end: real Ray Serve (its HTTP proxy), real HTTP on
 127.0.0.1, the official ``openai`` client; gRPC on the same app, same Router.
 
-One Serve start for the module, two apps: ``oa`` (the fake engine, auth on, small limits, a served
+Two apps on the suite's shared Serve session (``serve_shared``): ``oa`` (the fake engine, auth on, small limits, a served
 model name) and ``real`` (the default model SmolLM2-135M on the in-process engine, auth off), on
 which greedy output through the OpenAI API equals gRPC's and Hugging Face ``generate``'s on both
 paths, and stop strings and seeds act as they do over gRPC.
@@ -17,11 +17,11 @@ import pytest
 
 from cluster.common.config import EngineConfig
 from cluster.engine.fake_engine import FakeEngine
-from tests.deployments.harness import SMALL, Client, fake_args, serve_apps_at
+from tests.deployments.harness import SHARED_ENV, SMALL, Client, fake_args
 from tests.deployments.test_service_fake import engine_stats, wait_for
 
 pytestmark = pytest.mark.ray
-TOKEN = "oa-token-456"
+TOKEN = SHARED_ENV["SPECSERVE_OA_TOKEN"]
 MODEL = "specserve-fake"
 FAKE = FakeEngine(EngineConfig())  # its tokenizer and chat template (pure functions)
 
@@ -46,7 +46,7 @@ REAL = {"model": "default", "drafter": "suffix:cold", "num_draft_tokens": 4, "to
 
 
 @pytest.fixture(scope="module")
-def addrs():
+def addrs(serve_shared):
     apps = {
         "oa": fake_args(
             auth={"token_env": "SPECSERVE_OA_TOKEN"}, http={"served_model_name": MODEL},
@@ -55,7 +55,7 @@ def addrs():
             engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine", "options": {"token_delay_s": 0.02}}),
         "real": REAL,
     }
-    with serve_apps_at(apps, env={"SPECSERVE_OA_TOKEN": TOKEN}, timeout_s=400) as a:
+    with serve_shared.apps(apps, timeout_s=400) as a:
         Client(a.grpc, "oa", TOKEN).wait_ready()
         Client(a.grpc, "real").wait_ready(timeout_s=400)
         yield a

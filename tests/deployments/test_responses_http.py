@@ -9,20 +9,20 @@ import openai
 import pytest
 import requests
 
-from tests.deployments.harness import FAKE, Client, fake_args, serve_apps_at
+from tests.deployments.harness import FAKE, SHARED_ENV, Client, fake_args
 
 pytestmark = pytest.mark.ray
-TOKEN = "resp-token-9"
+TOKEN = SHARED_ENV["SPECSERVE_RESP_TOKEN"]
 
 
 @pytest.fixture(scope="module")
-def addrs():
+def addrs(serve_shared):
     apps = {"resp": fake_args(auth={"token_env": "SPECSERVE_RESP_TOKEN"},
                               limits={"max_tokens": 64, "max_prompt_tokens": 256, "max_message_bytes": 8192},
                               http={"stored_responses": 3},
                               engine_impl={**FAKE, "options": {"token_delay_s": 0.005}}),
             "nostore": fake_args(http={"stored_responses": 0})}
-    with serve_apps_at(apps, env={"SPECSERVE_RESP_TOKEN": TOKEN}, timeout_s=300) as a:
+    with serve_shared.apps(apps, timeout_s=300) as a:
         Client(a.grpc, "resp", TOKEN).wait_ready()
         Client(a.grpc, "nostore").wait_ready()
         yield a

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.deployments.harness import Client, fake_args, serve_apps
+from tests.deployments.harness import Client, fake_args
 
 pytestmark = pytest.mark.ray
 
@@ -19,9 +19,9 @@ ARGS = fake_args(router={"enter_threshold": 2, "exit_threshold": 4, "min_alpha":
                  engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine", "options": {"token_delay_s": 0.005}})
 
 
-def test_router_and_engine_apply_and_model_info_shows_per_segment_settings():
-    with serve_apps({"seg": ARGS}) as addr:
-        c = Client(addr, "seg")
+def test_router_and_engine_apply_and_model_info_shows_per_segment_settings(serve_shared):
+    with serve_shared.apps({"seg": ARGS}) as addrs:
+        c = Client(addrs.grpc, "seg")
         c.wait_ready()
         info = c.stub.ModelInfo(c.pb2.ModelInfoRequest(), metadata=c.md, timeout=10)
         got = {s.segment: (s.enter_threshold, s.exit_threshold, round(s.min_alpha, 3), s.min_alpha_auto,

@@ -1,11 +1,11 @@
 """The Serve app end to end with the fake engine: real Ray Serve, real gRPC on 127.0.0.1.
 
-Five apps in one Serve instance (one Ray start for the module): ``main`` (auth on, small
+Five apps on the suite's shared Serve session (``serve_shared``): ``main`` (auth on, small
 thresholds and queue), ``moe`` (unvalidated MoE target, auth off), ``sep`` (placement separate:
 a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine), ``overflow``
 (slow steps, a segment the fake SpecEngine cannot accelerate: measured overflow balancing),
 ``fault`` (plain only: its BatchEngine replica is killed mid-stream). The gRPC proxy runs with the
-message cap ``specserve serve`` gives it (``proxy_env``).
+message cap ``specserve serve`` gives an app with the default limits (``proxy_env``).
 """
 import json
 import re
@@ -18,11 +18,10 @@ import pytest
 
 from cluster.api.status import ENGINE_GONE
 from cluster.engine.fake_engine import CRASH_MARKER, CRASH_TEXT, FAIL_MARKER, FAIL_MESSAGE, HOLD_MARKER
-from deployments.app_config import proxy_env
-from tests.deployments.harness import Client, fake_args, serve_apps
+from tests.deployments.harness import SHARED_ENV, Client, fake_args
 
 pytestmark = pytest.mark.ray
-TOKEN = "test-token-123"
+TOKEN = SHARED_ENV["SPECSERVE_TEST_TOKEN"]
 CODE = grpc.StatusCode
 
 
@@ -45,7 +44,7 @@ OVERFLOW_ARGS = fake_args(
 
 
 @pytest.fixture(scope="module")
-def addr():
+def addr(serve_shared):
     apps = {
         "main": fake_args(
             auth={"token_env": "SPECSERVE_TEST_TOKEN"},
@@ -61,10 +60,10 @@ def addr():
         "fault": fake_args(drafter="none", engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
                                                         "options": {"token_delay_s": 0.05}}),
     }
-    with serve_apps(apps, env={"SPECSERVE_TEST_TOKEN": TOKEN, **proxy_env(list(apps.values()))}) as a:
+    with serve_shared.apps(apps) as a:
         for name in apps:
-            Client(a, name, TOKEN).wait_ready()
-        yield a
+            Client(a.grpc, name, TOKEN).wait_ready()
+        yield a.grpc
 
 
 @pytest.fixture(scope="module")

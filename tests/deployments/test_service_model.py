@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cluster.api.status import ENGINE_GONE
-from tests.deployments.harness import SMALL, Client, serve_apps
+from tests.deployments.harness import SMALL, Client
 from tests.deployments.test_service_fake import _kill_draft_server, engine_stats, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
@@ -79,12 +79,12 @@ def assert_greedy_equal(hf, prompt_ids: list[int], got: list[int], want: list[in
 
 
 @pytest.fixture(scope="module")
-def addr():
+def addr(serve_shared):
     apps = {"shared": real_args(), "sep": real_args(placement="separate")}
-    with serve_apps(apps, timeout_s=300) as a:
+    with serve_shared.apps(apps, timeout_s=300) as a:
         for name in apps:
-            Client(a, name).wait_ready(timeout_s=300)
-        yield a
+            Client(a.grpc, name).wait_ready(timeout_s=300)
+        yield a.grpc
 
 
 @pytest.mark.parametrize("app", ["shared", "sep"])

@@ -2,7 +2,7 @@
 Router span continues the client's ``traceparent`` and carries the GenAI + route attributes."""
 import pytest
 
-from tests.deployments.harness import Client, fake_args, serve_apps
+from tests.deployments.harness import Client, fake_args
 from tests.telemetry.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.ray
@@ -10,14 +10,15 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 
 
-def test_router_span_continues_client_trace():
+def test_router_span_continues_client_trace(serve_shared):
     with OtlpReceiver() as receiver:
         args = fake_args(telemetry={"otlp_endpoint": receiver.endpoint, "sampling_ratio": 0.0,
                                     "service_name": "specserve-e2e"},
                          engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine", "options": {}})
-        # BatchSpanProcessor exports every 5 s by default; make the replicas flush fast.
-        with serve_apps({"traced": args}, env={"OTEL_BSP_SCHEDULE_DELAY": "200"}) as addr:
-            client = Client(addr, "traced")
+        # BatchSpanProcessor exports every 5 s by default; the shared session's replicas flush
+        # every 200 ms (harness.SHARED_ENV)
+        with serve_shared.apps({"traced": args}) as addrs:
+            client = Client(addrs.grpc, "traced")
             client.wait_ready()
             md = [("traceparent", f"00-{TRACE_ID}-{PARENT}-01")]
             resp = client.generate(md=md, prompt="hello world", max_tokens=6, temperature=0.0, segment="code")

@@ -11,6 +11,8 @@ from tests.deployments.harness import Client, fake_args, serve_apps
 
 from .conftest import NAMESPACE, RELEASE
 
+pytestmark = pytest.mark.ray
+
 TOKEN = "helm-s3cret"
 # what the test swaps in: the engine and the resources; auth, router, limits, telemetry, dtype,
 # drafter and placement stay as rendered

@@ -4,16 +4,20 @@ SpecEngine as a probe (route reason ``probe_moe_unvalidated``), the rest stay pl
 segment, and every answer is the same text."""
 from __future__ import annotations
 
-from tests.deployments.harness import Client, fake_args, serve_apps
+import pytest
+
+from tests.deployments.harness import Client, fake_args
+
+pytestmark = pytest.mark.ray
 
 PLAIN, SPEC = 2, 1  # specserve.v1.Path
 
 
-def test_closed_moe_segment_probes_every_nth_request():
+def test_closed_moe_segment_probes_every_nth_request(serve_shared):
     args = fake_args(engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine", "options": {"moe": True}},
                      moe={"probe_every": 3})
-    with serve_apps({"moe": args}) as addr:
-        c = Client(addr, "moe")
+    with serve_shared.apps({"moe": args}) as addrs:
+        c = Client(addrs.grpc, "moe")
         c.wait_ready()  # the health check refreshes the Router's view of the engines (MoE, gate closed)
         routes, outputs = [], set()
         for segment in ["chat"] * 3 + ["code"] * 2 + ["chat"] * 3 + ["code"]:

@@ -5,14 +5,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from cluster.common.request import SamplingParams
 from cluster.speculative.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
 from cluster.speculative.proposer import DrafterKind, Proposer, parse_drafter_choice
 from cluster.speculative.types import ProposeInput
-
-torch.set_num_threads(1)
 
 
 def draft(tokens, k, ngram_min=1, ngram_max=4, proposer=None, seq_id="s"):

@@ -14,8 +14,6 @@ from cluster.sampling.sampler import coupled_tokens, filtered_logits, logits_to_
 from cluster.speculative.rejection_sampler import rejection_sample
 from cluster.speculative.types import PLACEHOLDER_TOKEN_ID as PH, SpecBatchMetadata
 
-torch.set_num_threads(1)
-
 V = 6
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)

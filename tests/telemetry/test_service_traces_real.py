@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cluster.api.stubs import generation_pb2 as client_pb2
-from tests.deployments.harness import SMALL, Client, serve_apps
+from tests.deployments.harness import SMALL, Client
 from tests.telemetry.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
@@ -49,12 +49,12 @@ def _code_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def traced_request():
+def traced_request(serve_shared):
     """Start the app once, send one traced speculative request, return (response, its spans)."""
     with OtlpReceiver() as receiver:
-        env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # replicas flush every 200 ms instead of 5 s
-        with serve_apps({"sep": _args(receiver.endpoint)}, env=env, timeout_s=300) as addr:
-            client = Client(addr, "sep")
+        # the shared session's replicas flush every 200 ms instead of 5 s (harness.SHARED_ENV)
+        with serve_shared.apps({"sep": _args(receiver.endpoint)}, timeout_s=300) as addrs:
+            client = Client(addrs.grpc, "sep")
             client.wait_ready(timeout_s=300)
             md = client.md + [("traceparent", f"00-{TRACE_ID}-{PARENT}-01")]
             resp = client.generate(md=md, prompt=_code_prompt(), max_tokens=MAX_TOKENS, temperature=0.0,
