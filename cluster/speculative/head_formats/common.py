@@ -107,8 +107,8 @@ def layer_spec(cfg: dict, where: str) -> LayerSpec:
         raise HeadFormatError(f"{where}: decoder layer config lacks {missing}")
     try:
         arch = LlamaArch.from_hf_config({"num_hidden_layers": 1, **cfg})
-    except (KeyError, TypeError, ValueError) as e:
-        raise HeadFormatError(f"{where}: malformed decoder layer config ({e})") from None
+    except (KeyError, TypeError, ValueError, ModelLoadError) as e:
+        raise HeadFormatError(f"{where}: decoder layer config: {e}") from None
     if arch.num_layers != 1:
         raise HeadFormatError(f"{where}: num_hidden_layers {arch.num_layers}: only one-layer EAGLE-3 heads are supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
