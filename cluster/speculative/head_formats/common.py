@@ -106,9 +106,12 @@ def layer_spec(cfg: dict, where: str) -> LayerSpec:
     if missing:
         raise HeadFormatError(f"{where}: decoder layer config lacks {missing}")
     try:
-        arch = LlamaArch.from_hf_config({"num_hidden_layers": 1, **cfg})
+        # the values a key left out means are the config class's (speculators writes a diff against them)
+        full = _full_layer_config(cfg)
+        arch = LlamaArch.from_hf_config(full)
     except (KeyError, TypeError, ValueError, ModelLoadError) as e:
         raise HeadFormatError(f"{where}: decoder layer config: {e}") from None
+    cfg = full
     if arch.num_layers != 1:
         raise HeadFormatError(f"{where}: num_hidden_layers {arch.num_layers}: only one-layer EAGLE-3 heads are supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
@@ -118,6 +121,16 @@ def layer_spec(cfg: dict, where: str) -> LayerSpec:
         raise HeadFormatError(f"{where}: sliding-window draft layers ({types or 'use_sliding_window'}) are not "
                               "supported: the drafter attends to the whole sequence")
     return LayerSpec(arch, layer_type)
+
+
+def _full_layer_config(cfg: dict) -> dict:
+    """Every field of the head's decoder-layer config, with the Hugging Face config class's
+    defaults for the keys it leaves out (as speculators, vLLM and SGLang read it)."""
+    import transformers
+
+    d = {k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    d.setdefault("num_hidden_layers", 1)
+    return transformers.AutoConfig.for_model(**d).to_dict()
 
 
 def check_target(where: str, target, *, hidden_size: int, target_hidden_size: int | None, vocab_size: int,
@@ -214,7 +227,7 @@ def check_dtype(where: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype
 
 def check_embedding(where: str, embed: torch.Tensor, target) -> None:
     """A head's saved embedding must be its target's (the drafter uses the target's)."""
-    own = target.embed
+    own = target.embed.detach().cpu()
     if embed.shape != own.shape:
         raise EagleTargetMismatch(f"{where}: embed_tokens {list(embed.shape)} differs from the target's {list(own.shape)}")
     diff = (embed.float() - own.float()).abs().max().item()
@@ -233,7 +246,7 @@ def lm_head_rows(where: str, tensors: dict[str, torch.Tensor], ids: torch.Tensor
     if tied:
         if own is not None:
             raise HeadFormatError(f"{where}: tie_word_embeddings is set but the head also has its own lm_head.weight")
-        return target.embed[ids].float()
+        return target.embed.detach().cpu()[ids].float()
     if own is None:
         raise HeadFormatError(f"{where}: missing tensor lm_head.weight (and the config does not tie it)")
     return own

@@ -86,7 +86,7 @@ def read_eagle3_head(head_dir: Path, target) -> EagleHead:
             raise HeadFormatError(f"{where}: missing tensors {missing}")
         state["fc_norm"] = torch.stack([tensors.pop(n) for n in names])
     if cfg.get("draft_vocab_size") is None and "lm_head.weight" not in tensors:  # SGLang: the target's LM head
-        state["lm_head.weight"] = target.lm_head.weight().t().float()  # [V, H]
+        state["lm_head.weight"] = target.lm_head.weight().t().float().cpu()  # [V, H]
     else:
         state["lm_head.weight"] = lm_head_rows(where, tensors, ids, bool(cfg.get("tie_word_embeddings", False)), target)
     ecfg = eagle_config(spec, target, feature_layers=feature_layers, draft_vocab=draft_vocab,
