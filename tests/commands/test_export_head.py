@@ -53,8 +53,8 @@ def test_the_shipped_head_exported_and_loaded_back_is_the_same_head_and_drafts_t
             back.forget(seq_id)
 
     m.runner.feature_tap = Both()
-    rows = workload_rows(per_segment=1)
-    seqs = {r.request_id: r.prompt_token_ids for r in greedy_requests(default_model.tokenizer, rows, 8)}
+    rows = workload_rows(per_segment=1)[:3]
+    seqs = {r.request_id: r.prompt_token_ids[:40] for r in greedy_requests(default_model.tokenizer, rows, 8)}
     m.runner.forward([SeqChunk(s, ids, 0, 1) for s, ids in seqs.items()])
     inputs = [ProposeInput(s, ids, 4, SamplingParams(max_tokens=8)) for s, ids in seqs.items()]
     want = shipped.propose(inputs).draft_token_ids

@@ -230,6 +230,8 @@ def check_embedding(where: str, embed: torch.Tensor, target) -> None:
     own = target.embed.detach().cpu()
     if embed.shape != own.shape:
         raise EagleTargetMismatch(f"{where}: embed_tokens {list(embed.shape)} differs from the target's {list(own.shape)}")
+    if torch.equal(embed, own.to(embed.dtype)):  # the usual case: a copy in the head's dtype
+        return
     diff = (embed.float() - own.float()).abs().max().item()
     scale = own.float().abs().max().item()
     if diff > 1e-2 * max(scale, 1e-6):  # a copy, up to a 16-bit rounding of either side
