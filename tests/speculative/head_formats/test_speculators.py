@@ -10,10 +10,9 @@ import json
 import pytest
 import torch
 
-from cluster.common.config import EngineConfig
 from cluster.common.request import SamplingParams
-from cluster.models.load import load_model
-from cluster.models.runner import SeqChunk
+from cluster.models.llama import LlamaModel
+from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.eagle import EagleProposer
 from cluster.speculative.eagle_head import EagleConfig, EagleHead, FusionNorm
 from cluster.speculative.head_formats import HeadFormat, detect_format, load_any_head
@@ -28,11 +27,11 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory, default_model_dir):
+def target(tmp_path_factory):
+    """A tiny random Llama target (5 layers, vocabulary 512) and its directory (the heads' verifier)."""
     speculators()
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("spec-target"), "llama", tokenizer_dir=default_model_dir,
-                               num_hidden_layers=5)
-    return path, load_model(str(path), EngineConfig(model=str(path)))
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("spec-target"), "llama", num_hidden_layers=5)
+    return path, LlamaModel.load(path, torch.float32)
 
 
 def _features(target_model, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +49,7 @@ VARIANTS = {  # the options our head implements, as the package spells them
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_our_draft_logits_equal_the_packages(target, tmp_path, variant):
-    path, model = target
-    llama = model.runner.model
+    path, llama = target
     head_dir = speculators_head(tmp_path / "head", path, llama, **VARIANTS[variant])
     assert detect_format(head_dir) is HeadFormat.SPECULATORS
     ours = load_any_head(head_dir, llama)
@@ -74,11 +72,10 @@ def test_our_draft_logits_equal_the_packages(target, tmp_path, variant):
 def test_the_engines_drafts_are_the_packages_greedy_chain(target, tmp_path):
     """The drafter in the engine (features from the target's own forward, catch-up, draft
     rounds) drafts exactly the tokens the package's forward gives from the same features."""
-    path, model = target
-    head_dir = speculators_head(tmp_path / "head", path, model.runner.model, seed=3,
-                                **VARIANTS["normed"])
-    m = model.with_fresh_kv(EngineConfig(model="tiny"))
-    prop = EagleProposer.from_dir(head_dir, m.runner)
+    path, llama = target
+    head_dir = speculators_head(tmp_path / "head", path, llama, seed=3, **VARIANTS["normed"])
+    runner = ModelRunner(llama, 16, 16)
+    prop = EagleProposer.from_dir(head_dir, runner)
     raw: dict[str, torch.Tensor] = {}
     record = prop.record
 
@@ -91,19 +88,18 @@ def test_the_engines_drafts_are_the_packages_greedy_chain(target, tmp_path):
 
     prop.record = keep
     g = torch.Generator().manual_seed(7)
-    seqs = {"a": torch.randint(0, 49152, (14,), generator=g).tolist(), "b": torch.randint(0, 49152, (6,), generator=g).tolist()}
-    m.runner.forward([SeqChunk(s, ids, 0, 1) for s, ids in seqs.items()])
-    got = prop.propose([ProposeInput(s, ids, 4, SamplingParams(max_tokens=8)) for s, ids in seqs.items()])
+    seqs = {"a": torch.randint(0, 512, (14,), generator=g).tolist(), "b": torch.randint(0, 512, (6,), generator=g).tolist()}
+    runner.forward([SeqChunk(s, ids, 0, 1) for s, ids in seqs.items()])
+    got = prop.propose([ProposeInput(s, ids, 3, SamplingParams(max_tokens=8)) for s, ids in seqs.items()])
     reference = load_reference(head_dir)
     for (s, ids), drafts in zip(seqs.items(), got.draft_token_ids):
         n = len(ids)
-        want = reference_drafts(reference, raw[s][: n - 1], ids[1:], 4)  # anchors 0..n-2, tokens 1..n-1
+        want = reference_drafts(reference, raw[s][: n - 1], ids[1:], 3)  # anchors 0..n-2, tokens 1..n-1
         assert list(drafts) == want, s
 
 
 def test_an_exported_head_loads_in_the_package_and_back_in_ours(target, tmp_path):
-    path, model = target
-    llama = model.runner.model
+    path, llama = target
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(llama, 80, feature_layers=(1, 2, 4)))
     with torch.no_grad():
