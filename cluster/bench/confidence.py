@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.common.prompt_rows import read_prompt_rows
     from cluster.models.load import load_model
     from cluster.models.tokenizer import prompt_token_ids
-    from cluster.speculative.eagle_head import load_head
+    from cluster.speculative.head_formats import load_any_head
     from cluster.speculative.proposer import DrafterKind, parse_drafter_choice
     from cluster.training.self_distill import generate
 
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     target = load_model(args.model, EngineConfig(model=args.model, num_kv_blocks=2))
     model = target.runner.model
-    head = load_head(Path(choice.model), model).eval()
+    head = load_any_head(Path(choice.model), model).eval()
     report = {"model": target.name, "head": choice.model,
               "config": {k: getattr(args, k) for k in ("segments", "prompts_per_segment", "max_tokens", "steps", "c", "v")}
               | {"floors": floors}, "segments": {}}

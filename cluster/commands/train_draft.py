@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size,
                    help="sequences the target generates together (larger on a GPU); a run may resume with another "
                         "(samples already made are kept)")
+    p.add_argument("--format", default="specserve", choices=["specserve", "speculators"],
+                   help="speculators: also write the finished head in the speculators format (vLLM) to OUT/speculators "
+                        "(`specserve export-head` does the same for a head trained before)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -179,4 +182,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {source}: [{fmt(counts.alphas)}] ({counts.den[0]} anchors); at the engine's steps "
               f"[{fmt(counts.step_alphas)}] ({counts.step_den[0]} steps)")
     print(f"head: {args.out} (use it with --draft eagle:{args.out})")
+    if args.format == "speculators":
+        write_speculators(args, target)
     return 0
+
+
+def write_speculators(args: argparse.Namespace, target) -> None:
+    """The run's head, also in the speculators format, in OUT/speculators (verifier: the
+    target's local Hugging Face directory)."""
+    from cluster.models.loader import resolve_model
+    from cluster.speculative.eagle_head import load_head
+    from cluster.speculative.head_formats.speculators import write_speculators_head
+
+    model = target.runner.model
+    out = args.out / "speculators"
+    write_speculators_head(load_head(args.out, model), model, out, verifier_name_or_path=str(resolve_model(args.model).path))
+    print(f"speculators format: {out} (vLLM: vllm serve {out})")

@@ -135,9 +135,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 
 
 def _inv_freq(arch: LlamaArch) -> torch.Tensor:
-    d = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = arch.rope_scaling
+    return rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+
+
+def rope_inv_freq(d: int, theta: float, sc: dict | None) -> torch.Tensor:
+    """Rotary inverse frequencies [d/2] for head dim ``d``, base ``theta`` and a ``rope_scaling``
+    dict (None, linear or llama3, as ``LlamaArch`` accepts); an EAGLE head's own RoPE uses it too."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if not sc:
         return inv
     kind = sc.get("rope_type", sc.get("type"))

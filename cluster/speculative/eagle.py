@@ -33,7 +33,8 @@ import torch
 from cluster.models.kv_cache import CachedBlock
 from cluster.models.runner import ModelRunner, SeqChunk
 from cluster.speculative.drafting import draft_rounds
-from cluster.speculative.eagle_head import EagleHead, load_head
+from cluster.speculative.eagle_head import EagleHead
+from cluster.speculative.head_formats import load_any_head
 from cluster.speculative.prefix_features import PrefixFeatureStore
 from cluster.speculative.proposer import DrafterKind
 from cluster.speculative.types import DraftProposal, ProposeInput
@@ -95,7 +96,7 @@ class EagleProposer:
 
         if not isinstance(target_runner, ModelRunner):
             raise ModelLoadError("the eagle drafter needs a Llama-family target (native runner)")
-        proposer = cls(load_head(head_dir, target_runner.model), target_runner)
+        proposer = cls(load_any_head(head_dir, target_runner.model), target_runner)  # any head format
         proposer.head_dir = Path(head_dir)
         return proposer
 

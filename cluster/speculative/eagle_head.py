@@ -10,6 +10,11 @@ weight shapes), ``trim_vocabulary`` (the same head over a subset of its draft vo
 ``save_head`` / ``load_head`` (safetensors weights + ``eagle_config.json``),
 which refuse a head trained for another target with an ``EagleTargetMismatch``. Weights are
 stored in bfloat16 and computed in float32.
+The variants published heads use (``cluster.speculative.head_formats`` reads them into this
+module) are options of the same head, all off in the heads ``train-draft`` makes: the head's own
+RoPE θ and scaling, a residual that carries the normed hidden (``norm_before_residual``), one norm
+over the concatenated features or one per feature before ``fc`` (``FusionNorm``), the normed
+output fed back between draft steps (``norm_output``) and per-head q/k norms (a Qwen3 layer).
 Ignores: where the hidden comes from (catch-up vs draft steps: ``cluster.speculative.eagle``;
 training-time test: ``cluster.training.eagle_trainer``), the token embedding (the target's, frozen,
 passed in), KV bookkeeping (callers pass past K/V and the mask).
@@ -20,6 +25,7 @@ and its output predicts token t + 2; an "anchor" is such a t.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -32,10 +38,12 @@ from torch import nn
 from cluster.common.errors import ModelLoadError
 from cluster.kernels import rms_norm
 from cluster.models.linear import Linear
+from cluster.models.llama import rope_inv_freq
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle_head.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the variant fields below; a head without them (version 1) is the plain head
+READ_VERSIONS = (1, 2)
 
 
 class EagleTargetMismatch(ModelLoadError):
@@ -65,6 +73,14 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, top), min(num_layers // 2, top), max(0, min(num_layers - 3, top)))
 
 
+class FusionNorm(str, enum.Enum):
+    """The RMSNorm applied to the target features before ``fc``."""
+
+    NONE = "none"
+    CONCAT = "concat"  # one norm over the concatenated [n * H] features (speculators' norm_before_fc)
+    PER_FEATURE = "per_feature"  # one norm per captured layer's [H] feature (EAGLE 3.1, speculators' fc_norm)
+
+
 @dataclass(slots=True, frozen=True)
 class EagleConfig:
     hidden_size: int
@@ -78,6 +94,11 @@ class EagleConfig:
     draft_vocab_size: int
     target_vocab_size: int
     target: TargetIdentity
+    rope_scaling: dict | None = None  # None, or a linear / llama3 rope_scaling dict (the head's own)
+    norm_before_residual: bool = False  # the layer's residual is the normed hidden, not the raw one
+    fusion_norm: FusionNorm = FusionNorm.NONE
+    norm_output: bool = False  # feed the final-normed output back between draft steps (and to lm_head as is)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (a Qwen3 decoder layer)
 
     def __post_init__(self) -> None:
         if len(self.feature_layers) < 1:
@@ -86,6 +107,8 @@ class EagleConfig:
             raise ValueError(f"draft vocabulary {self.draft_vocab_size} must be in [1, {self.target_vocab_size}]")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if not isinstance(self.fusion_norm, FusionNorm):
+            raise ValueError(f"fusion_norm must be a FusionNorm, got {self.fusion_norm!r}")
 
     @classmethod
     def for_target(cls, model, draft_vocab_size: int,
@@ -98,20 +121,35 @@ class EagleConfig:
                    draft_vocab_size=min(draft_vocab_size, a.vocab_size), target_vocab_size=a.vocab_size,
                    target=target_identity(model))
 
+    @property
+    def plain(self) -> bool:
+        """No variant on: the head version 1 of this file describes."""
+        return (self.rope_scaling, self.norm_before_residual, self.fusion_norm, self.norm_output,
+                self.qk_norm) == (None, False, FusionNorm.NONE, False, False)
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["feature_layers"] = list(self.feature_layers)
-        return {"format_version": FORMAT_VERSION, "architecture": "eagle3-llama-layer", **d}
+        d["fusion_norm"] = self.fusion_norm.value
+        if self.plain:  # readable by code that knows only version 1
+            for name in _VARIANT_FIELDS:
+                del d[name]
+        return {"format_version": 1 if self.plain else FORMAT_VERSION, "architecture": "eagle3-llama-layer", **d}
 
     @classmethod
     def from_json(cls, d: dict) -> "EagleConfig":
-        if d.get("format_version") != FORMAT_VERSION:
-            raise ModelLoadError(f"EAGLE head format {d.get('format_version')!r} is not {FORMAT_VERSION}")
+        if d.get("format_version") not in READ_VERSIONS:
+            raise ModelLoadError(f"EAGLE head format {d.get('format_version')!r} is not one of {READ_VERSIONS}")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw["feature_layers"] = tuple(kw["feature_layers"])
         kw["target"] = TargetIdentity(**kw["target"])
+        if "fusion_norm" in kw:
+            kw["fusion_norm"] = FusionNorm(kw["fusion_norm"])
         return cls(**kw)
+
+
+_VARIANT_FIELDS = ("rope_scaling", "norm_before_residual", "fusion_norm", "norm_output", "qk_norm")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,7 +163,15 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         H, D = cfg.hidden_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * D, cfg.num_kv_heads * D
-        self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
+        n = len(cfg.feature_layers)
+        self.fc = nn.Linear(n * H, H, bias=False)
+        if cfg.fusion_norm is FusionNorm.CONCAT:
+            self.fc_norm = nn.Parameter(torch.ones(n * H))  # [n*H]
+        elif cfg.fusion_norm is FusionNorm.PER_FEATURE:
+            self.fc_norm = nn.Parameter(torch.ones(n, H))  # [n, H] one norm per captured layer
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(D))
+            self.k_norm = nn.Parameter(torch.ones(D))
         self.embed_norm = nn.Parameter(torch.ones(H))
         self.hidden_norm = nn.Parameter(torch.ones(H))
         self.qkv = nn.Linear(2 * H, q_out + 2 * kv_out, bias=False)
@@ -137,8 +183,7 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         # draft id -> target id (absolute ids, sorted); a buffer so it travels with the weights
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling), persistent=False)
         self._packed: dict[str, Linear] = {}  # inference copies of the projections (pack_for_inference)
 
     _PROJECTIONS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
@@ -165,6 +210,13 @@ class EagleHead(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., 3H] -> [..., H]
+        fusion = self.cfg.fusion_norm
+        if fusion is FusionNorm.CONCAT:
+            features = self._norm(features, self.fc_norm)
+        elif fusion is FusionNorm.PER_FEATURE:
+            n, H = self.fc_norm.shape
+            per = features.reshape(*features.shape[:-1], n, H)  # [..., n, H]
+            features = F.rms_norm(per, (H,), None, self.cfg.rms_norm_eps).mul(self.fc_norm).reshape(features.shape)
         return self._project("fc", features)
 
     def layer(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor,
@@ -176,15 +228,21 @@ class EagleHead(nn.Module):
         (target embedding of the next token), positions [B, Q] int64, past_k / past_v
         [B, Hkv, L, D] or None, mask [B or 1, 1, Q, L + Q] bool (True = attend; keys are past
         then new) or None (every query attends to every key: one new pair). Returns (output
-        [B, Q, H] pre-norm, new k, new v [B, Hkv, Q, D]).
+        [B, Q, H] pre-norm — final-normed under ``norm_output`` —, new k, new v [B, Hkv, Q, D]).
         """
         c = self.cfg
         B, Q, _ = hidden.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        x = torch.cat([self._norm(emb, self.embed_norm), self._norm(hidden, self.hidden_norm)], dim=-1)  # [B, Q, 2H]
+        normed = self._norm(hidden, self.hidden_norm)
+        residual = normed if c.norm_before_residual else hidden
+        x = torch.cat([self._norm(emb, self.embed_norm), normed], dim=-1)  # [B, Q, 2H]
         qkv = self._project("qkv", x)
-        q = qkv[..., : Hq * D].view(B, Q, Hq, D).transpose(1, 2)  # [B, Hq, Q, D]
-        k = qkv[..., Hq * D : (Hq + Hkv) * D].view(B, Q, Hkv, D).transpose(1, 2)  # [B, Hkv, Q, D]
+        q = qkv[..., : Hq * D].view(B, Q, Hq, D)  # [B, Q, Hq, D]
+        k = qkv[..., Hq * D : (Hq + Hkv) * D].view(B, Q, Hkv, D)  # [B, Q, Hkv, D]
+        if c.qk_norm:  # per head, before RoPE
+            q = F.rms_norm(q, (D,), self.q_norm, c.rms_norm_eps)
+            k = F.rms_norm(k, (D,), self.k_norm, c.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, Q, D], [B, Hkv, Q, D]
         v = qkv[..., (Hq + Hkv) * D :].view(B, Q, Hkv, D).transpose(1, 2)
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, Q, D/2]
         emb_f = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, Q, D]
@@ -193,13 +251,16 @@ class EagleHead(nn.Module):
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # [B, Hkv, L + Q, D]
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hkv)
-        out = hidden + self._project("o", attn.transpose(1, 2).reshape(B, Q, Hq * D))  # [B, Q, H]
+        out = residual + self._project("o", attn.transpose(1, 2).reshape(B, Q, Hq * D))  # [B, Q, H]
         gate, up = self._project("gate_up", self._norm(out, self.post_norm)).chunk(2, dim=-1)
         out = out + self._project("down", F.silu(gate) * up)
+        if c.norm_output:  # the normed output is what goes on (next step's hidden, and lm_head as is)
+            out = self._norm(out, self.final_norm)
         return out, k, v
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
-        return self._project("lm_head", self._norm(out, self.final_norm))
+        """``out``: what ``layer`` returned (already final-normed under ``norm_output``)."""
+        return self._project("lm_head", out if self.cfg.norm_output else self._norm(out, self.final_norm))
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:  # [N, Vd] -> [N, V] float32
         """Scatter into the target vocabulary; ids outside the draft vocabulary get -inf (so q

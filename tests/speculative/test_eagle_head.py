@@ -134,3 +134,35 @@ def test_a_trimmed_head_scores_its_kept_tokens_as_before_and_only_those(tmp_path
     for bad in (torch.tensor([3]), torch.tensor([], dtype=torch.int64), torch.tensor([200])):  # not the head's, none
         with pytest.raises(ValueError, match="subset of the head's draft vocabulary"):
             trim_vocabulary(head, bad)
+
+
+def test_a_head_with_the_published_variants_saves_as_version_2_and_loads_back(tmp_path):
+    """The options read from published heads (own RoPE scaling, normed residual, fc norms, normed
+    output, q/k norms) travel in eagle_config.json (version 2); a plain head still writes version 1."""
+    import dataclasses
+    import json
+
+    from cluster.speculative.eagle_head import CONFIG_FILE, FusionNorm
+
+    a = LlamaModel.load(make_tiny_model_dir(tmp_path / "a", "llama", num_hidden_layers=4), torch.float32)
+    plain = EagleConfig.for_target(a, 64)
+    save_head(EagleHead(plain), tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / CONFIG_FILE).read_text())["format_version"] == 1
+    cfg = dataclasses.replace(plain, rope_scaling={"rope_type": "linear", "factor": 2.0}, norm_before_residual=True,
+                              fusion_norm=FusionNorm.PER_FEATURE, norm_output=True, qk_norm=True)
+    torch.manual_seed(0)
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2).copy_(p.to(torch.bfloat16).float())
+    save_head(head, tmp_path / "variant")
+    assert json.loads((tmp_path / "variant" / CONFIG_FILE).read_text())["format_version"] == 2
+    loaded = load_head(tmp_path / "variant", a)
+    assert loaded.cfg == cfg and loaded.fc_norm.shape == (3, 64) and loaded.q_norm.shape == (16,)
+    torch.testing.assert_close(loaded.inv_freq, head.inv_freq)
+    feats, emb = torch.randn(1, 3, 192), torch.randn(1, 3, 64)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        want, got = (h.draft_logits(h.layer(h.fuse(feats), emb, torch.arange(3)[None], None, None, mask)[0])
+                     for h in (head, loaded))
+    torch.testing.assert_close(got, want)
