@@ -90,3 +90,33 @@ def test_the_constraint_travels_to_the_engine_request():
     assert to_generation_request(r, engine, LIMITS, engine.vocab_size).constraint.kind is ConstraintKind.REGEX
     plain = validate_request(pb2.GenerateRequest(prompt="x"), "r", LIMITS)
     assert not plain.constrained and to_generation_request(plain, engine, LIMITS, engine.vocab_size).constraint is None
+
+
+@pytest.mark.parametrize("field,text,bound", [
+    ("regex", "a{1000000}", 1_000_000),  # issue 64's held-out fuzz request
+    ("regex", "(x{100}y){100}", 10_000),
+    ("json_schema", json.dumps({"type": "array", "minItems": 20_000, "items": {"const": 1}}), 20_000),
+    ("json_schema", json.dumps({"type": "string", "pattern": "^a{5000}$"}), 5000),
+    ("grammar", 'start: "a" ~ 100000', 100_000),
+    ("grammar", "start: A\nA: /[ab]a{300000}/", 300_000),
+])
+def test_a_constraint_forcing_too_many_repetitions_is_refused_naming_the_limit(field, text, bound):
+    """Before any grammar is built (the Router's validation, both front ends): the text such a
+    constraint forces would run llguidance out of lexer fuel or Earley items at a step."""
+    with pytest.raises(ServiceError) as e:
+        validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message == (f"{field} repeats {bound} times, over the limits.max_constraint_repeat limit "
+                               f"of {LIMITS.max_constraint_repeat} (a minimum repetition count, nested "
+                               "counts multiplied)")
+    roomy = Limits(max_constraint_repeat=bound)  # the limit is the operator's: at the bound it passes
+    assert validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", roomy).constrained
+
+
+def test_repetitions_within_the_limit_and_maxima_pass():
+    for rx in ("a{4096}", "[a-z]{0,1000000}", r"\d{3}-\d{4}"):
+        assert validate_request(pb2.GenerateRequest(prompt="x", regex=rx), "r", LIMITS).constrained
+    schema = json.dumps({"type": "array", "maxItems": 10**6, "items": {"type": "string", "maxLength": 10**6}})
+    assert validate_request(pb2.GenerateRequest(prompt="x", json_schema=schema), "r", LIMITS).constrained
+    with pytest.raises(ValueError, match="limits.max_constraint_repeat must be >= 1"):
+        Limits(max_constraint_repeat=0)
