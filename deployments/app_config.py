@@ -91,9 +91,9 @@ class LimitsKnobs(_Strict):
     max_stop_strings: int = Field(16, ge=1)  # stop strings per request (each is searched after
     max_stop_chars: int = Field(256, ge=1)  # every token of the shared step), and their length
     max_constraint_chars: int = Field(16384, ge=1)  # json_schema / regex text length
-    # a constraint's largest minimum repetition count (regex {n}, minItems, Lark ~ n; nested
-    # counts multiplied): the text it forces (cluster.engine.grammar_size)
-    max_constraint_repeat: int = Field(4096, ge=1)
+    # the longest run of text a constraint's repetitions demand (regex {n} counts multiplied when
+    # nested and added in sequence; minItems, Lark ~ n): forced text (cluster.engine.grammar_size)
+    max_constraint_repeat: int = Field(8192, ge=1)
     # CPU seconds an engine may spend checking a new constraint and computing its first mask
     constraint_compile_s: float = Field(2.0, gt=0.0, le=60.0)
     max_choices: int = Field(8, ge=1, le=128)  # OpenAI's n: choices per request (each an engine request)

@@ -46,9 +46,10 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     max_constraint_chars: int = 16384  # json_schema / regex text; bounds the checker's work
-    # a constraint's largest minimum repetition count (nested counts multiplied): the text it
-    # forces, which the grammar engine walks one lexer state per byte (cluster.engine.grammar_size)
-    max_constraint_repeat: int = 4096
+    # the longest run of text a constraint's repetitions demand (minimum counts, multiplied when
+    # nested, added in sequence): the grammar engine walks forced text one lexer state per byte
+    # (cluster.engine.grammar_size)
+    max_constraint_repeat: int = 8192
     max_label_chars: int = 128  # the client's request_id metadata (a label, echoed and logged)
     max_choices: int = 8  # engine requests per HTTP request: n (or best_of) x a completion's prompts
 

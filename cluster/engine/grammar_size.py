@@ -1,20 +1,24 @@
-"""How much text a constraint forces: the repetition bound, checked before any grammar is built.
+"""How much text a constraint demands in one run: the repetition bound, checked before any
+grammar is built.
 
-Owns: ``repeat_bound`` (the largest product of nested *minimum* repetition counts in a
-constraint: a regex's ``{n}`` / ``{n,}`` / ``{n,m}`` count ``n``; a JSON Schema's ``minLength`` /
-``minItems`` / ``minProperties`` and the regexes of its ``pattern`` / ``patternProperties``; a Lark
-grammar's ``/regex/`` lexemes, ``"text"{n}`` and ``item ~ n`` / ``item ~ n..m``) and
-``check_repeat_bound`` (InvalidRequestError naming ``limits.max_constraint_repeat``). Model-free and
-linear in the text, so the Router runs it with the size checks.
+Owns: ``repeat_bound`` — for a regex, the longest run of characters one of its choices demands
+(minimum counts ``{n}`` / ``{n,}`` / ``{n,m}`` multiply when nested and add up in sequence, the
+longest alternative counts: ``regex_repeat_bound``); for a JSON Schema, the largest
+``minLength`` / ``minItems`` / ``minProperties`` or ``pattern`` / ``patternProperties`` bound
+anywhere in it; for a Lark grammar, the largest bound of its ``/regex/`` lexemes, ``"text"{n}``,
+``item ~ n`` / ``~ n..m`` and embedded ``%json`` schemas — and ``check_repeat_bound``
+(InvalidRequestError naming ``limits.max_constraint_repeat``). Model-free and linear in the text,
+so the Router runs it with the size checks.
 
-Why the minimum: text a grammar must produce is forced text, and llguidance walks forced text
-through its lexer one DFA state per byte at the next mask; near 50,000 forced bytes it runs out of
-lexer fuel or Earley items (``cluster.engine.grammar``), and well before that each step re-tokenizes
-the forced run (``a{40000}``: ~30 ms per step). Maxima are free (``a{0,1000000}``, ``maxLength``: the
-output may stop at any point), so they are not counted. Ignores: whether the constraint is valid
-(``check_grammar``); runs in sequence (``a{4000}b{4000}`` counts 4000, not 8000) and a Lark grammar
-whose rules multiply (``x: y y``, ``y: z z`` …) are not summed here — the engine's compile probe
-and its run-time check (``GrammarMatcher.allowed``) fail those that go past llguidance's limits.
+Why: text a grammar demands becomes forced text once the output commits to it, and llguidance
+walks forced text through its lexer one DFA state per byte at the next mask; near 50,000 forced
+bytes it runs out of lexer fuel or Earley items (``cluster.engine.grammar``), and well before that
+each step re-tokenizes the forced run (``a{40000}``: ~30 ms per step). Maxima are free
+(``a{0,1000000}``, ``maxLength``: the output may stop at any point), so only minima count.
+Ignores: whether the constraint is valid (``check_grammar``); what a JSON Schema's or a Lark
+grammar's structure multiplies (``minItems`` times the items' size, rules that double each other) —
+the engine's compile probe and its run-time check (``GrammarMatcher.allowed``) fail those that go
+past llguidance's limits.
 """
 from __future__ import annotations
 
@@ -34,38 +38,58 @@ _JSON_PATTERN = re.compile(r'"pattern"\s*:\s*("(?:[^"\\]|\\.)*")')
 
 
 def regex_repeat_bound(rx: str) -> int:
-    """The largest product of nested minimum repetition counts in a (Rust syntax) regex: 1 for
-    text without counts; ``(a{10}b){20}`` -> 200."""
-    frames = [[1, 0]]  # per open group: [largest bound inside, bound of the last atom]
+    """The longest run of characters a choice in a (Rust syntax) regex demands, counting atoms
+    (a character, a class, an escape) as 1: minimum counts multiply the count's operand (at least
+    once: ``(a{5000}){0,3}`` may still take the 5000), sequences add, alternatives take the
+    longest, ``*`` / ``+`` / ``?`` take their operand once. ``[a-z]{2,6}-[0-9]{2,3}`` -> 5,
+    ``(a{10}b){20}`` -> 220, ``a{0,1000000}`` -> 1."""
+    frames = [[0, 0, 0]]  # per open group: [longest finished alternative, this alternative, last operand]
     i, n = 0, len(rx)
     while i < n:
         c = rx[i]
         top = frames[-1]
+        atom = 1
         if c == "\\":
             i = _skip_escape(rx, i)
-            top[1] = 1
-            continue
-        if c == "[":
+        elif c == "[":
             i = _skip_class(rx, i)
-            top[1] = 1
+        elif c == "(":
+            i += 1
+            if rx.startswith("?", i):  # (?:, (?i:, (?P<name>, (?<name>: a prefix, not text; (?i): flags
+                while i < n and rx[i] not in ":)>":
+                    i += 1
+                if i < n and rx[i] == ")":
+                    i += 1
+                    continue
+                i += 1
+            frames.append([0, 0, 0])
             continue
-        if c == "(":
-            frames.append([1, 0])
         elif c == ")" and len(frames) > 1:
-            inner = frames.pop()[0]
-            frames[-1][1] = inner
-            frames[-1][0] = max(frames[-1][0], inner)
+            done, run, _ = frames.pop()
+            atom = max(done, run)
+            i += 1
         elif c == "|":
-            top[1] = 0
+            top[0], top[1], top[2] = max(top[0], top[1]), 0, 0
+            i += 1
+            continue
         elif c == "{" and (m := _COUNT.match(rx, i)):
-            top[1] = max(top[1], 1) * int(m.group(1))
-            top[0] = max(top[0], top[1])
+            times = max(int(m.group(1)), 1)
+            top[1] += top[2] * (times - 1)
+            top[2] *= times
             i = m.end()
             continue
+        elif c in "*+?^$":
+            i += 1
+            continue
         else:
-            top[1] = 1
-        i += 1
-    return max(f[0] for f in frames)
+            i += 1
+        top = frames[-1]
+        top[1] += atom
+        top[2] = atom
+    while len(frames) > 1:  # unclosed groups (malformed): count what they hold
+        done, run, _ = frames.pop()
+        frames[-1][1] += max(done, run)
+    return max(frames[0][0], frames[0][1], 1)
 
 
 def _skip_escape(rx: str, i: int) -> int:
@@ -164,5 +188,6 @@ def check_repeat_bound(constraint: Constraint, max_repeat: int) -> None:
     bound = repeat_bound(constraint)
     if bound > max_repeat:
         raise InvalidRequestError(
-            f"{constraint.kind.value} repeats {bound} times, over the limits.max_constraint_repeat "
-            f"limit of {max_repeat} (a minimum repetition count, nested counts multiplied)")
+            f"{constraint.kind.value} demands a run of {bound} characters, over the "
+            f"limits.max_constraint_repeat limit of {max_repeat} (minimum repetition counts, "
+            "multiplied when nested and added in sequence)")

@@ -94,11 +94,12 @@ def test_the_constraint_travels_to_the_engine_request():
 
 @pytest.mark.parametrize("field,text,bound", [
     ("regex", "a{1000000}", 1_000_000),  # issue 64's held-out fuzz request
-    ("regex", "(x{100}y){100}", 10_000),
+    ("regex", "(x{100}y){100}", 10_100),
+    ("regex", "[bc]a{5000}b{5000}", 10_001),  # runs in sequence add up
     ("json_schema", json.dumps({"type": "array", "minItems": 20_000, "items": {"const": 1}}), 20_000),
-    ("json_schema", json.dumps({"type": "string", "pattern": "^a{5000}$"}), 5000),
+    ("json_schema", json.dumps({"type": "string", "pattern": "^a{9000}$"}), 9000),
     ("grammar", 'start: "a" ~ 100000', 100_000),
-    ("grammar", "start: A\nA: /[ab]a{300000}/", 300_000),
+    ("grammar", "start: A\nA: /[ab]a{300000}/", 300_001),
 ])
 def test_a_constraint_forcing_too_many_repetitions_is_refused_naming_the_limit(field, text, bound):
     """Before any grammar is built (the Router's validation, both front ends): the text such a
@@ -106,15 +107,15 @@ def test_a_constraint_forcing_too_many_repetitions_is_refused_naming_the_limit(f
     with pytest.raises(ServiceError) as e:
         validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", LIMITS)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.message == (f"{field} repeats {bound} times, over the limits.max_constraint_repeat limit "
-                               f"of {LIMITS.max_constraint_repeat} (a minimum repetition count, nested "
-                               "counts multiplied)")
+    assert e.value.message == (f"{field} demands a run of {bound} characters, over the "
+                               f"limits.max_constraint_repeat limit of {LIMITS.max_constraint_repeat} "
+                               "(minimum repetition counts, multiplied when nested and added in sequence)")
     roomy = Limits(max_constraint_repeat=bound)  # the limit is the operator's: at the bound it passes
     assert validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", roomy).constrained
 
 
 def test_repetitions_within_the_limit_and_maxima_pass():
-    for rx in ("a{4096}", "[a-z]{0,1000000}", r"\d{3}-\d{4}"):
+    for rx in ("a{8192}", "[a-z]{0,1000000}", r"\d{3}-\d{4}", "x" * 8000):
         assert validate_request(pb2.GenerateRequest(prompt="x", regex=rx), "r", LIMITS).constrained
     schema = json.dumps({"type": "array", "maxItems": 10**6, "items": {"type": "string", "maxLength": 10**6}})
     assert validate_request(pb2.GenerateRequest(prompt="x", json_schema=schema), "r", LIMITS).constrained

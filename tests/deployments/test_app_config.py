@@ -75,7 +75,7 @@ def test_constraint_limits_reach_the_router_and_the_engines():
     a = AppConfig(limits={"max_constraint_repeat": 123, "constraint_compile_s": 0.5})
     assert a.limits_config().max_constraint_repeat == 123
     assert a.engine_config(True).grammar_compile_s == a.engine_config(False).grammar_compile_s == 0.5
-    assert AppConfig().limits_config().max_constraint_repeat == 4096
+    assert AppConfig().limits_config().max_constraint_repeat == 8192
     assert AppConfig().engine_config(False).grammar_compile_s == 2.0
     for bad in ({"max_constraint_repeat": 0}, {"constraint_compile_s": 0}, {"constraint_compile_s": 61}):
         with pytest.raises(ValueError, match=next(iter(bad))):
