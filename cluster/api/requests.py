@@ -107,12 +107,19 @@ def _check_json_schema(text: str) -> None:
 
 
 def _check_regex(text: str) -> None:
+    """Python's ``re`` names a syntax error well, but the dialect is Rust's: what ``re`` refuses
+    and the grammar engine parses (``\\p{L}``, ``\\x{1F600}``, class ``&&``) is not an error."""
     try:
         with warnings.catch_warnings():  # e.g. FutureWarning "possible nested set": not our log's
             warnings.simplefilter("ignore")
             re.compile(text)
     except re.error as exc:
-        raise invalid(f"regex does not compile: {exc}") from None
+        from cluster.engine.grammar import check_grammar
+
+        try:
+            check_grammar(Constraint(ConstraintKind.REGEX, text))
+        except InvalidRequestError:
+            raise invalid(f"regex does not compile: {exc}") from None
 
 
 def _check_grammar(kind: ConstraintKind, text: str) -> None:

@@ -121,3 +121,12 @@ def test_repetitions_within_the_limit_and_maxima_pass():
     assert validate_request(pb2.GenerateRequest(prompt="x", json_schema=schema), "r", LIMITS).constrained
     with pytest.raises(ValueError, match="limits.max_constraint_repeat must be >= 1"):
         Limits(max_constraint_repeat=0)
+
+
+@pytest.mark.parametrize("regex", [r"\p{L}{2,5}", r"\p{Greek}+", r"[\x{1F600}-\x{1F64F}]", r"[\p{L}&&[^a-z]]+"])
+def test_rust_regex_syntax_python_lacks_is_accepted(regex):
+    """The regex dialect is Rust's (docs/structured-output.md): unicode classes and \\x{..} escapes,
+    which Python's re refuses, pass; a regex neither parses is still 'does not compile'."""
+    assert validate_request(pb2.GenerateRequest(prompt="x", regex=regex), "r", LIMITS).constrained
+    with pytest.raises(ServiceError, match=r"regex does not compile: bad escape \\p"):
+        validate_request(pb2.GenerateRequest(prompt="x", regex=r"\p{Nonsense}("), "r", LIMITS)
