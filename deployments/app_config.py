@@ -91,6 +91,11 @@ class LimitsKnobs(_Strict):
     max_stop_strings: int = Field(16, ge=1)  # stop strings per request (each is searched after
     max_stop_chars: int = Field(256, ge=1)  # every token of the shared step), and their length
     max_constraint_chars: int = Field(16384, ge=1)  # json_schema / regex text length
+    # the longest run of text a constraint's repetitions demand (regex {n} counts multiplied when
+    # nested and added in sequence; minItems, Lark ~ n): forced text (cluster.engine.grammar_size)
+    max_constraint_repeat: int = Field(8192, ge=1)
+    # CPU seconds an engine may spend checking a new constraint and computing its first mask
+    constraint_compile_s: float = Field(2.0, gt=0.0, le=60.0)
     max_choices: int = Field(8, ge=1, le=128)  # OpenAI's n: choices per request (each an engine request)
 
 
@@ -299,6 +304,7 @@ class AppConfig(_Strict):
                       max_stop_strings=self.limits.max_stop_strings,
                       max_stop_chars=self.limits.max_stop_chars,
                       max_constraint_chars=self.limits.max_constraint_chars,
+                      max_constraint_repeat=self.limits.max_constraint_repeat,
                       max_choices=self.limits.max_choices)
 
     def proxy_max_message_bytes(self) -> int:
@@ -335,6 +341,7 @@ class AppConfig(_Strict):
                             kv_cache_memory_mb=knobs.kv_cache_memory_mb, max_queue=self.limits.max_queue,
                             max_num_batched_tokens=knobs.max_num_batched_tokens,
                             prefix_caching=knobs.prefix_caching, torch_threads=self.torch_threads,
+                            grammar_compile_s=self.limits.constraint_compile_s,
                             spec=self.spec_config() if speculative else None)
 
 

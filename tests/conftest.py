@@ -23,6 +23,9 @@ def pytest_addoption(parser):
                     help="hypothesis examples against the FakeEngine app (default: the CI profile, "
                          "tests/chaos/conftest.py); the real-model fuzz runs a seventh of it, at least 30")
     group.addoption("--chaos-report", default=None, help="write the chaos suite's figures as JSON here")
+    group.addoption("--grammar-examples", type=int, default=None,
+                    help="constraints the mask-matcher agreement property generates (default: the CI "
+                         "profile in tests/engine/test_grammar_agreement.py; tests/chaos runs at least 500)")
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ sampling values, ranges via ``SamplingParams``, stop-string caps, the client's `
 in ``validate_fields``, which both front ends call: gRPC through ``validate_request`` (the proto ->
 ``RequestFields``), the OpenAI HTTP API through ``cluster.api.openai_schemas`` (JSON ->
 ``RequestFields``) — one copy of the rules — which also attaches the ``Constraint`` the engine
-enforces; the constraint check (JSON Schema / regex / Lark grammar syntax, then what the grammar engine supports:
+enforces and checks its size (characters, and the repetition bound: ``limits.max_constraint_repeat``);
+the constraint check (JSON Schema / regex / Lark grammar syntax, then what the grammar engine supports:
 unsupported keywords and formats are refused by name) in ``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
 off its event loop (size-capped first, so it is bounded; recursion and any other checker failure is
 the client's INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
@@ -25,6 +26,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from cluster.api.status import ServiceError, invalid
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams, SpecMode
+from cluster.engine.grammar_size import check_repeat_bound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -44,13 +46,17 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     max_constraint_chars: int = 16384  # json_schema / regex text; bounds the checker's work
+    # the longest run of text a constraint's repetitions demand (minimum counts, multiplied when
+    # nested, added in sequence): the grammar engine walks forced text one lexer state per byte
+    # (cluster.engine.grammar_size)
+    max_constraint_repeat: int = 8192
     max_label_chars: int = 128  # the client's request_id metadata (a label, echoed and logged)
     max_choices: int = 8  # engine requests per HTTP request: n (or best_of) x a completion's prompts
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "default_max_tokens", "max_prompt_tokens", "max_message_bytes",
-                     "max_stop_strings", "max_stop_chars", "max_constraint_chars", "max_label_chars",
-                     "max_choices"):
+                     "max_stop_strings", "max_stop_chars", "max_constraint_chars", "max_constraint_repeat",
+                     "max_label_chars", "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limits.{name} must be >= 1")
         if self.default_max_tokens > self.max_tokens:
@@ -101,12 +107,19 @@ def _check_json_schema(text: str) -> None:
 
 
 def _check_regex(text: str) -> None:
+    """Python's ``re`` names a syntax error well, but the dialect is Rust's: what ``re`` refuses
+    and the grammar engine parses (``\\p{L}``, ``\\x{1F600}``, class ``&&``) is not an error."""
     try:
         with warnings.catch_warnings():  # e.g. FutureWarning "possible nested set": not our log's
             warnings.simplefilter("ignore")
             re.compile(text)
     except re.error as exc:
-        raise invalid(f"regex does not compile: {exc}") from None
+        from cluster.engine.grammar import check_grammar
+
+        try:
+            check_grammar(Constraint(ConstraintKind.REGEX, text))
+        except InvalidRequestError:
+            raise invalid(f"regex does not compile: {exc}") from None
 
 
 def _check_grammar(kind: ConstraintKind, text: str) -> None:
@@ -303,6 +316,11 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
         if len(getattr(f, name)) > limits.max_constraint_chars:
             raise invalid(f"{name} is {len(getattr(f, name))} characters, over the "
                           f"{limits.max_constraint_chars}-character limit")
+    if constraint is not None:
+        try:
+            check_repeat_bound(constraint, limits.max_constraint_repeat)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from None
     if constraints and constraint is not None:
         check_constraint(f.json_schema, f.regex, f.grammar)
     if len(f.stop) > limits.max_stop_strings:

@@ -70,8 +70,11 @@ def run_rows(engine, rows: list[dict], args: argparse.Namespace) -> list[dict]:
                                 top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]), seed=sampling["seed"],
                                 stop=tuple(sampling["stop"]))
         rid = str(row["id"])
-        engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", "default")),
-                                             arrival_time=t0, constraint=row_constraint(row)))
+        try:
+            engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", "default")),
+                                                 arrival_time=t0, constraint=row_constraint(row)))
+        except InvalidRequestError as exc:  # which row, not only what is wrong with it
+            raise InvalidRequestError(f"row {rid!r}: {exc}") from None
         by_id[rid] = {"id": rid, "segment": row.get("segment"), "prompt": row["prompt"], "chat": bool(row.get("chat")),
                       "prompt_token_ids": ids,
                       "output_token_ids": [], "text": "", "finish_reason": None,
@@ -87,6 +90,8 @@ def run_rows(engine, rows: list[dict], args: argparse.Namespace) -> list[dict]:
                 e2e = time.monotonic() - t0
                 n = len(r["output_token_ids"])
                 r["finish_reason"] = out.finish_reason.value
+                if out.error:  # finish_reason "error": what failed, for this row alone
+                    r["error"] = out.error
                 r["timing"] = {"queue_s": round(out.queue_time, 4), "ttft_s": round(r["_first"] or e2e, 4),
                                "e2e_s": round(e2e, 4),
                                "tpot_s": round((e2e - (r["_first"] or e2e)) / max(n - 1, 1), 5)}

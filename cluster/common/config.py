@@ -179,8 +179,13 @@ class EngineConfig:
     # for a request owed its prompt's log-probabilities or on an engine whose drafter reads the
     # target's features, EAGLE)
     prefix_caching: bool = True
+    # CPU seconds to check a new constraint and compute its first mask (serve config:
+    # limits.constraint_compile_s); over it the request is INVALID_ARGUMENT ("too complex")
+    grammar_compile_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_s > 0:
+            raise ValueError(f"grammar_compile_s must be > 0, got {self.grammar_compile_s}")
         if isinstance(self.dtype, str):
             try:
                 self.dtype = DType(self.dtype)

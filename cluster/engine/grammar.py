@@ -13,9 +13,16 @@ and verification (``cluster.speculative``).
 Engine: llguidance (chosen over xgrammar because it refuses unimplemented JSON Schema keywords and
 unknown formats instead of silently ignoring them, has parser resource limits that turn
 blow-ups into errors instead of hangs, and needs no per-grammar compile; see
-docs/structured-output.md). Two llguidance facts shape this file: consuming an illegal token
-poisons a matcher for good (so every token is checked against the mask first), and consuming EOS
-records nothing (so EOS is never fed: the engine ends the sequence on a mask-allowed EOS itself).
+docs/structured-output.md). Three llguidance facts shape this file: consuming an illegal token
+poisons a matcher for good (so every token is checked against the mask first); consuming EOS
+records nothing (so EOS is never fed: the engine ends the sequence on a mask-allowed EOS itself);
+and a mask of one forced token is returned without checking the parser's error state. When the
+grammar forces a long run of text (``a{1000000}``), llguidance pushes the forced bytes through its
+lexer one DFA state per byte until the lexer's fuel or the parser's item limit runs out; the
+lexer is then in its (sticky) error state, yet the mask still allows the first forced token and
+only ``consume_token`` reports the error. So ``allowed()`` proves a one-token mask by consuming
+the token and rolling it back: the mask never allows a token the matcher refuses — a matcher
+past its limits is a ``GrammarError`` (that request's fault), at compile time ``INVALID_ARGUMENT``.
 """
 from __future__ import annotations
 
@@ -75,7 +82,7 @@ class GrammarCompiler:
     """Per engine: the llguidance tokenizer (built once, ~1 s) and a bounded LRU of grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_cached: int = MAX_CACHED_GRAMMARS,
-                 time_limit_s: float = COMPILE_TIME_LIMIT_S) -> None:
+                 time_limit_s: float = COMPILE_TIME_LIMIT_S) -> None:  # EngineConfig.grammar_compile_s
         if max_cached < 1 or time_limit_s <= 0:
             raise ValueError("max_cached must be >= 1 and time_limit_s > 0")
         self._hf_tokenizer = tokenizer
@@ -102,7 +109,8 @@ class GrammarCompiler:
 
     def compile(self, constraint: Constraint) -> str:
         """The checked grammar of ``constraint`` (cached); InvalidRequestError when it is not
-        supported or takes longer than the time limit to check and compute a first mask."""
+        supported, when the grammar engine hits its limits building it or computing a first mask
+        (naming the limit), or when that takes longer than the time limit."""
         with self._lock:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
@@ -113,8 +121,11 @@ class GrammarCompiler:
         # into INVALID_ARGUMENT (llguidance computes on the calling thread)
         t0 = time.thread_time()
         grammar = check_grammar(constraint, tokenizer)
-        probe = GrammarMatcher(self, grammar)  # the first mask builds the lexer: the costly part
-        probe.allowed()
+        try:
+            probe = GrammarMatcher(self, grammar)  # the first mask builds the lexer: the costly part
+            probe.allowed()
+        except GrammarError as exc:
+            raise InvalidRequestError(f"{constraint.kind.value} cannot be enforced: {exc}"[:500]) from None
         elapsed = time.thread_time() - t0
         if elapsed > self.time_limit_s:
             raise InvalidRequestError(f"{constraint.kind.value} is too complex: compiling it took "
@@ -152,7 +163,8 @@ class GrammarMatcher:
 
     def _raise_if_error(self) -> None:
         if self._m.is_error():
-            raise GrammarError(f"grammar matcher failed: {_first_line(self._m.get_error())}")
+            first = (self._m.get_error().strip().splitlines() or ["unknown error"])[0]  # then a state dump
+            raise GrammarError(f"the grammar engine hit its limits: {first.strip()}")
 
     @property
     def complete(self) -> bool:
@@ -168,7 +180,21 @@ class GrammarMatcher:
             raise GrammarError("the grammar allows no token")
         if bits.shape[0] < self.vocab_size:
             bits = np.concatenate([bits, np.zeros(self.vocab_size - bits.shape[0], dtype=bool)])
+        if np.count_nonzero(bits) == 1:
+            self._prove_forced(int(bits.argmax()))
         return torch.from_numpy(bits)
+
+    def _prove_forced(self, token: int) -> None:
+        """A one-token mask may be llguidance's forced-token shortcut, which skips the parser's
+        error check (module docstring): consume the token and roll it back, so a matcher past
+        its limits raises GrammarError here instead of refusing the masked token later."""
+        if token in self.eos_token_ids:  # never fed: the engine ends the sequence itself
+            return
+        if not self._m.consume_token(token):
+            self._raise_if_error()
+            raise GrammarError(f"the grammar matcher refuses token {token}, the only one its mask allows")
+        self._m.rollback(1)
+        self._raise_if_error()
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (canonically tokenized; may be fewer than the
@@ -192,8 +218,10 @@ class GrammarMatcher:
         return bytes(self._tokenizer.decode_bytes(list(tokens)))
 
     def accept(self, token: int) -> None:
-        """Advance by one committed token (not EOS); GrammarError if the grammar forbids it."""
+        """Advance by one committed token (not EOS); GrammarError if the grammar forbids it (or
+        the matcher is past its limits: the error says which)."""
         if not self._try_consume(token):
+            self._raise_if_error()
             raise GrammarError(f"token {token} is not allowed by the grammar here")
 
     def walk(self, drafts: list[int], keep_illegal: bool) -> tuple[int, torch.Tensor]:

@@ -76,7 +76,8 @@ class LLMEngine:
             share_prefix=self._share_prefix,
         )
         self.seqs: dict[str, Sequence] = {}
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids,
+                                        time_limit_s=config.grammar_compile_s)
 
     # -- admission ----------------------------------------------------------------------------
     @property

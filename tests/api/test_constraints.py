@@ -90,3 +90,43 @@ def test_the_constraint_travels_to_the_engine_request():
     assert to_generation_request(r, engine, LIMITS, engine.vocab_size).constraint.kind is ConstraintKind.REGEX
     plain = validate_request(pb2.GenerateRequest(prompt="x"), "r", LIMITS)
     assert not plain.constrained and to_generation_request(plain, engine, LIMITS, engine.vocab_size).constraint is None
+
+
+@pytest.mark.parametrize("field,text,bound", [
+    ("regex", "a{1000000}", 1_000_000),  # issue 64's held-out fuzz request
+    ("regex", "(x{100}y){100}", 10_100),
+    ("regex", "[bc]a{5000}b{5000}", 10_001),  # runs in sequence add up
+    ("json_schema", json.dumps({"type": "array", "minItems": 20_000, "items": {"const": 1}}), 20_000),
+    ("json_schema", json.dumps({"type": "string", "pattern": "^a{9000}$"}), 9000),
+    ("grammar", 'start: "a" ~ 100000', 100_000),
+    ("grammar", "start: A\nA: /[ab]a{300000}/", 300_001),
+])
+def test_a_constraint_forcing_too_many_repetitions_is_refused_naming_the_limit(field, text, bound):
+    """Before any grammar is built (the Router's validation, both front ends): the text such a
+    constraint forces would run llguidance out of lexer fuel or Earley items at a step."""
+    with pytest.raises(ServiceError) as e:
+        validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message == (f"{field} demands a run of {bound} characters, over the "
+                               f"limits.max_constraint_repeat limit of {LIMITS.max_constraint_repeat} "
+                               "(minimum repetition counts, multiplied when nested and added in sequence)")
+    roomy = Limits(max_constraint_repeat=bound)  # the limit is the operator's: at the bound it passes
+    assert validate_request(pb2.GenerateRequest(prompt="x", **{field: text}), "r", roomy).constrained
+
+
+def test_repetitions_within_the_limit_and_maxima_pass():
+    for rx in ("a{8192}", "[a-z]{0,1000000}", r"\d{3}-\d{4}", "x" * 8000):
+        assert validate_request(pb2.GenerateRequest(prompt="x", regex=rx), "r", LIMITS).constrained
+    schema = json.dumps({"type": "array", "maxItems": 10**6, "items": {"type": "string", "maxLength": 10**6}})
+    assert validate_request(pb2.GenerateRequest(prompt="x", json_schema=schema), "r", LIMITS).constrained
+    with pytest.raises(ValueError, match="limits.max_constraint_repeat must be >= 1"):
+        Limits(max_constraint_repeat=0)
+
+
+@pytest.mark.parametrize("regex", [r"\p{L}{2,5}", r"\p{Greek}+", r"[\x{1F600}-\x{1F64F}]", r"[\p{L}&&[^a-z]]+"])
+def test_rust_regex_syntax_python_lacks_is_accepted(regex):
+    """The regex dialect is Rust's (docs/structured-output.md): unicode classes and \\x{..} escapes,
+    which Python's re refuses, pass; a regex neither parses is still 'does not compile'."""
+    assert validate_request(pb2.GenerateRequest(prompt="x", regex=regex), "r", LIMITS).constrained
+    with pytest.raises(ServiceError, match=r"regex does not compile: bad escape \\p"):
+        validate_request(pb2.GenerateRequest(prompt="x", regex=r"\p{Nonsense}("), "r", LIMITS)

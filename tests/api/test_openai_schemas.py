@@ -207,6 +207,9 @@ def test_completion_refusals_and_model():
     (dict(stop=["a", "b", "c", "d"]), dict(stop=["a", "b", "c", "d"])),
     (dict(prompt="  "), dict(prompt="  ")),
     (dict(segment="s" * 65), dict(segment="s" * 65)),
+    (dict(regex="a{1000000}"), dict(regex="a{1000000}")),  # limits.max_constraint_repeat
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "array", "minItems": 99999}}}), dict(json_schema=json.dumps({"type": "array", "minItems": 99999}))),
 ])
 def test_one_validation_two_front_ends(http, grpc_fields):
     """The same bad request is refused with the same message whichever front end it came through."""

@@ -4,7 +4,9 @@ Owns: generating requests a careless or hostile client could send — odd unicod
 RTL marks, emoji, combining marks; never lone surrogates, which protobuf cannot encode), empty and
 huge text, out-of-vocabulary and negative token ids, NaN/inf/subnormal/negative floats, uint
 extremes, many and empty stop strings, unknown roles and modes, conflicting prompt fields, broken
-and deeply nested JSON schemas, regexes and grammars — plus which credentials the call carries.
+and deeply nested JSON schemas, regexes and grammars (issue 64's families among them: huge
+repetition counts, nested quantifiers, empty languages, unicode classes, in regexes, schema
+patterns and Lark lexemes) — plus which credentials the call carries.
 Ignores: what the answer must be (the fuzz test).
 """
 from __future__ import annotations
@@ -49,8 +51,27 @@ def _nested_schema(depth: int) -> str:
     return head * depth + '{"type": "string"}' + "}}" * depth
 
 
+# issue 64's families: a huge count forces a run of text the grammar engine walks one lexer state
+# per byte (a{1000000} once broke a step), alone, after a choice, nested, in sequence; nested
+# quantifiers; empty languages; unicode classes
+HUGE_COUNTS = (1_000, 8_192, 8_193, 60_000, 1_000_000)
+huge_repetitions = st.tuples(
+    st.sampled_from(["a{N}", "[bc]a{N}", "(ab){N}", "x(yz){N}", "(a{1000}){K}", "(a|b){N}", "[ab]a{N}b{N}",
+                     "a{0,N}", "\\p{L}{N}", "(a{5}|b){N}"]),
+    st.sampled_from(HUGE_COUNTS)).map(lambda t: t[0].replace("N", str(t[1])).replace("K", str(t[1] // 1000)))
+regex_families = st.one_of(
+    huge_repetitions,
+    st.sampled_from(["((a{2,}){3})*", "((a|b)+)+c", "(a?){30}a{30}", "((x*)*y)*", "(a{2}){3}{4}"]),  # nested
+    st.sampled_from(["[a&&b]", "[^\\s\\S]", "[\\d&&\\p{Greek}]", "a{0}", "(?:)"]),  # empty languages
+    st.sampled_from(["\\p{L}+", "\\p{Greek}{2,4}", "\\P{L}*", "[\\p{Han}\\p{Hiragana}]{1,3}", "[ä-ü]+",
+                     "[\\x{1F600}-\\x{1F64F}]{1,5}", "\\w+\\s\\d", "é|e\\x{301}"]),  # unicode classes
+)
+
 schemas = st.one_of(
     st.just(""),
+    st.tuples(st.sampled_from(["minItems", "minLength"]), st.sampled_from(HUGE_COUNTS)).map(
+        lambda t: json.dumps({"type": "array" if t[0] == "minItems" else "string", t[0]: t[1]})),
+    regex_families.map(lambda rx: json.dumps({"type": "string", "pattern": rx})),
     st.sampled_from([json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}}),
                      json.dumps({"type": 12}), "{", "null", "[]", "{\"$ref\": \"#\"}",
                      json.dumps({"type": "string", "pattern": "("}),
@@ -65,11 +86,14 @@ regexes = st.one_of(
     st.sampled_from(["[a-z]+", "(a|b)*c", "a(b", "(?P<x>a)(?P=x)", "\\", "a{99999999}", "(a*)*b",
                      "[", "(?=a)", "\\d{3}-\\d{4}"]),
     st.sampled_from([100, 1_000, 10_000]).map(lambda d: "(" * d + "a" + ")" * d),
+    regex_families,
     text,
 )
 
 grammars = st.one_of(  # Lark grammars (llguidance's dialect): fine, malformed, heavy, deep
     st.just(""),
+    regex_families.map(lambda rx: f"start: A\nA: /{rx}/"),
+    st.sampled_from(HUGE_COUNTS).map(lambda n: f'start: "a" ~ {n}'),
     st.sampled_from(['start: "a"+', "start: foo", "start: /[a-z/", 'start: %json {"not": {}}', "start: ",
                      'start: X\nX: /(?s:.+)/ & ~/<(?s:.*)/', 'start: s\ns: "(" s ")" | ""',
                      'start: A\nA: /(a|aa)*/ & ~/(?s:.*)aaa(?s:.*)/']),

@@ -71,3 +71,18 @@ def test_a_rows_constraint_and_sampling_keys_are_honoured(tmp_path):
     assert got["s"]["finish_reason"] == "stop" and " " not in got["s"]["text"].strip()
     src.write_text(json.dumps({"id": "x", "prompt": "hi", "regex": "a", "grammar": 'start: "a"'}) + "\n")
     assert main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out)]) == 2
+
+
+def test_a_grammar_past_the_engines_limits_ends_its_row_alone_with_the_message(tmp_path):
+    """Issue 64: a forced run that breaks llguidance's lexer after the first token ends that row
+    alone with finish_reason error and the message, beside a row that finishes normally (a run
+    that breaks at the first mask, ``a{1000000}``, is refused at admission: exit 2 naming the row)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "late", "prompt": "Say b", "regex": "[bc]a{300000}"},
+            {"id": "ok", "prompt": "Year:", "regex": "(19|20)[0-9]{2}"}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["generate", "--model", "default", "--prompts", str(src), "--out", str(out), "--max-tokens", "8"]) == 0
+    got = {g["id"]: g for g in map(json.loads, out.read_text().splitlines())}
+    assert got["late"]["finish_reason"] == "error" and got["late"]["text"] in ("b", "c")
+    assert "the grammar engine hit its limits: lexer error: too many expressions constructed" in got["late"]["error"]
+    assert got["ok"]["finish_reason"] in ("stop", "eos") and "error" not in got["ok"]

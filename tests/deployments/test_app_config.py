@@ -67,6 +67,21 @@ def test_limits_reach_the_router_and_the_proxy():
         AppConfig(limits={"max_stop_strings": 0})
 
 
+def test_constraint_limits_reach_the_router_and_the_engines():
+    """limits.max_constraint_repeat is the Router's (validation), limits.constraint_compile_s the
+    engines' (compile); both validated."""
+    from deployments.app_config import AppConfig
+
+    a = AppConfig(limits={"max_constraint_repeat": 123, "constraint_compile_s": 0.5})
+    assert a.limits_config().max_constraint_repeat == 123
+    assert a.engine_config(True).grammar_compile_s == a.engine_config(False).grammar_compile_s == 0.5
+    assert AppConfig().limits_config().max_constraint_repeat == 8192
+    assert AppConfig().engine_config(False).grammar_compile_s == 2.0
+    for bad in ({"max_constraint_repeat": 0}, {"constraint_compile_s": 0}, {"constraint_compile_s": 61}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AppConfig(limits=bad)
+
+
 def test_per_segment_drafter_and_k_reach_the_engine_and_not_the_router():
     app = AppConfig(drafter="ngram", num_draft_tokens="auto", router={"segments": {
         "code": {"drafter": "suffix", "num_draft_tokens": 4}, "chat": {"exit_threshold": 9, "num_draft_tokens": 1},

@@ -66,13 +66,15 @@ async def wait_pool_full(engine, tries: int = 250):
 
 
 def _collect(res: dict, out) -> None:
-    r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None, "cached": 0})
+    r = res.setdefault(out.request_id, {"ids": [], "text": "", "finish": None, "spec": None, "cached": 0,
+                                        "error": None})
     r["ids"] += out.new_token_ids
     r["text"] += out.text_delta
     if out.finished:
         r["finish"] = out.finish_reason
         r["spec"] = out.spec
         r["cached"] = out.num_cached_tokens
+        r["error"] = out.error
 
 
 def greedy_requests(tokenizer, rows: list[dict], max_tokens: int) -> list[GenerationRequest]:
