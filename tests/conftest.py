@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-# One torch thread per test process: ``make test`` runs two pytest workers on two cores (xdist), and
-# two OpenMP pools of two threads each on two cores spin at each other's barriers.
+# One torch thread per test process: ``make test TEST_WORKERS=2`` runs two pytest workers on two
+# cores (xdist), and two OpenMP pools of two threads each on two cores spin at each other's barriers
+# (the single-process suite already ran on one: two test modules set it at import).
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
 
 pytest_plugins = ["tests.time_budget", "tests.worker_groups"]

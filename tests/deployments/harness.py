@@ -140,15 +140,15 @@ class SharedServe:
         self._session = None
         self.addrs: Addresses | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._session is not None
-
-    def _start(self) -> Addresses:
+    @staticmethod
+    def _proxy_env() -> dict[str, str]:
         from deployments.app_config import proxy_env
 
+        return proxy_env([{}])  # the default limits' cap
+
+    def _start(self) -> Addresses:
         if self._session is None:
-            session = serve_session_at(env={**SHARED_ENV, **proxy_env([{}])})
+            session = serve_session_at(env={**SHARED_ENV, **self._proxy_env()})
             self.addrs = session.__enter__()
             self._session = session
         return self.addrs
@@ -158,9 +158,9 @@ class SharedServe:
         """Deploy ``apps`` (name -> AppConfig args) for the ``with`` block; yields the Addresses."""
         from ray import serve
 
-        from deployments.app_config import AppConfig, proxy_env
+        from deployments.app_config import AppConfig
 
-        cap = int(next(iter(proxy_env([{}]).values())))
+        cap = int(next(iter(self._proxy_env().values())))
         for name, args in apps.items():
             if AppConfig(**args).proxy_max_message_bytes() > cap:
                 raise ValueError(f"app {name!r} needs a gRPC proxy cap over the shared session's {cap} bytes")
