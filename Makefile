@@ -54,12 +54,14 @@ TWO_NODES := tests/chaos/test_two_nodes.py
 # --durations lists the slowest tests; the whole run must stay under TEST_BUDGET_S (it prints its
 # time and fails, naming the slowest tests, past it: tests/time_budget.py). MALLOC_MMAP_THRESHOLD_: a
 # worker builds and drops many engines over a run; glibc hands their freed tensors back to the system.
+# Torch threads per worker: both cores for one worker, one each for two (TEST_THREADS).
 TEST_WORKERS ?= 1
+TEST_THREADS ?= $(if $(filter 1,$(TEST_WORKERS)),2,1)
 TEST_BUDGET_S ?= 2700
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
-	MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(XDIST) --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos --time-budget $(TEST_BUDGET_S))
+	MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=$(TEST_THREADS) SPECSERVE_TEST_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(XDIST) --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos --time-budget $(TEST_BUDGET_S))
 
 chaos: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests/chaos --deselect $(TWO_NODES) $(PYTEST_ARGS)
