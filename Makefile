@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SPECULATORS_ORACLE := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 pandas==3.1.1 \
 	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 loguru==0.8.0
 
-.PHONY: setup run test chaos bench protos clean
+.PHONY: setup run test test-long chaos bench protos clean
 
 setup: $(STAMP) $(VENV)/.specserve-protos
 
@@ -62,6 +62,11 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=$(TEST_THREADS) SPECSERVE_TEST_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(XDIST) --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos --time-budget $(TEST_BUDGET_S))
+
+# The long profile: the same claims on the bigger prompt sets and matrices, and the tests marked
+# `long` (tests/profiles.py); about an hour on 2 cores. CI runs the short one (`make test`).
+test-long: setup
+	MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=$(TEST_THREADS) SPECSERVE_TEST_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(XDIST) --durations=25 --profile long $(if $(PYTEST_ARGS),$(PYTEST_ARGS),--ignore=tests/chaos)
 
 chaos: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests/chaos --deselect $(TWO_NODES) $(PYTEST_ARGS)

@@ -13,7 +13,7 @@ import torch
 # (the single-process suite already ran on one: two test modules set it at import).
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
 
-pytest_plugins = ["tests.time_budget", "tests.worker_groups"]
+pytest_plugins = ["tests.time_budget", "tests.worker_groups", "tests.profiles"]
 
 
 def pytest_addoption(parser):
@@ -24,6 +24,11 @@ def pytest_addoption(parser):
                     help="hypothesis examples against the FakeEngine app (default: the CI profile, "
                          "tests/chaos/conftest.py); the real-model fuzz runs a seventh of it, at least 30")
     group.addoption("--chaos-report", default=None, help="write the chaos suite's figures as JSON here")
+    parser.getgroup("specserve").addoption(
+        "--profile", choices=("short", "long"), default="short",
+        help="short (make test, CI): each claim checked once on a set sized to run in minutes; long "
+             "(make test-long): the long profiles too — tests marked `long` and the bigger prompt sets "
+             "and matrices tests size with the `profile` fixture (tests/profiles.py)")
     group.addoption("--grammar-examples", type=int, default=None,
                     help="constraints the mask-matcher agreement property generates (default: the CI "
                          "profile in tests/engine/test_grammar_agreement.py; tests/chaos runs at least 500)")
