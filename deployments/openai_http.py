@@ -13,8 +13,10 @@ so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not 
 error event; a failure after that is one error event and ``data: [DONE]``. ``n`` choices are n engine requests on the route the request
 got, run at once (``deployments.openai_choices``); the response waits for all of them, a stream
 interleaves their events; ``best_of`` runs that many and answers the n best (never streamed); a
-completion's batch of prompts runs each prompt's choices, prompt-major (choice i * n + j). A client that disconnects cancels the response task: every ``_forward``
-is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
+completion's batch of prompts runs each prompt's choices, prompt-major (choice i * n + j). A client that
+disconnects cancels the response task: every ``_forward``
+is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label
+(``specserve.label``; Ray Serve's proxy sets
 one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Router:
             return {}
         try:
             return await asyncio.wait_for(handle.stats.remote(), timeout=_CALL_TIMEOUT_S)
-        except Exception as exc:  # replica down or restarting: not ready
+        except Exception as exc:  # noqa: BLE001 (replica down or restarting: not ready)
             log.warning("stats call failed: %r", exc)
             return {"ready": False}
 
@@ -404,7 +404,7 @@ class Router:
             if handle is not None and not info:
                 try:
                     info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
-                except Exception:
+                except Exception:  # noqa: BLE001 (a replica down: ask the next, else answer from the config)
                     info = {}
         a, r = self.cfg, self.cfg.router
         return pb2.ModelInfoResponse(

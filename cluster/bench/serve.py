@@ -285,7 +285,7 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                           f"{out['paths'][key]['e2e_ratio']})", file=sys.stderr, flush=True)
             finally:
                 loop.run_until_complete(engine.shutdown())
-                del engine
+                engine = None  # the engine's last reference (the lambdas above close over this name)
                 gc.collect()
     finally:
         loop.close()

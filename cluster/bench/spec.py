@@ -3,7 +3,8 @@ against our own plain decoding and against Hugging Face's assisted generation on
 
 Owns: the methods (``Drafters``: engines sharing one loaded target — plain; ngram, self:L, draft
 model and an EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix (over the
-shipped corpus, none: ``suffix:cold``, or another: ``suffix:FILE``) and portfolio with ``auto`` K, on request — one engine per method for a round, so they learn from
+shipped corpus, none: ``suffix:cold``, or another: ``suffix:FILE``) and portfolio with ``auto`` K, on request
+— one engine per method for a round, so they learn from
 the segment's earlier prompts as a service would), deriving the draft model (first L target
 layers, see ``cluster.models.derive``), picking L by a quick measurement, the HF peers
 (``HfPeers``: plain ``generate``, ``prompt_lookup_num_tokens``, ``assistant_model``,

@@ -147,7 +147,7 @@ def map_workload(plan: MapPlan) -> dict:
     except KeyboardInterrupt:
         state["interrupted"] = True
         _log("interrupted: writing the partial map")
-    except Exception as exc:  # e.g. the service did not start: keep what phase 1 measured
+    except Exception as exc:  # noqa: BLE001 (e.g. the service did not start: keep what phase 1 measured)
         state["failed"] = f"{type(exc).__name__}: {exc}"
         _log(f"failed: {state['failed']}; writing the partial map")
     finally:

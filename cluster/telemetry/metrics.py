@@ -165,7 +165,7 @@ class SpecserveMetrics:
                        ttft_s: float | None, e2e_s: float, api: str = "grpc") -> None:
         """A finished request: ``output`` is the final RequestOutput (usage, finish reason, spec);
         ``api``: the front end it came through."""
-        self.record_request_values(api=api, 
+        self.record_request_values(api=api,
             path=path, reason=reason, segment=segment, finish_reason=output.finish_reason,
             num_prompt_tokens=output.num_prompt_tokens, num_output_tokens=output.num_output_tokens,
             ttft_s=ttft_s, e2e_s=e2e_s, spec=getattr(output, "spec", None))
