@@ -27,6 +27,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from cluster.api.status import ServiceError, invalid
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams, SpecMode
+from cluster.common.segments import DEFAULT_SEGMENT
 from cluster.engine.grammar_size import check_repeat_bound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -346,7 +347,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     if params.min_tokens and constraint is not None:
         raise invalid(f"min_tokens cannot be combined with {constraint.kind.value}: the grammar decides where "
                       "the output may end")
-    segment = f.segment.strip() or "default"
+    segment = f.segment.strip() or DEFAULT_SEGMENT
     _check_label("segment", segment)  # it becomes a metric tag and a stats key: keep it plain
     scope = f.draft_scope
     if scope:  # a key of the drafter's memory, sent over KVSync

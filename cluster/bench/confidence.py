@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 
 BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TOP_RANKS = 4

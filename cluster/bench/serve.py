@@ -34,11 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.bench.repeats import SpecAnswers, format_repeats, level_start, scoped_rows
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import DEFAULT_SEGMENT, DEFAULT_WORKLOADS, read_prompt_rows
 
 POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
 PATH_NAMES = {1: "speculative", 2: "plain"}  # proto RoutePath
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 ROUTED_GOAL = 1.05  # routed p50 e2e <= 1.05 x the better fixed policy
 FRONT_DOOR_GOAL = 1.10  # the front door adds <= 10% at concurrency 1
 QUICK = {"levels": [1, 4, 16], "segments": 2, "requests": 4, "max_tokens": 16, "overhead_requests": 4}
@@ -204,7 +203,7 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
         else:
             ids = engine.tokenize(row["prompt"])
         req = GenerationRequest(rid, ids, SamplingParams(max_tokens=_max_tokens(row, max_tokens)),
-                                segment=row.get("segment", "default"), mode=mode,
+                                segment=row.get("segment", DEFAULT_SEGMENT), mode=mode,
                                 draft_scope=row.get("draft_scope", ""))
         ttft, ntok = None, 0
         async for out in engine.generate(req):

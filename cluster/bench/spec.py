@@ -37,9 +37,8 @@ from cluster.bench.spec_rows import (alpha_of, median_of, member_counts, member_
                                      predicted_speedup, rounded, summarize_row)
 from cluster.bench.timed_run import Run, engine_for, request_for, run_hf, run_ours
 from cluster.common.config import COLD_SUFFIX, DRAFT_STOP_CONFIDENCE, suffix_corpus_name
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS, read_prompt_rows
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
 DRAFTER_KINDS = ("ngram", "self", "draft", "suffix", "suffix:cold", "portfolio")
 DEFAULT_DRAFTERS = ("ngram", "self", "draft")

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.serve import DEFAULT_WORKLOADS, _pct, ratio_interval
+from cluster.bench.serve import _pct, ratio_interval
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 from cluster.common.errors import UserFacingError
 
 MAPPED_GOAL = 1.0  # routed p50 with the mapped config <= the better fixed policy's

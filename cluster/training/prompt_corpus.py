@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
+
 _SHINGLE = 8  # words: a corpus prompt sharing this many consecutive words with a workload prompt is dropped
 
 _MODULES = ("json", "re", "os", "pathlib", "collections", "itertools", "functools", "datetime", "string",
