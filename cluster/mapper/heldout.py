@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.serve import _pct, ratio_interval
+from cluster.bench.serve import percentile, ratio_interval
 from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 from cluster.common.errors import UserFacingError
 
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                         "segments_crossover_within_one_level": sorted(
                             {r["segment"] for r in rows if (r.get("crossover") or {}).get("within_one_level")}),
                         "cells": len(rows)},
-              "mapped_median_over_best_fixed": _pct([r["mapped_over_best_fixed"] for r in rows], 0.5)}
+              "mapped_median_over_best_fixed": percentile([r["mapped_over_best_fixed"] for r in rows], 0.5)}
     print(format_table(rows), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
