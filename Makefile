@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SPECULATORS_ORACLE := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 pandas==3.1.1 \
 	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 loguru==0.8.0
 
-.PHONY: setup run test test-long chaos bench protos clean
+.PHONY: setup run lint test test-long chaos bench protos clean
 
 setup: $(STAMP) $(VENV)/.specserve-protos
 
@@ -39,6 +39,10 @@ $(VENV)/.specserve-protos: $(STAMP) $(wildcard protos/specserve/v1/*.proto)
 
 run: setup
 	$(BIN)/specserve serve --model default --port 9000
+
+# ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the suite.
+lint: setup
+	$(BIN)/ruff check cluster deployments tests
 
 # `make test` is the CI suite. The chaos / fault / load suite (tests/chaos: real Serve apps with the
 # default model, process kills, a second Ray node) takes about a quarter of an hour on 2 cores on

@@ -317,7 +317,8 @@ class AppConfig(_Strict):
         if not self.speculative:
             return None
         return SpecConfig(drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
-                          suffix_corpus=self.suffix_corpus, force_vocab_mismatch=self.force_vocab_mismatch, moe_validated=self.moe.validated,
+                          suffix_corpus=self.suffix_corpus, force_vocab_mismatch=self.force_vocab_mismatch,
+                          moe_validated=self.moe.validated,
                           moe_min_draft_tokens=self.moe.min_draft_tokens,
                           moe_alpha_threshold=self.moe.alpha_threshold,
                           segments={name: SegmentSpeculation(own.drafter, own.num_draft_tokens)

@@ -7,7 +7,8 @@ prompt or spelling token ids: ``tokenize`` / ``detokenize``), and streaming ``Re
 deltas back to the Router (or, with ``whole``, one merged final output: unary ``Generate`` needs no
 per-token messages through the Ray hops) — or one ``EngineFailure`` record instead of raising, so
 the Router can set a precise gRPC status; an unexpected exception's detail goes to this replica's
-log with the request's server id, the record says only ``internal error (id ...)``. Each output (and prompt) token's log-probabilities (when asked) get the token's bytes here, next to the
+log with the request's server id, the record says only ``internal error (id ...)``. Each output (and prompt)
+token's log-probabilities (when asked) get the token's bytes here, next to the
 tokenizer. A request
 that sent a prediction gets, on its final output, how much of it the output kept
 (``prediction_overlap``, off the event loop). Closing the stream (client cancelled, deadline) aborts the request,
@@ -177,7 +178,7 @@ class EngineServer:
             except StopAsyncIteration:
                 yield EngineFailure(FailureKind.INTERNAL, "engine produced no output")
                 return
-            except Exception as exc:  # InvalidRequestError, EngineOverloadedError, ...
+            except Exception as exc:  # noqa: BLE001 (InvalidRequestError, EngineOverloadedError, ...: a record)
                 yield self._failure(exc, req.request_id, req.label)
                 return
             finished = first.finished
@@ -196,7 +197,7 @@ class EngineServer:
                     finished = out.finished
                     output += out.new_token_ids
                     yield _with_token_bytes(await _prediction_usage(out, predicted, output), token_bytes)
-            except Exception as exc:  # EngineUnavailableError: the engine's core process died
+            except Exception as exc:  # noqa: BLE001 (EngineUnavailableError: the engine's core process died)
                 finished = True  # the engine has dropped the request already
                 yield self._failure(exc, req.request_id, req.label)
         finally:

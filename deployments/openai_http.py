@@ -5,16 +5,18 @@ Server-Sent Events with ``stream: true``), ``GET /v1/models`` and ``GET /v1/mode
 the Responses API's (mounted from ``deployments.responses_http``),
 vLLM's ``POST /tokenize`` and ``POST /detokenize`` (the Router's, gRPC's Tokenize / Detokenize), ``GET /health`` (200 when every
 engine is ready, else 503; exempt from auth like gRPC's health check) — and one request's life on
-HTTP: the body goes through the Router's own ``_admit`` (bearer auth from the ``Authorization``
+HTTP: the body goes through the Router's own ``admit`` (bearer auth from the ``Authorization``
 header, the shared validation via ``openai_schemas`` -> ``RequestFields``, the route decision) and
-``_forward``; failures become OpenAI error bodies with the status ``http_status`` maps from the same
+``forward``; failures become OpenAI error bodies with the status ``http_status`` maps from the same
 ``ServiceError`` gRPC sees. A stream answers its status only once the first engine output exists,
 so a prompt the engine refuses (too long, out-of-range ids) is still a 400, not a 200 with an
 error event; a failure after that is one error event and ``data: [DONE]``. ``n`` choices are n engine requests on the route the request
 got, run at once (``deployments.openai_choices``); the response waits for all of them, a stream
 interleaves their events; ``best_of`` runs that many and answers the n best (never streamed); a
-completion's batch of prompts runs each prompt's choices, prompt-major (choice i * n + j). A client that disconnects cancels the response task: every ``_forward``
-is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label (``specserve.label``; Ray Serve's proxy sets
+completion's batch of prompts runs each prompt's choices, prompt-major (choice i * n + j). A client that
+disconnects cancels the response task: every ``forward``
+is closed, which aborts its engine request and frees its KV. ``X-Request-Id`` is the client's label
+(``specserve.label``; Ray Serve's proxy sets
 one when the client does not, and echoes it in the response header), never the id. Ignores: the rules themselves, routing policy.
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ LABEL_HEADER = "x-request-id"
 
 
 def _metadata(request: Request) -> list[tuple[str, str]]:
-    """HTTP headers as the (key, value) pairs ``_admit`` reads (gRPC's ``request_id`` metadata
+    """HTTP headers as the (key, value) pairs ``admit`` reads (gRPC's ``request_id`` metadata
     is HTTP's ``X-Request-Id``); ``traceparent`` continues the client's trace."""
     md = [(k.lower(), v) for k, v in request.headers.items() if k.lower() not in (LABEL_HEADER, "request_id")]
     label = request.headers.get(LABEL_HEADER)
@@ -89,7 +91,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
     with RequestTelemetry(router.metrics, model=router.cfg.model, metadata=metadata, operation=operation,
                           api=API_OPENAI) as tel:
         try:
-            vreq, decision = await router._admit(metadata, request_id, read)
+            vreq, decision = await router.admit(metadata, request_id, read)
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
             n, each = body.n or 1, num_candidates(body)
@@ -102,7 +104,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             choices = [c for p in prompt_requests(vreq, batch, router.limits)
                        for c in choice_requests(p, each, ranked=ranked)]
             accs = [Accumulator(request_id, decision) for _ in choices]
-            streams = [functools.partial(router._forward, c, decision, tel.carrier(), whole=not body.stream)
+            streams = [functools.partial(router.forward, c, decision, tel.carrier(), whole=not body.stream)
                        for c in choices]
             async with contextlib.aclosing(choice_outputs(streams)) as outputs:
                 async for i, out in outputs:
@@ -122,7 +124,7 @@ async def _lifecycle(router: "Router", kind: Kind, raw: bytes, metadata: list,
             elif resp.include_usage:
                 yield resp.usage_chunk(final, sum(len(a.token_ids) for a in accs))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event
-            err = router._failure(exc, request_id, metadata, tel)
+            err = router.failure(exc, request_id, metadata, tel)
             last = error_event(err) if started else err
     if last is not None:
         yield last
@@ -224,7 +226,7 @@ def build_openai_app(router: "Router") -> FastAPI:
             out = await router.tokenize(
                 metadata, lambda: tokenize_body(parse_body(raw, TokenizeBody), router.served_model), len(raw))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-            return _error(router._plain_failure(exc, metadata))
+            return _error(router.plain_failure(exc, metadata))
         return JSONResponse({"count": len(out["token_ids"]), "max_model_len": out["max_model_len"],
                              "tokens": out["token_ids"]})
 
@@ -241,7 +243,7 @@ def build_openai_app(router: "Router") -> FastAPI:
             raw = await _read_body(request, router.limits)
             text = await router.detokenize(metadata, read, len(raw))
         except Exception as exc:  # noqa: BLE001
-            return _error(router._plain_failure(exc, metadata))
+            return _error(router.plain_failure(exc, metadata))
         return JSONResponse({"prompt": text})
 
     add_routes(app, router, _read_body, _metadata, _answer, _error)  # /v1/responses (deployments.responses_http)

@@ -4,8 +4,8 @@
 
 Owns: one Responses request's life — bearer auth first, then the body (``cluster.api.responses_api``),
 the previous response's conversation from the ResponseStore when it names one (400 when the store
-does not have it), the chat request that body asks for through the Router's own ``_admit`` (so every
-rule, limit, route and tool plan is the chat endpoint's) and ``_forward``, the response or its
+does not have it), the chat request that body asks for through the Router's own ``admit`` (so every
+rule, limit, route and tool plan is the chat endpoint's) and ``forward``, the response or its
 event stream (``cluster.api.responses_api_output``; a stream answers its status once the engine
 produced output, so a refused prompt is still a 400), and the record stored for ``store: true``
 before the response (or its last event) is sent, so a client that continues it at once finds it.
@@ -78,15 +78,15 @@ async def lifecycle(router: "Router", raw: bytes, metadata: list, request_id: st
             body = parse_body(raw, ResponseRequest)
             history = await _history(router, body)
             chat = parse_body(json.dumps(chat_body(body, history)).encode(), ChatCompletionRequest)
-            vreq, decision = await router._admit(metadata, request_id,
-                                                 lambda: chat_fields(chat, len(raw), router.served_model))
+            vreq, decision = await router.admit(metadata, request_id,
+                                                lambda: chat_fields(chat, len(raw), router.served_model))
             tel.set_stream(body.stream)
             tel.routed(vreq, decision, inflight=router.spec_in_flight)
             shape = ResponseShape(request_id, body, router.served_model, decision, chat.tool_plan)
             # a stream's events keep its text and log-probabilities; a unary response's, the accumulator
             events = ResponseEvents(shape) if body.stream else None
             acc = None if body.stream else Accumulator(request_id, decision)
-            async with contextlib.aclosing(router._forward(vreq, decision, tel.carrier(), whole=not body.stream)) as outs:
+            async with contextlib.aclosing(router.forward(vreq, decision, tel.carrier(), whole=not body.stream)) as outs:
                 async for out in outs:
                     tel.output(out, closes=True)
                     if acc is not None:
@@ -100,7 +100,7 @@ async def lifecycle(router: "Router", raw: bytes, metadata: list, request_id: st
                         yield e
                     started = started or bool(made)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status or an error event
-            err = router._failure(exc, request_id, metadata, tel)
+            err = router.failure(exc, request_id, metadata, tel)
             if started:
                 _, payload = error_body(err)
                 last = events.error(payload["error"]["code"], err.message, err.param)

@@ -5,7 +5,7 @@ Detokenize — the last two asked of a ready engine replica, where the tokenizer
 ``grpc.health.v1.Health/Check`` (Serve routes a gRPC call to the ingress method named like the
 RPC); the OpenAI-compatible HTTP API on the same replica (``@serve.ingress``: Serve routes HTTP to
 the ASGI app ``__serve_build_asgi_app__`` builds, ``deployments.openai_http``), which goes through
-the same ``_admit`` (auth, the shared validation, the route decision) and ``_forward``;
+the same ``admit`` (auth, the shared validation, the route decision) and ``forward``;
 bearer auth, request validation, the route decision (``cluster.routing.policy``) from its
 own in-flight counts, the latency of the requests it saw complete (per path and segment, for
 overflow balancing; shown in ModelInfo) and the engines' polled stats (readiness, α per segment, MoE gate),
@@ -155,7 +155,7 @@ class Router:
             return {}
         try:
             return await asyncio.wait_for(handle.stats.remote(), timeout=_CALL_TIMEOUT_S)
-        except Exception as exc:  # replica down or restarting: not ready
+        except Exception as exc:  # noqa: BLE001 (replica down or restarting: not ready)
             log.warning("stats call failed: %r", exc)
             return {"ready": False}
 
@@ -199,8 +199,8 @@ class Router:
         return bool(spec_node) and spec_node == batch_node and not own_gpus
 
     # -- request path ----------------------------------------------------------------------
-    async def _admit(self, metadata, request_id: str,
-                     read: Callable[[], RequestFields]) -> tuple[ValidatedRequest, RouteDecision]:
+    async def admit(self, metadata, request_id: str,
+                    read: Callable[[], RequestFields]) -> tuple[ValidatedRequest, RouteDecision]:
         """Auth, then ``read()`` (the front end's wire -> ``RequestFields``), the shared validation
         and the route decision; ``metadata``: (key, value) pairs (gRPC metadata, HTTP headers)."""
         check_bearer(metadata, self.token)
@@ -233,8 +233,8 @@ class Router:
     def spec_in_flight(self) -> int:
         return self.load.count(Path.SPECULATIVE)
 
-    async def _forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str],
-                       whole: bool = False):
+    async def forward(self, vreq: ValidatedRequest, decision: RouteDecision, carrier: dict[str, str],
+                      whole: bool = False):
         handle = self.spec_engine if decision.path is Path.SPECULATIVE else self.batch
         mark = self.load.enter(decision.path)
         self.metrics.set_inflight(decision.path, self.load.count(decision.path))
@@ -269,15 +269,15 @@ class Router:
         cap = self.limits.max_label_chars
         return next((str(v)[:cap] for k, v in metadata if k == "request_id"), "")
 
-    def _failure(self, exc: Exception, request_id: str, metadata, tel: RequestTelemetry) -> ServiceError:
+    def failure(self, exc: Exception, request_id: str, metadata, tel: RequestTelemetry) -> ServiceError:
         """Any failure of a request as the ``ServiceError`` the client gets, traced."""
         err = exc if isinstance(exc, ServiceError) else unexpected_error(exc, request_id, self._label(metadata))
         tel.error(err.message, err.code.name)
         return err
 
     def _failed(self, exc: Exception, request_id: str, grpc_context, tel: RequestTelemetry) -> ServiceError:
-        """``_failure`` set on the gRPC context."""
-        err = self._failure(exc, request_id, grpc_context.invocation_metadata(), tel)
+        """``failure`` set on the gRPC context."""
+        err = self.failure(exc, request_id, grpc_context.invocation_metadata(), tel)
         self._fail(grpc_context, err)
         return err
 
@@ -290,10 +290,10 @@ class Router:
         metadata = grpc_context.invocation_metadata()
         with RequestTelemetry(self.metrics, model=self.cfg.model, metadata=metadata, api=API_GRPC) as tel:
             try:
-                vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
+                vreq, decision = await self.admit(metadata, request_id, self._grpc_fields(request))
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 acc = Accumulator(vreq.echo_id, decision)
-                async for out in self._forward(vreq, decision, tel.carrier(), whole=True):
+                async for out in self.forward(vreq, decision, tel.carrier(), whole=True):
                     tel.output(out)
                     acc.add(out)
                 return acc.response()
@@ -307,10 +307,10 @@ class Router:
         with RequestTelemetry(self.metrics, model=self.cfg.model, stream=True, metadata=metadata,
                               api=API_GRPC) as tel:
             try:
-                vreq, decision = await self._admit(metadata, request_id, self._grpc_fields(request))
+                vreq, decision = await self.admit(metadata, request_id, self._grpc_fields(request))
                 tel.routed(vreq, decision, inflight=self.spec_in_flight)
                 first, total = True, 0
-                async for out in self._forward(vreq, decision, tel.carrier()):
+                async for out in self.forward(vreq, decision, tel.carrier()):
                     tel.output(out)
                     total += len(out.new_token_ids)
                     yield chunk(out, decision, first, total, request_id=vreq.echo_id)
@@ -363,10 +363,10 @@ class Router:
         try:
             return await answer()
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            self._fail(grpc_context, self._plain_failure(exc, grpc_context.invocation_metadata()))
+            self._fail(grpc_context, self.plain_failure(exc, grpc_context.invocation_metadata()))
         return empty
 
-    def _plain_failure(self, exc: Exception, metadata) -> ServiceError:
+    def plain_failure(self, exc: Exception, metadata) -> ServiceError:
         """A failure outside a generation request (no telemetry of its own) as a ``ServiceError``."""
         return exc if isinstance(exc, ServiceError) else unexpected_error(exc, uuid.uuid4().hex, self._label(metadata))
 
@@ -404,7 +404,7 @@ class Router:
             if handle is not None and not info:
                 try:
                     info = await asyncio.wait_for(handle.model_info.remote(), timeout=_CALL_TIMEOUT_S)
-                except Exception:
+                except Exception:  # noqa: BLE001 (a replica down: ask the next, else answer from the config)
                     info = {}
         a, r = self.cfg, self.cfg.router
         return pb2.ModelInfoResponse(

@@ -54,7 +54,7 @@ class SpecEngine(EngineServer):
                 if addr != self._proposer.address:
                     log.info("draft server address: %s", addr)
                 self._proposer.set_address(addr)
-            except Exception as exc:  # draft replica down: keep the old address, engine falls back
+            except Exception as exc:  # noqa: BLE001 (draft replica down: keep the old address, engine falls back)
                 log.warning("draft server address lookup failed: %r", exc)
             await asyncio.sleep(_REFRESH_S)
 

@@ -5,14 +5,16 @@ where a number belongs is a 400, an int where a float belongs is fine; a field w
 400 naming it, as OpenAI answers "Unrecognized request argument" — never parsed past and ignored),
 the model-name check (another name: NOT_FOUND -> 404), the refusal of what we do not do
 (suffix, the deprecated ``functions``, audio,
-reasoning effort, stored completions, speaker names, non-text content parts — each OpenAI field that changes nothing here is accepted only at the value that
+reasoning effort, stored completions, speaker names, non-text content parts — each OpenAI field that changes
+nothing here is accepted only at the value that
 asks for nothing: ``modalities`` ["text"], ...), ``tools`` / ``tool_choice`` and the messages'
 calls and results (their rules, the tools' system text and the call's schema: ``openai_tools``),
 ``response_format`` (``json_object`` /
 ``json_schema``) and the ``regex`` / ``grammar`` extensions as the same constraint gRPC's ``json_schema`` /
 ``regex`` / ``grammar`` carry, ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (completions) as gRPC's
 ``logprobs``, a completion's ``echo`` as gRPC's ``prompt_logprobs`` where its entries are needed
-(``max_tokens`` 0 with it: the prompt scored, nothing generated), vLLM's ``stop_token_ids`` / ``min_tokens`` extensions as gRPC's fields — and the
+(``max_tokens`` 0 with it: the prompt scored, nothing generated), vLLM's ``stop_token_ids`` / ``min_tokens``
+extensions as gRPC's fields — and the
 conversion into the ``RequestFields`` that
 ``cluster.api.requests.validate_fields`` checks for gRPC too (every range, cap, finiteness and
 constraint rule lives there, not here).

@@ -7,7 +7,8 @@ in ``validate_fields``, which both front ends call: gRPC through ``validate_requ
 ``RequestFields``) — one copy of the rules — which also attaches the ``Constraint`` the engine
 enforces and checks its size (characters, and the repetition bound: ``limits.max_constraint_repeat``);
 the constraint check (JSON Schema / regex / Lark grammar syntax, then what the grammar engine supports:
-unsupported keywords and formats are refused by name) in ``check_constraint``, kept apart because it is CPU work on client-chosen input that the Router runs
+unsupported keywords and formats are refused by name) in ``check_constraint``, kept apart because it is CPU
+work on client-chosen input that the Router runs
 off its event loop (size-capped first, so it is bounded; recursion and any other checker failure is
 the client's INVALID_ARGUMENT); and the model-side half (tokenize, prompt length, token id range) in
 ``to_generation_request``, which an engine deployment runs next to its tokenizer.
@@ -26,6 +27,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from cluster.api.status import ServiceError, invalid
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import Constraint, ConstraintKind, GenerationRequest, SamplingParams, SpecMode
+from cluster.common.segments import DEFAULT_SEGMENT
 from cluster.engine.grammar_size import check_repeat_bound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -217,7 +219,8 @@ def check_size(size: int, limits: Limits) -> None:
 
 def check_known_fields(pb) -> None:
     """A ``GenerateRequest`` (or another request message: ``TokenizeRequest``) carrying a field this
-    server's proto does not define (a newer client's field, or one made up) is INVALID_ARGUMENT: proto3 would parse past it and the field would be
+    server's proto does not define (a newer client's field, or one made up) is INVALID_ARGUMENT: proto3 would
+    parse past it and the field would be
     silently ignored — the request answered as if it had not been sent. Its chat messages and token
     ids likewise. ``ModelInfoResponse.request_fields`` tells a client beforehand what is known."""
     parts = [(pb.DESCRIPTOR.name, pb)] + [(f"messages[{i}]", m) for i, m in enumerate(getattr(pb, "messages", ()))]
@@ -344,7 +347,7 @@ def validate_fields(f: RequestFields, request_id: str, limits: Limits, *, label:
     if params.min_tokens and constraint is not None:
         raise invalid(f"min_tokens cannot be combined with {constraint.kind.value}: the grammar decides where "
                       "the output may end")
-    segment = f.segment.strip() or "default"
+    segment = f.segment.strip() or DEFAULT_SEGMENT
     _check_label("segment", segment)  # it becomes a metric tag and a stats key: keep it plain
     scope = f.draft_scope
     if scope:  # a key of the drafter's memory, sent over KVSync

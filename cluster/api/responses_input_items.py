@@ -5,7 +5,8 @@ Owns: the items a Responses request sent as its ``input``, in OpenAI's shape wit
 item its role with ``input_text`` parts (an ``assistant`` message OpenAI's output message, with
 ``output_text`` parts); ``function_call`` and ``function_call_output`` items as sent. An item sent
 back with its ``id`` keeps it; the others get ``msg_`` / ``fc_`` / ``fco_`` ids made of the
-response's id and ``in`` with the item's place (an output item's id has no ``in``). And the page of them a list request asks for (``item_page``):
+response's id and ``in`` with the item's place (an output item's id has no ``in``). And the page of them a
+list request asks for (``item_page``):
 ``order`` (``desc``, OpenAI's default, or ``asc``), ``after`` (an item id: the items after it in
 that order), ``limit`` (1 to 100, default 20), OpenAI's list object (``data``, ``first_id``,
 ``last_id``, ``has_more``). Only this response's own input is listed: a continuation's earlier

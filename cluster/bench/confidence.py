@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 
 BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TOP_RANKS = 4
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
               f"K = {args.steps} engine {rep['step_alpha_by_position']} (the target's token among the head's best "
               f"1..{TOP_RANKS} first drafts there: {rep['step_first_draft_top']}); calibration "
               + " ".join(f"[{b['p'][0]:.1f},{b['p'][1]:.1f}):{b['accepted']}" for b in rep["calibration"] if b["anchors"]))
-        print(f"  tokens per unit cost: fixed K " + " ".join(f"{k}:{m['tokens_per_cost']}" for k, m in rep["fixed_k"].items())
+        print("  tokens per unit cost: fixed K " + " ".join(f"{k}:{m['tokens_per_cost']}" for k, m in rep["fixed_k"].items())
               + f"; floors (K <= {args.steps}) " + " ".join(f"{f}:{m['tokens_per_cost']}" for f, m in rep["floors"].items())
               + f"; best floor {rep['best_floor']:g} / best fixed K {rep['best_fixed_k']}: {rep['best_floor_over_best_fixed_k']}")
     report["seconds"] = round(time.perf_counter() - t0, 1)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 from cluster.common.prompt_rows import row_constraint
 
 PHASES = ("_schedule", "_propose", "_forward", "_verify", "_commit")

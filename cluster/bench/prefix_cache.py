@@ -16,7 +16,8 @@ prompt and differ in their user question, all added to the engine at once (one s
 admits as many as its token budget holds: those after the first share the system prompt's blocks
 the same step fills — ``KVCacheManager.index_scheduled`` — or, admitted later, the blocks it
 committed), timed from the burst's start to each request's first token and to the last one's
-end, cold then warm in a rotating order, each burst on a fresh engine (an empty cache). Checked: every request's greedy tokens are the same on
+end, cold then warm in a rotating order, each burst on a fresh engine (an empty cache). Checked: every
+request's greedy tokens are the same on
 both engines. Reported per segment: medians of warm / cold mean time to first token and time to
 the burst's end, and the share of the burst's prompt tokens that came from the cache.
 With ``--placement separate`` (``--path spec``, a model drafter: ``eagle``): the drafter runs in a

@@ -15,7 +15,8 @@ each policy (and each side of the front door's pairs) sends its requests in draf
 (``bench-<run>/<policy>/<api>/c<pass>``, a new one each pass over a workload shorter than the run),
 so a drafter that learns from traffic (suffix, portfolio) never drafts a request from an answer to
 the same row; what a speculative request could still repeat, and which ratios that leaves
-unjudged, is ``cluster.bench.repeats``.
+unjudged, is ``cluster.bench.repeats``. The pieces ``specserve map``'s sweep drives a service with
+(``stream_one``, ``run_requests``, ``cell_stats``, the round plan, ``local_config``) are public.
 Ignores: engine-internal timing (``bench spec``/``bench decode``), plots.
 """
 from __future__ import annotations
@@ -34,11 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.bench.repeats import SpecAnswers, format_repeats, level_start, scoped_rows
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import DEFAULT_SEGMENT, DEFAULT_WORKLOADS, read_prompt_rows
 
 POLICIES = {"fixed_spec": 1, "fixed_plain": 2, "routed": 0}  # proto SpecMode per policy
 PATH_NAMES = {1: "speculative", 2: "plain"}  # proto RoutePath
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 ROUTED_GOAL = 1.05  # routed p50 e2e <= 1.05 x the better fixed policy
 FRONT_DOOR_GOAL = 1.10  # the front door adds <= 10% at concurrency 1
 QUICK = {"levels": [1, 4, 16], "segments": 2, "requests": 4, "max_tokens": 16, "overhead_requests": 4}
@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(at least the concurrency); 16 tokens; 4 overhead pairs")
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``xs`` (nearest rank, 5 decimals); None for no values."""
     if not xs:
         return None
     xs = sorted(xs)
@@ -120,7 +121,7 @@ def _request(pb2, row: dict, mode: int, max_tokens: int):
     return req
 
 
-def _one_unary(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
+def unary_one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
     """One unary ``Generate`` (no TTFT: the client sees every token at the end)."""
     import grpc
 
@@ -132,7 +133,9 @@ def _one_unary(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
     return {"error": None, "e2e": time.perf_counter() - t0, "ttft": None, "tokens": len(resp.token_ids)}
 
 
-def _one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
+def stream_one(stub, pb2, md, row: dict, mode: int, max_tokens: int) -> dict:
+    """One ``GenerateStream`` of ``row`` in proto SpecMode ``mode``, timed: e2e, TTFT (first chunk
+    with tokens), TPOT, tokens, the route and the speculation counters; a gRPC error is a result."""
     import grpc
 
     req = _request(pb2, row, mode, max_tokens)
@@ -168,7 +171,7 @@ def run_requests(stub, pb2, md, rows: list[dict], mode: int, concurrency: int, n
     -> (results in row order, wall); ``one(row, mode, max_tokens)`` sends one (default: a gRPC
     stream)."""
     jobs = wave_rows(rows, offset, n, concurrency)
-    one = one or (lambda row, m, k: _one(stub, pb2, md, row, m, k))
+    one = one or (lambda row, m, k: stream_one(stub, pb2, md, row, m, k))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda r: one(r, mode, max_tokens), jobs))
@@ -184,9 +187,9 @@ def cell_stats(results: list[dict], wall: float) -> dict:
     return {"requests": len(results), "errors": dict(Counter(r["error"] for r in results if r["error"])),
             "wall_s": round(wall, 4), "tokens": sum(r["tokens"] for r in ok),
             "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
-            "e2e_p50": _pct(e2e, 0.5), "e2e_p99": _pct(e2e, 0.99),
-            "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
-            "tpot_p50": _pct(tpot, 0.5), "tpot_p99": _pct(tpot, 0.99),
+            "e2e_p50": percentile(e2e, 0.5), "e2e_p99": percentile(e2e, 0.99),
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "tpot_p50": percentile(tpot, 0.5), "tpot_p99": percentile(tpot, 0.99),
             "draft_tokens": drafted,
             "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None,
             "route_mix": dict(Counter(f"{r['path']}:{r['reason']}" for r in results)),
@@ -204,7 +207,7 @@ def _direct_one(loop, engine, row: dict, mode, max_tokens: int, rid: str) -> dic
         else:
             ids = engine.tokenize(row["prompt"])
         req = GenerationRequest(rid, ids, SamplingParams(max_tokens=_max_tokens(row, max_tokens)),
-                                segment=row.get("segment", "default"), mode=mode,
+                                segment=row.get("segment", DEFAULT_SEGMENT), mode=mode,
                                 draft_scope=row.get("draft_scope", ""))
         ttft, ntok = None, 0
         async for out in engine.generate(req):
@@ -256,8 +259,8 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                 got: dict[str, list[dict]] = {"direct": [], "stream": [], "unary": []}
                 calls = {
                     "direct": lambda row, i: _direct_one(loop, engine, row, mode, max_tokens, f"fd-{name}-{i}"),
-                    "stream": lambda row, i: _one(stub, pb2, md, row, proto_mode, max_tokens),
-                    "unary": lambda row, i: _one_unary(stub, pb2, md, row, proto_mode, max_tokens)}
+                    "stream": lambda row, i: stream_one(stub, pb2, md, row, proto_mode, max_tokens),
+                    "unary": lambda row, i: unary_one(stub, pb2, md, row, proto_mode, max_tokens)}
                 if door is not None:
                     got["openai"] = []
                     calls["openai"] = lambda row, i: door.one(row, proto_mode, max_tokens)
@@ -285,7 +288,7 @@ def front_door_overhead(stub, pb2, md, app_args: dict, rows: list[dict], max_tok
                           f"{out['paths'][key]['e2e_ratio']})", file=sys.stderr, flush=True)
             finally:
                 loop.run_until_complete(engine.shutdown())
-                del engine
+                engine = None  # the engine's last reference (the lambdas above close over this name)
                 gc.collect()
     finally:
         loop.close()
@@ -423,7 +426,7 @@ def _bench(args, addr: str, app: str, app_args: dict, http_url: str | None = Non
                         for api in round_order(plan["apis"], r):
                             # one short untimed request first: the engine this policy uses may have
                             # sat idle (its weights out of cache) while another policy ran on the other
-                            _one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
+                            stream_one(stub, pb2, md, WARM_UP_ROW, POLICIES[policy], 1)
                             one = (lambda row, mode, n: door.one(row, mode, n)) if api == "openai" else None
                             offset = start[segment] + r * n_round
                             rows = by_policy[policy, api]
@@ -608,19 +611,21 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _local_config(args) -> dict:
-    """The Serve config; a local service gets free loopback ports (others may run one too)."""
+def local_config(config: Path | None, addr: str | None = None) -> dict:
+    """The Serve config (``config``, else the shipped one); without ``addr`` (a running service) it is
+    for a local service, which gets free loopback ports (others may run one too)."""
     from deployments.local import DEFAULT_CONFIG, free_port, load_config
 
-    ns = argparse.Namespace(config=args.config or DEFAULT_CONFIG, model=None, drafter=None,
-                            placement=None, port=None if args.addr else free_port())
+    ns = argparse.Namespace(config=config or DEFAULT_CONFIG, model=None, drafter=None,
+                            placement=None, port=None if addr else free_port())
     cfg = load_config(ns)
-    if not args.addr:
+    if not addr:
         cfg["http_options"] = {**(cfg.get("http_options") or {}), "host": "127.0.0.1", "port": free_port()}
     return cfg
 
 
-def _interrupt(signum, _frame) -> None:
+def raise_interrupt(signum, _frame) -> None:
+    """A signal handler: SIGTERM (``timeout``, a CI runner) unwinds like Ctrl-C."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -633,7 +638,7 @@ def run(args: argparse.Namespace) -> int:
     if args.addr and args.api == "openai" and not args.http_url:
         print("--api openai with --addr needs --http-url (the service's OpenAI base URL)", file=sys.stderr)
         return 2
-    cfg = _local_config(args)
+    cfg = local_config(args.config, args.addr)
     app_args = cfg["applications"][0].get("args", {})
     if args.addr:
         if args.config is None:  # a running service: its config is unknown unless given
@@ -652,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
 
         # SIGTERM (e.g. `timeout`, a CI runner) unwinds like Ctrl-C, so the local Ray is shut down
         # instead of leaving its agents behind
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, raise_interrupt)
         with local_service(cfg) as (addr, app):
             report = _bench(args, addr, app, app_args, http_base_url(cfg))
     print(format_report(report), flush=True)

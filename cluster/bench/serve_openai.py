@@ -61,7 +61,7 @@ class OpenAIDoor:
                                               **body), False
 
     def one(self, row: dict, mode: int, max_tokens: int) -> dict:
-        """One streamed request -> the fields ``cluster.bench.serve._one`` records for gRPC."""
+        """One streamed request -> the fields ``cluster.bench.serve.stream_one`` records for gRPC."""
         import openai
 
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cluster.bench.spec import DEFAULT_WORKLOADS
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 
 
 def add_side_by_side_arguments(p: argparse.ArgumentParser, segments: str, drafter_help: str) -> None:

@@ -3,7 +3,8 @@ against our own plain decoding and against Hugging Face's assisted generation on
 
 Owns: the methods (``Drafters``: engines sharing one loaded target — plain; ngram, self:L, draft
 model and an EAGLE head (``eagle:DIR``), each with a fixed K and with ``auto`` K; suffix (over the
-shipped corpus, none: ``suffix:cold``, or another: ``suffix:FILE``) and portfolio with ``auto`` K, on request — one engine per method for a round, so they learn from
+shipped corpus, none: ``suffix:cold``, or another: ``suffix:FILE``) and portfolio with ``auto`` K, on request
+— one engine per method for a round, so they learn from
 the segment's earlier prompts as a service would), deriving the draft model (first L target
 layers, see ``cluster.models.derive``), picking L by a quick measurement, the HF peers
 (``HfPeers``: plain ``generate``, ``prompt_lookup_num_tokens``, ``assistant_model``,
@@ -36,9 +37,8 @@ from cluster.bench.spec_rows import (alpha_of, median_of, member_counts, member_
                                      predicted_speedup, rounded, summarize_row)
 from cluster.bench.timed_run import Run, engine_for, request_for, run_hf, run_ours
 from cluster.common.config import COLD_SUFFIX, DRAFT_STOP_CONFIDENCE, suffix_corpus_name
-from cluster.common.prompt_rows import read_prompt_rows
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS, read_prompt_rows
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
 DRAFTER_KINDS = ("ngram", "self", "draft", "suffix", "suffix:cold", "portfolio")
 DEFAULT_DRAFTERS = ("ngram", "self", "draft")

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from cluster.bench import from_test_tree
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 
 _BENCH = "cluster.bench.tracing_service"
-WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 
 
 def app_args(telemetry: dict | None) -> dict:
@@ -43,7 +43,7 @@ def app_args(telemetry: dict | None) -> dict:
 def prompts(n_per_segment: int) -> list[tuple[str, str]]:
     out = []
     for seg in ("code", "summarize", "chat"):
-        with open(WORKLOADS / f"{seg}.jsonl") as f:
+        with open(DEFAULT_WORKLOADS / f"{seg}.jsonl") as f:
             for line, _ in zip(f, range(n_per_segment)):
                 out.append((seg, json.loads(line)["prompt"][:400]))
     return out

@@ -1,4 +1,5 @@
-"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping,scoring,prefix_cache}`: benchmarks that print numbers and write JSON.
+"""`specserve bench {decode,spec,confidence,serve,cancel,mapped,prediction,logprobs,shaping,scoring,prefix_cache}`:
+benchmarks that print numbers and write JSON.
 
 Each benchmark lives in ``cluster.bench.<name>`` (the map's held-out check, which runs the mapper,
 in ``cluster.mapper.heldout``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``;

@@ -11,7 +11,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf file | hub id")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft", default=None,
-                   help="enable speculation: ngram | suffix (with --suffix-corpus, by default the corpus shipped for the default model) | suffix:FILE | suffix:cold | portfolio | portfolio:DIR | self[:L] | eagle (the head shipped for the default model) | eagle:DIR | a draft model source (same vocabulary)")
+                   help="enable speculation: ngram | suffix (with --suffix-corpus, by default the corpus shipped for the "
+                        "default model) | suffix:FILE | suffix:cold | portfolio | portfolio:DIR | self[:L] | eagle (the head "
+                        "shipped for the default model) | eagle:DIR | a draft model source (same vocabulary)")
     p.add_argument("--num-draft-tokens", default="auto", help="K, or 'auto' for adaptive K")
     p.add_argument("--suffix-corpus", default=None, metavar="FILE|cold",
                    help="the corpus of --draft suffix and of the portfolio's suffix member: a file made by "

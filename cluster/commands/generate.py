@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cluster.commands.common import add_engine_args, engine_config
 from cluster.common.errors import InvalidRequestError
-from cluster.common.prompt_rows import read_prompt_rows, row_constraint
+from cluster.common.prompt_rows import DEFAULT_SEGMENT, read_prompt_rows, row_constraint
 from cluster.common.request import GenerationRequest, SamplingParams
 from cluster.models.tokenizer import prompt_token_ids
 
@@ -71,7 +71,7 @@ def run_rows(engine, rows: list[dict], args: argparse.Namespace) -> list[dict]:
                                 stop=tuple(sampling["stop"]))
         rid = str(row["id"])
         try:
-            engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", "default")),
+            engine.add_request(GenerationRequest(rid, ids, params, segment=str(row.get("segment", DEFAULT_SEGMENT)),
                                                  arrival_time=t0, constraint=row_constraint(row)))
         except InvalidRequestError as exc:  # which row, not only what is wrong with it
             raise InvalidRequestError(f"row {rid!r}: {exc}") from None

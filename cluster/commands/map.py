@@ -29,8 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--app", default="specserve", help="Serve application name (with --addr)")
     p.add_argument("--token", default=None, help="bearer token of the service (with --addr)")
     p.add_argument("--quick", action="store_true",
-                   help=f"sample: 4 rows per segment, 4 requests per cell, 32 tokens, concurrency up to 16, "
-                        f"at most 15 minutes")
+                   help="sample: 4 rows per segment, 4 requests per cell, 32 tokens, concurrency up to 16, "
+                        "at most 15 minutes")
     p.add_argument("--max-minutes", type=float, default=None, help="bound the whole run; a partial map is written")
     p.add_argument("--drafters", default=None,
                    help="comma-separated drafters to profile (default: the config's, ngram, portfolio, eagle)")

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--http-port", type=int, default=None,
                    help="HTTP port of the OpenAI-compatible API (default: the config's, 8000)")
     p.add_argument("--model", default=None, help="override the app's model")
-    p.add_argument("--drafter", default=None, help="override the drafter (ngram, suffix[:FILE|:cold], portfolio[:DIR], eagle[:DIR], self[:L], model, none)")
+    p.add_argument("--drafter", default=None,
+                   help="override the drafter (ngram, suffix[:FILE|:cold], portfolio[:DIR], eagle[:DIR], self[:L], model, none)")
     p.add_argument("--placement", choices=("shared", "separate"), default=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for SERVING")

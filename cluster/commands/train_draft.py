@@ -83,12 +83,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.common.config import EngineConfig
+    from cluster.common.prompt_rows import DEFAULT_WORKLOADS
     from cluster.models.device import resolve_device
     from cluster.models.load import load_model
     from cluster.models.runner import ModelRunner
     from cluster.models.tokenizer import chat_token_ids
     from cluster.training.eagle_trainer import Trainer, TrainConfig, expected_tokens_per_round
-    from cluster.training.prompt_corpus import DEFAULT_WORKLOADS, build_labelled_prompts, weave
+    from cluster.training.prompt_corpus import build_labelled_prompts, weave
     from cluster.training.self_prompts import REQUESTS, write_requests
 
     t0 = time.monotonic()

@@ -67,7 +67,8 @@ class SegmentSpeculation:
 class SpecConfig:
     """Speculative decoding. drafter: "ngram", "suffix", "portfolio" / "portfolio:DIR" (its EAGLE member the
     head in DIR), "self" / "self:L" (first L target layers), "eagle" (the head shipped for the default model) /
-    "eagle:DIR" (a trained head), or a model source sharing the target vocabulary. num_draft_tokens: fixed K, or "auto" (adaptive K in [0, max_draft_tokens]).
+    "eagle:DIR" (a trained head), or a model source sharing the target vocabulary. num_draft_tokens: fixed K,
+    or "auto" (adaptive K in [0, max_draft_tokens]).
     segments: per traffic segment its own drafter and / or K policy (``SegmentSpeculation``); max_draft_tokens is
     at least every fixed K configured (the adaptive bound, the draft-token KV slots, KVSync's limit)."""
 

@@ -8,8 +8,9 @@ an ``InvalidRequestError`` that names the file and line; checking a row in full 
 ``max_tokens``; optional ``json_schema`` / ``regex``; sampling ``temperature`` / ``top_p`` /
 ``top_k`` / ``seed`` / ``stop``) and reading a file or every ``*.jsonl`` of a directory (sorted)
 into checked rows in order, a bad row reported with its file and line instead of stopping
-(``read_checked_rows``). Ignores: tokenizing a row (``cluster.models.tokenizer.prompt_token_ids``)
-and what the rows are for (``cluster.mapper.traffic`` groups them by segment).
+(``read_checked_rows``); where the benchmark workloads lie by default (``DEFAULT_WORKLOADS``).
+Ignores: tokenizing a row (``cluster.models.tokenizer.prompt_token_ids``) and what the rows are
+for (``cluster.mapper.traffic`` groups them by segment).
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from pathlib import Path
 
 from cluster.common.errors import InvalidRequestError, UserFacingError
 from cluster.common.request import Constraint, ConstraintKind, SamplingParams
+from cluster.common.segments import DEFAULT_SEGMENT
 
-DEFAULT_SEGMENT = "default"  # rows without a segment are one segment
+# the benchmark workloads (``*.jsonl`` per segment) beside the checkout: ../shared/workloads
+DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 DEFAULT_MAX_TOKENS = 128
 ROLES = ("system", "user", "assistant", "tool")
 

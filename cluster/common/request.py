@@ -14,6 +14,7 @@ import operator
 from dataclasses import dataclass, field
 
 from cluster.common.errors import InvalidRequestError
+from cluster.common.segments import DEFAULT_SEGMENT
 
 
 class FinishReason(enum.Enum):
@@ -298,7 +299,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    segment: str = "default"
+    segment: str = DEFAULT_SEGMENT
     mode: SpecMode = SpecMode.AUTO
     arrival_time: float = 0.0
     # W3C trace context from the Router (cluster.telemetry): parent of this request's engine spans.

@@ -1,7 +1,8 @@
 """Segment labels: the traffic label a client puts on a request, bounded to what the service keeps.
 
-Owns: the set of segment labels this Router has admitted (at most ``max_segments``) and folding
-every further new label into ``OTHER_SEGMENT``. Why: a segment is a free-form client string
+Owns: the label of a request or row that names none (``DEFAULT_SEGMENT``), the set of segment
+labels this Router has admitted (at most ``max_segments``) and folding every further new label into
+``OTHER_SEGMENT``. Why: a segment is a free-form client string
 (≤ 64 characters), and everything measured per segment — the SpecEngine's α and adaptive-K
 estimates, its stats that the Router polls twice a second, the Router's latency fits — would
 otherwise grow by one entry per distinct label; a client labelling each request uniquely (a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+DEFAULT_SEGMENT = "default"  # the label of a request or prompt row that names no segment
 OTHER_SEGMENT = "other"  # the label every segment past the cap shares (Router and metrics alike)
 
 

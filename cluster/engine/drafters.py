@@ -7,7 +7,8 @@ with the segments that name it alone — a target runner feeds one EAGLE head).
 
 Owns: drafter string -> ``Proposer`` (n-gram, suffix — with ``SpecConfig.suffix_corpus``, by
 default the shipped suffix corpus where it fits the target, ``suffix:FILE``'s, or none —,
-portfolio — with the shipped EAGLE head as a member when it fits the target, or ``portfolio:DIR``'s head —, eagle, layer skip, draft model with
+portfolio — with the shipped EAGLE head as a member when it fits the target, or ``portfolio:DIR``'s head —,
+eagle, layer skip, draft model with
 its vocabulary check), the per-segment union (each distinct member drafter built once, a failure naming the segments that
 asked for it), and the draft-cost prior (``draft_cost_ratio``) of a drafter before
 any round is timed. Ignores: remote drafters (the replica injects a KVSync proposer; per-segment

@@ -2,7 +2,8 @@
 
 Owns: believable engine behaviour without a model — a byte tokenizer, a deterministic target
 (the next token repeats the prompt cyclically, so prompt-lookup drafting hits), a bounded waiting
-queue (EngineOverloadedError), stand-in log-probabilities of output and prompt when asked (``fake_logprobs``; max_tokens 0 answers the prompt's alone), a KV block pool that fills and frees (so cancellation tests can
+queue (EngineOverloadedError), stand-in log-probabilities of output and prompt when asked (``fake_logprobs``;
+max_tokens 0 answers the prompt's alone), a KV block pool that fills and frees (so cancellation tests can
 watch it), readiness after a configurable start delay, and speculation counters per segment.
 With a ``proposer`` (e.g. the KVSync ``RemoteProposer``) it really calls ``propose``/``release``
 each step, verifies the drafts greedily against its target and, on ``DraftUnavailableError``,

@@ -30,7 +30,6 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -26,7 +26,7 @@ import torch
 from cluster.common.config import EngineConfig
 from cluster.common.errors import InvalidRequestError
 from cluster.common.request import (
-    FinishReason, GenerationRequest, Logprob, ModelLimits, RequestOutput, SpecMode, SpecStats, TokenLogprobs,
+    FinishReason, GenerationRequest, Logprob, ModelLimits, RequestOutput, SpecMode, TokenLogprobs,
 )
 from cluster.engine.detokenizer import Detokenizer
 from cluster.engine.drafts import SeqDraft, StepDrafts, Verdict
@@ -169,7 +169,7 @@ class LLMEngine:
         return self._emit(batch)  # 6. deltas and finished outputs
 
     def _schedule(self) -> list[ScheduledSeq]:
-        num_draft_tokens = (lambda seq: 0)
+        num_draft_tokens = (lambda seq: 0)  # noqa: E731 (the plain path's; speculation's below)
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
             num_draft_tokens = self.spec.num_draft_tokens

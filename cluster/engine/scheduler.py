@@ -85,7 +85,8 @@ class Scheduler:
             i += 1
         # 2. admit waiting sequences FIFO while budgets and free blocks allow (not in a step that
         #    had to preempt: the pool is tight and re-admitting the victim would only thrash)
-        while self.num_preemptions == preemptions_before and self.waiting and tokens_left > 0 and len(self.running) < self.budget.max_num_seqs:
+        while (self.num_preemptions == preemptions_before and self.waiting and tokens_left > 0
+               and len(self.running) < self.budget.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_cached == 0 and self._share_prefix is not None:
                 seq.num_cached = self._share_prefix(seq)

@@ -1,7 +1,8 @@
 """One request's state inside the engine.
 
 Owns: the token list (prompt + output), how many tokens the target KV holds (committed length in
-KV), status, detokenizer, the log-probabilities of output (and prompt) not yet reported, error message, finish reason, timings and speculation counters, and
+KV), status, detokenizer, the log-probabilities of output (and prompt) not yet reported, error message, finish
+reason, timings and speculation counters, and
 appending committed tokens with the stop conditions (EOS, stop token ids, stop strings,
 max_tokens, a complete grammar) and feeding them to the sequence's grammar matcher. Ignores: scheduling and model execution.
 """

@@ -81,7 +81,7 @@ class StepLoop:
             for req in inbox:
                 try:
                     eng.add_request(req)
-                except Exception as exc:  # InvalidRequestError when nobody validated before
+                except Exception as exc:  # noqa: BLE001 (InvalidRequestError when nobody validated before)
                     out.append((req.request_id, exc))
             for rid in aborts:
                 out.append((rid, eng.abort(rid)))

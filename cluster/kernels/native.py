@@ -105,7 +105,7 @@ def available() -> bool:
                     build(path)
                 torch.ops.load_library(str(path))
                 ok = True
-            except Exception as exc:  # no compiler, no headers, odd platform: torch's operators it is
+            except Exception as exc:  # noqa: BLE001 (no compiler, no headers, odd platform: torch's operators it is)
                 _state["why"] = str(exc)
                 log.warning("native CPU kernels unavailable, using torch's operators: %s", exc)
         _state["ok"] = ok

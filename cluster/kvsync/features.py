@@ -4,7 +4,8 @@ from the target, which runs in the SpecEngine (placement ``separate``).
 Owns: the wire form of ``TargetFeatures`` (rows [N, width] for positions [start, start + N), in
 float32, float16 or bfloat16 bytes; ``encode_features`` / ``check_features`` / ``decode_features``),
 whether this engine can give what a DraftServer's Info asks for (``feature_request_refusal``: a
-native target runner, the target the head was trained for, the width) and ``FeatureBuffer``, the engine side's feature tap: installed on the target runner, it keeps per
+native target runner, the target the head was trained for, the width) and ``FeatureBuffer``, the engine side's
+feature tap: installed on the target runner, it keeps per
 sequence the features of every position a committed target forward ran (in the wire dtype), so
 that a Propose sends the positions the draft side lacks and a resync resends them from position 0;
 under prefix caching it keeps the rows of every prefix block the target's KV cache indexes and

@@ -55,9 +55,9 @@ def bootstrap_crossover(levels: list[int], spec: list[list[float]], plain: list[
     """Point estimate and 90% interval of the crossover from per-request e2e latencies per level.
     ``interval`` bounds are concurrencies; ``None`` as the upper bound means "beyond the highest
     level run" (some draws never crossed)."""
-    from cluster.bench.serve import _pct
+    from cluster.bench.serve import percentile
 
-    med = lambda xs: _pct(xs, 0.5)  # noqa: E731 -- the cells' own e2e_p50, so the ratios match the report
+    med = lambda xs: percentile(xs, 0.5)  # noqa: E731 -- the cells' own e2e_p50, so the ratios match the report
     point = find_crossover(levels, [med(s) / med(p) for s, p in zip(spec, plain)])
     rng = random.Random(seed)
     draws = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 
-from cluster.mapper.cost_model import GRID, CostModel, PathShape, fit, r_squared
+from cluster.mapper.cost_model import GRID, PathShape, fit, r_squared
 from cluster.mapper.crossover import bootstrap_crossover
 from cluster.speculative.acceptance import expected_committed
 from deployments.app_config import Placement
@@ -261,5 +261,6 @@ def _knobs(segments: dict, prof: dict, app) -> dict:
         knobs["router"]["min_alpha"] = round(min_alpha, 2)
         knobs["break_even_alpha"] = be
         knobs["why"]["min_alpha"] = (f"break-even α {be} of {knobs['drafter']} (K={k:g}, c={c:g}, v={v:g})"
-                                     + (f", kept below the weakest gaining segment's α {floor}" if floor is not None and floor - ALPHA_FLOOR_MARGIN < be else ""))
+                                     + (f", kept below the weakest gaining segment's α {floor}"
+                                        if floor is not None and floor - ALPHA_FLOOR_MARGIN < be else ""))
     return knobs

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench.serve import DEFAULT_WORKLOADS, _pct, ratio_interval
+from cluster.bench.serve import percentile, ratio_interval
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
 from cluster.common.errors import UserFacingError
 
 MAPPED_GOAL = 1.0  # routed p50 with the mapped config <= the better fixed policy's
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                         "segments_crossover_within_one_level": sorted(
                             {r["segment"] for r in rows if (r.get("crossover") or {}).get("within_one_level")}),
                         "cells": len(rows)},
-              "mapped_median_over_best_fixed": _pct([r["mapped_over_best_fixed"] for r in rows], 0.5)}
+              "mapped_median_over_best_fixed": percentile([r["mapped_over_best_fixed"] for r in rows], 0.5)}
     print(format_table(rows), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

@@ -53,7 +53,7 @@ class _RealEngines:
         for d in drafters:
             try:
                 self.spec_engines[d] = engine_for(self.target, SpecConfig(drafter=d, num_draft_tokens=k))
-            except Exception as exc:  # a drafter this model cannot run: say so, map the others
+            except Exception as exc:  # noqa: BLE001 (a drafter this model cannot run: say so, map the others)
                 self.errors[d] = f"{type(exc).__name__}: {exc}"
 
     def ids(self, row: dict) -> list[int]:
@@ -205,7 +205,8 @@ def summarize_pair(plain: list[Run], spec: list[Run], k: int) -> dict:
                predicted_speedup=by_k.get(k, row["predicted_speedup"]),  # per position, at the run's K
                predicted_speedup_alpha_only=row["predicted_speedup"],
                predicted_by_k={str(kk): s for kk, s in by_k.items()},
-               best_num_draft_tokens=best_num_draft_tokens if by_k.get(best_num_draft_tokens, 0.0) > 1.0 + SMALLER_K_MARGIN else 0,  # 0: plain
+               best_num_draft_tokens=(best_num_draft_tokens  # 0: plain
+                                      if by_k.get(best_num_draft_tokens, 0.0) > 1.0 + SMALLER_K_MARGIN else 0),
                no_draft_step_share=round(share, 4),
                rows=len(spec))
     return row

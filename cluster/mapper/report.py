@@ -52,7 +52,8 @@ def render(state: dict, decision: dict, plots: dict) -> str:
               + (" Bad rows: " + "; ".join(t["bad_rows"][:5]) + ("; …" if len(t["bad_rows"]) > 5 else "") if t["bad_rows"] else ""),
               ""]
     lines += ["## Where speculation pays", "",
-              "| segment | share | best drafter | K | α | speedup c=1 (measured / predicted) | crossover (measured) | crossover (cost model) | speculate |",
+              "| segment | share | best drafter | K | α | speedup c=1 (measured / predicted) | crossover (measured) "
+              "| crossover (cost model) | speculate |",
               "|---|---|---|---|---|---|---|---|---|"]
     for seg, d in decision.get("segments", {}).items():
         lines.append(f"| {seg} | {_f(d.get('share'))} | {d.get('best_drafter', '-')} | {d.get('best_num_draft_tokens', '-')} | "

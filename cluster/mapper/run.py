@@ -88,7 +88,7 @@ def default_drafters(app) -> list[str]:
 
 def map_workload(plan: MapPlan) -> dict:
     """Run the map; returns the state written to ``map.json``."""
-    from cluster.bench.serve import _interrupt, _local_config
+    from cluster.bench.serve import local_config, raise_interrupt
     from cluster.mapper.profile import run_profile
     from cluster.mapper.progress import Budget
     from cluster.mapper.sweep import run_sweep
@@ -118,7 +118,7 @@ def map_workload(plan: MapPlan) -> dict:
     }
     budget = Budget(plan.max_minutes, plan.progress)
     cap = min(plan.max_tokens or app.limits.max_tokens, app.limits.max_tokens)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a CI runner: like Ctrl-C
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `timeout`, a CI runner: like Ctrl-C
     try:
         state["profile"] = {"k": plan.k}
         run_profile(app, sample, drafters, plan.k, cap, budget, state["profile"])
@@ -130,7 +130,7 @@ def map_workload(plan: MapPlan) -> dict:
             run_sweep(plan.addr, plan.app_name, sample, plan.levels, plan.requests, cap, budget,
                       state["sweep"], plan.token, app.drafter)
         else:
-            cfg = _local_config(argparse.Namespace(config=plan.config, addr=None))
+            cfg = local_config(plan.config)
             from deployments.local import local_service
 
             _log("starting a local service from the config for phase 2 ...")
@@ -147,7 +147,7 @@ def map_workload(plan: MapPlan) -> dict:
     except KeyboardInterrupt:
         state["interrupted"] = True
         _log("interrupted: writing the partial map")
-    except Exception as exc:  # e.g. the service did not start: keep what phase 1 measured
+    except Exception as exc:  # noqa: BLE001 (e.g. the service did not start: keep what phase 1 measured)
         state["failed"] = f"{type(exc).__name__}: {exc}"
         _log(f"failed: {state['failed']}; writing the partial map")
     finally:

@@ -69,7 +69,7 @@ def run_sweep(addr: str, app_name: str, traffic: Traffic, levels: list[int], req
                         budget.check()  # a half-measured cell is dropped, not recorded
                         for path in bench.round_order(list(PATHS), r):
                             # untimed: the engine may have sat idle while the other path ran
-                            bench._one(stub, pb2, md, bench.WARM_UP_ROW, bench.POLICIES[path], 1)
+                            bench.stream_one(stub, pb2, md, bench.WARM_UP_ROW, bench.POLICIES[path], 1)
                             offset = start + r * n_round
                             rows = by_path[path]
                             res, wall = bench.run_requests(stub, pb2, md, rows, bench.POLICIES[path], c,

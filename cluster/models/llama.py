@@ -216,7 +216,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes read per decode step: every weight once. The input embedding is only gathered
         (one row per token), so it does not count; the LM head (tied or not) is read whole."""
-        tensors = [self.lm_head, self.norm] + [t for l in self.layers for t in l.values() if t is not None]
+        tensors = [self.lm_head, self.norm] + [t for layer in self.layers for t in layer.values() if t is not None]
         unique = {t.data_ptr(): t for t in tensors}.values()
         return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in unique)
 
@@ -258,7 +258,7 @@ class LlamaModel:
         a = self.arch
         T = batch.input_ids.shape[0]
         assert batch.positions.shape == (T,) and batch.slot_mapping.shape == (T,), "ragged batch shapes disagree"
-        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        H = a.num_heads
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos2, sin2 = self.cos[batch.positions], self.sin_signed[batch.positions]  # [T, D]
         cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)  # [T, 1, D]

@@ -65,7 +65,7 @@ def load_model(source: str, config: EngineConfig, *, num_blocks: int | None = No
         tokenizer = load_tokenizer(md.path)
     except ModelLoadError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever fails, the caller gets one ModelLoadError naming it)
         raise ModelLoadError(f"cannot load model {source!r} from {md.path}: {type(exc).__name__}: {exc}") from None
     return LoadedModel(
         name=md.name,

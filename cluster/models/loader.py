@@ -89,7 +89,7 @@ def _from_hub(repo_id: str) -> ModelDir:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-    except Exception as exc:  # offline, unknown repo, auth ...
+    except Exception as exc:  # noqa: BLE001 (offline, unknown repo, auth ...: one ModelLoadError)
         raise ModelLoadError(f"cannot fetch hub model {repo_id!r}: {type(exc).__name__}: {exc}") from None
     path = Path(local)
     _check_hf_dir(path)
@@ -119,7 +119,7 @@ def _from_gguf(gguf: Path, name: str) -> ModelDir:
     except ModelLoadError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever fails, the caller gets one ModelLoadError naming it)
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot convert GGUF {gguf}: {type(exc).__name__}: {exc}") from None
     return ModelDir(out, name)

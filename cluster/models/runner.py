@@ -148,7 +148,7 @@ class ModelRunner:
             q_seq.extend([g] * q)
             q_keys.extend(range(c.start_pos + 1, c.start_pos + q + 1))  # query i sees keys [0, start + i]
         mask = None
-        if qmax > 1 or any(l != lmax for l in ctx_lens):
+        if qmax > 1 or any(n != lmax for n in ctx_lens):
             # query i of sequence g sits at position start+i and sees keys [0, start+i]
             key_pos = torch.arange(lmax).view(1, 1, lmax)  # [1, 1, Lmax]
             starts = torch.tensor([c.start_pos for _, c in items]).view(G, 1, 1)

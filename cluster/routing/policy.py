@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 
 from cluster.common.acceptance_class import class_name, classed_context
 from cluster.common.request import SpecMode
+from cluster.common.segments import DEFAULT_SEGMENT
 from cluster.routing.load_latency import Joining, LoadLatencyModel
 
 
@@ -201,7 +202,7 @@ class RouterConfig:
 class RequestFeatures:
     mode: SpecMode = SpecMode.AUTO
     constrained: bool = False
-    segment: str = "default"
+    segment: str = DEFAULT_SEGMENT
     predicted: bool = False  # it sent a prediction (drafted from whatever the segment's α)
     scoring: bool = False  # max_tokens 0: the prompt scored, nothing generated
     acceptance_class: str = ""  # ``cluster.common.acceptance_class.acceptance_class`` of its params

@@ -40,7 +40,8 @@ than what was committed is censored there (no rejection counted). Where both mod
 could draft, each one's context also says whether the other's draft agrees on its first token
 (``+agree``, ``+differ``, ``+alone``); a sequence's contexts carry its acceptance class
 (``classed_context``: ``+sampled``, whose one-hot drafts are accepted at the target's probability
-of the token, about half as often as greedy ones; ``+shaped``, under penalties or ``logit_bias``). No engine change is needed: the committed tokens arrive with the
+of the token, about half as often as greedy ones; ``+shaped``, under penalties or ``logit_bias``). No engine
+change is needed: the committed tokens arrive with the
 next ``draft_context`` or ``propose``.
 
 Routed by segment (``routes``, the engine's per-segment drafters: ``router.segments.<name>.drafter``):

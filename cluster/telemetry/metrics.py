@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from cluster.common.acceptance_class import CLASS_NAMES
-from cluster.common.segments import SegmentLabels
+from cluster.common.segments import DEFAULT_SEGMENT, SegmentLabels
 from cluster.telemetry.metrics_backend import PrometheusBackend, RayBackend, make_backend
 from cluster.telemetry.request_span import label
 
@@ -149,7 +149,7 @@ class SpecserveMetrics:
 
     # --- helpers ---------------------------------------------------------------------------
     def segment(self, segment: str | None) -> str:
-        return self._segments.label(segment or "default")
+        return self._segments.label(segment or DEFAULT_SEGMENT)
 
     def _delta(self, counter: Any, tags: dict[str, str], total: float, key: tuple = ()) -> None:
         """Feed ``counter`` the growth of a cumulative ``total``. ``key`` identifies the source
@@ -165,7 +165,7 @@ class SpecserveMetrics:
                        ttft_s: float | None, e2e_s: float, api: str = "grpc") -> None:
         """A finished request: ``output`` is the final RequestOutput (usage, finish reason, spec);
         ``api``: the front end it came through."""
-        self.record_request_values(api=api, 
+        self.record_request_values(api=api,
             path=path, reason=reason, segment=segment, finish_reason=output.finish_reason,
             num_prompt_tokens=output.num_prompt_tokens, num_output_tokens=output.num_output_tokens,
             ttft_s=ttft_s, e2e_s=e2e_s, spec=getattr(output, "spec", None))

@@ -11,9 +11,9 @@ Usage::
 
     with RequestTelemetry(self.metrics, model=self.app.model,
                           metadata=grpc_context.invocation_metadata(), stream=False) as tel:
-        vreq, decision = self._admit(request, grpc_context)      # ServiceError -> span error
+        vreq, decision = self.admit(request, grpc_context)       # ServiceError -> span error
         tel.routed(vreq, decision, inflight=self.spec_in_flight)
-        async for out in self._forward(vreq, decision, tel.carrier()):
+        async for out in self.forward(vreq, decision, tel.carrier()):
             tel.output(out)
 """
 from __future__ import annotations

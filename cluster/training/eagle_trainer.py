@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from cluster.common.errors import InvalidRequestError
 from cluster.models.runner import ModelRunner, SeqChunk

@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+from cluster.common.prompt_rows import DEFAULT_WORKLOADS
+
 _SHINGLE = 8  # words: a corpus prompt sharing this many consecutive words with a workload prompt is dropped
 
 _MODULES = ("json", "re", "os", "pathlib", "collections", "itertools", "functools", "datetime", "string",
@@ -227,7 +228,8 @@ def _json_prompts(rng: random.Random, n: int) -> list[str]:
 _MULTILINGUAL = (
     ("Écris un court poème sur {s}.", ("la pluie", "un vieux pont", "la forêt", "le marché du dimanche", "un train de nuit")),
     ("Explique en quelques phrases pourquoi {s} est important.", ("le sommeil", "l'eau potable", "la lecture", "le sport")),
-    ("Schreibe eine kurze Geschichte über {s}.", ("einen alten Fischer", "eine kleine Stadt", "einen verlorenen Hund", "den ersten Schnee")),
+    ("Schreibe eine kurze Geschichte über {s}.",
+     ("einen alten Fischer", "eine kleine Stadt", "einen verlorenen Hund", "den ersten Schnee")),
     ("Nenne drei Tipps für {s}.", ("das Kochen", "das Lernen", "das Reisen", "einen Umzug")),
     ("Escribe una historia corta sobre {s}.", ("un faro", "una abuela sabia", "un tren antiguo", "un gato curioso")),
     ("¿Cuáles son las ventajas de {s}?", ("caminar cada día", "aprender idiomas", "cocinar en casa", "leer novelas")),

@@ -4,7 +4,6 @@ model's tokenizer), the messages that carry calls and results back, and the resp
 model weights (the real model through the official client: tests/deployments/test_openai_service.py)."""
 import json
 
-import jsonschema
 import pytest
 
 from cluster.api.openai_responses import Kind, Responder

@@ -9,7 +9,6 @@ message cap ``specserve serve`` gives an app with the default limits (``proxy_en
 """
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

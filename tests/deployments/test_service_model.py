@@ -9,7 +9,6 @@ batched verification may reorder float sums; never a looser rule.
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest

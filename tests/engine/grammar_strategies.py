@@ -89,7 +89,7 @@ schemas: st.SearchStrategy[dict] = st.recursive(
 
 def _doubled_rules(depth: int, leaf: str) -> str:
     """A rule doubled ``depth`` times: its only string is 2**depth copies of ``leaf``."""
-    rules = [f"start: r0"] + [f"r{i}: r{i + 1} r{i + 1}" for i in range(depth)]
+    rules = ["start: r0"] + [f"r{i}: r{i + 1} r{i + 1}" for i in range(depth)]
     return "\n".join(rules + [f"r{depth}: {json.dumps(leaf)}"])
 
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import torch
 
 from cluster.common.request import Constraint, ConstraintKind, SamplingParams
-from cluster.engine.drafts import SeqDraft, StepDrafts
 from cluster.engine.grammar_drafts import forced_prefix, grammar_draft, one_hot
 from tests.engine.test_grammar import compiler, tiny  # noqa: F401 (the fixtures: a tiny Llama, its grammar compiler)
 

@@ -4,7 +4,6 @@ pods' environment, probes and the Services."""
 from __future__ import annotations
 
 import importlib
-import re
 
 import pytest
 

@@ -107,11 +107,11 @@ def test_cost_model_queueing_beyond_capacity_and_edge_cases():
 def test_point_estimate_uses_the_cells_own_p50():
     """The crossover's ratios are the sweep cells' e2e_p50 ratios (``bench serve``'s percentile),
     not another median of the same requests (an even count once split the two)."""
-    from cluster.bench.serve import _pct
+    from cluster.bench.serve import percentile
 
     spec = [[1.0, 1.1, 1.2, 1.3], [5.01, 5.32, 5.32, 5.32, 6.0, 6.0, 6.0, 6.0]]
     plain = [[2.0, 2.0, 2.0, 2.0], [5.8] * 8]
-    ratios = [_pct(s, 0.5) / _pct(p, 0.5) for s, p in zip(spec, plain)]
+    ratios = [percentile(s, 0.5) / percentile(p, 0.5) for s, p in zip(spec, plain)]
     assert ratios[1] > 1.0  # by the cells' p50 plain wins at the second level
     got = bootstrap_crossover([1, 2], spec, plain)
     assert got["kind"] == find_crossover([1, 2], ratios).kind.value == "within"

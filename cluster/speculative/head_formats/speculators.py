@@ -124,7 +124,7 @@ def write_speculators_head(head: EagleHead, target, out_dir: Path, *, verifier_n
         raise HeadFormatError("the head does not fit this target (vocabulary or hidden size)")
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     sd = {k: v.detach().cpu() for k, v in head.state_dict().items()}
-    H, D = c.hidden_size, c.head_dim
+    D = c.head_dim
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
     qkv, gate_up = sd["qkv.weight"], sd["gate_up.weight"]
     p = "layers.0."
