@@ -15,6 +15,7 @@ import torch
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 SEGMENTS = ("code", "edit", "summarize", "chat", "multilingual", "json")
 NEAR_TIE_GAP = 1e-3  # fp32 logit gap under which two tokens are a numeric near-tie
+MIN_TOKENS = 32  # the shortest reference generated: the tests' budgets up to it share one generation
 
 
 def workload_rows(per_segment: int = 4, max_prompt_chars: int = 1500) -> list[dict]:
@@ -50,24 +51,32 @@ class HFReference:
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         self.eos = sorted(eos_ids)
-        self._memo: dict[tuple, Reference] = {}
+        # prompt -> (budget it was generated with, tokens, top-2 values [T, 2], top-2 ids [T, 2])
+        self._memo: dict[tuple, tuple[int, list[int], torch.Tensor, torch.Tensor]] = {}
         self.share_dir = share_dir
         if share_dir is not None:
             share_dir.mkdir(parents=True, exist_ok=True)
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Reference:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in self._memo:
+        """HF's greedy answer of at most ``max_new_tokens``. One generation per prompt serves every
+        length up to the longest asked (at least MIN_TOKENS): greedy's first n tokens do not depend
+        on how many more it may take, and an answer that ended (EOS) ends the same way at any
+        budget past its end."""
+        key = tuple(prompt_ids)
+        known = self._memo.get(key)
+        if known is None or not _covers(known, max_new_tokens):
             with self._shared(key) as path:
-                if path is not None and path.exists():
-                    tokens, values, ids = torch.load(path)
-                else:
-                    tokens, values, ids = self._generate(prompt_ids, max_new_tokens)
+                known = torch.load(path) if path is not None and path.exists() else None
+                if known is None or not _covers(known, max_new_tokens):
+                    budget = max(max_new_tokens, MIN_TOKENS, known[0] if known else 0)
+                    known = (budget, *self._generate(prompt_ids, budget))
                     if path is not None:
-                        torch.save((tokens, values, ids), path.with_suffix(".tmp"))
+                        torch.save(known, path.with_suffix(".tmp"))
                         os.replace(path.with_suffix(".tmp"), path)
-            self._memo[key] = Reference(prompt_ids, tokens, values, ids)
-        return self._memo[key]
+            self._memo[key] = known
+        _, tokens, values, ids = known
+        n = min(len(tokens), max_new_tokens)
+        return Reference(prompt_ids, tokens[:n], values[:n], ids[:n])
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
@@ -94,6 +103,13 @@ class HFReference:
                 yield self.share_dir / f"{name}.pt"
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _covers(known: tuple, max_new_tokens: int) -> bool:
+    """Does a generation (budget, tokens, top-2 values, top-2 ids) answer a request for
+    ``max_new_tokens``: it had that budget, or it ended before using its own."""
+    budget, tokens = known[0], known[1]
+    return budget >= max_new_tokens or len(tokens) < budget
 
 
 def check_greedy_match(ours: list[int], ref: Reference) -> str:

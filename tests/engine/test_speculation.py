@@ -31,6 +31,13 @@ def rows():
 
 
 @pytest.fixture(scope="module")
+def matrix_rows(profile):
+    """The drafter matrix's concurrent batch: the first prompt of every segment in the short
+    profile (the HF references are the concurrent-batch test's), the first four in the long one."""
+    return workload_rows(per_segment=profile.pick(short=1, long=4))
+
+
+@pytest.fixture(scope="module")
 def draft_proposer(default_model):
     """The default model as its own draft (own runner and KV pool, shared weights)."""
     from cluster.speculative.draft_model import DraftModelProposer
@@ -41,7 +48,7 @@ def draft_proposer(default_model):
 @pytest.mark.parametrize("drafter,k", [("ngram", 4), ("self:12", 3), ("draft-model", 4), ("ngram", "auto"),
                                        ("suffix", 4), ("suffix:cold", 4), ("portfolio", "auto"),
                                        ("eagle:exported", 3), ("eagle", "auto")])
-def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draft_proposer, drafter, k, tmp_path):
+def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, matrix_rows, draft_proposer, drafter, k, tmp_path):
     proposer = draft_proposer if drafter == "draft-model" else None
     if drafter == "eagle:exported":  # the shipped head exported to the speculators format and read back
         from cluster.speculative.eagle_head import load_head
@@ -53,13 +60,13 @@ def test_every_drafter_is_lossless_vs_hf(default_model, hf_reference, rows, draf
         drafter = f"eagle:{tmp_path / 'exported'}"
     eng = spec_engine(default_model, SpecConfig(drafter=drafter if proposer is None else "default",
                                                 num_draft_tokens=k), proposer)
-    reqs = greedy_requests(default_model.tokenizer, rows, MAX_TOKENS)
+    reqs = greedy_requests(default_model.tokenizer, matrix_rows, MAX_TOKENS)
     for r in reqs[::5]:  # some requests decode plainly in the same steps (K = 0 rows)
         r.mode = SpecMode.PLAIN
     res = run_to_completion(eng, reqs)
     verdicts = {r.request_id: check_greedy_match(res[r.request_id]["ids"], hf_reference.greedy(r.prompt_token_ids, MAX_TOKENS))
                 for r in reqs}
-    assert sum(v == "equal" for v in verdicts.values()) >= len(reqs) - 2, verdicts
+    assert sum(v == "equal" for v in verdicts.values()) >= len(reqs) - max(1, len(reqs) // 12), verdicts
     drafted = sum(res[r.request_id]["spec"].draft_tokens for r in reqs if r.mode is not SpecMode.PLAIN)
     assert drafted > 0, "nothing was speculated"
     assert all(res[r.request_id]["spec"] is None for r in reqs if r.mode is SpecMode.PLAIN)

@@ -72,11 +72,18 @@ def _run(engine, reqs) -> dict[str, dict]:
     return res
 
 
+_HF_ROWS: dict[tuple, torch.Tensor] = {}  # (prompt, output) -> rows: every path commits the same greedy tokens
+
+
 def _hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """[len(output), V] HF's log-softmax of the target's raw logits at each output position."""
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + output])).logits[0].float()  # [P + N, V]
-    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], dim=-1)
+    """[len(output), V] HF's log-softmax of the target's raw logits at each output position
+    (computed once per prompt and output for the module)."""
+    key = (tuple(prompt), tuple(output))
+    if key not in _HF_ROWS:
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + output])).logits[0].float()  # [P + N, V]
+        _HF_ROWS[key] = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], dim=-1)
+    return _HF_ROWS[key]
 
 
 def _check_against_hf(hf_model, prompt, got, num_top):

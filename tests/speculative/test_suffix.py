@@ -303,8 +303,11 @@ def _tiny_corpus(tiny_llama_dir, path, prompt):
     save_corpus(build_corpus([list(prompt) + greedy], target_identity(target.runner.model), 1000), path)
 
 
-@pytest.mark.parametrize("placement,drafter", [("shared", "suffix"), ("shared", "portfolio"), ("shared", "corpus"),
-                                               ("separate", "suffix"), ("separate", "portfolio")])
+# short profile: each drafter and each placement once (the portfolio holds the suffix drafter);
+# the long one crosses them
+@pytest.mark.parametrize("placement,drafter", [pytest.param("shared", "suffix", marks=pytest.mark.long),
+                                               ("shared", "portfolio"), ("shared", "corpus"), ("separate", "suffix"),
+                                               pytest.param("separate", "portfolio", marks=pytest.mark.long)])
 def test_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path, drafter, placement):
     """Unseeded sampling, requests of one segment in waves: later waves draft what earlier ones
     sampled (the index learns their outputs), so drafts are accepted and rejected. ``corpus``: the
