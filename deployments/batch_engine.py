@@ -10,7 +10,7 @@ from ray import serve
 from deployments.engine_server import EngineServer
 
 
-@serve.deployment(name="BatchEngine", max_ongoing_requests=1024, health_check_period_s=5)
+@serve.deployment(name="BatchEngine", max_ongoing_requests=1024, health_check_period_s=2)
 class BatchEngine(EngineServer):
     speculative = False
 

@@ -26,7 +26,6 @@ from typing import AsyncIterator
 from cluster.api.requests import PromptInput, ValidatedRequest, to_generation_request, tokenize_prompt
 from cluster.api.status import EngineFailure, FailureKind
 from cluster.common.request import Logprob, RequestOutput, TokenLogprobs, merge_outputs
-from cluster.speculative.prediction import prediction_overlap
 from cluster.telemetry.metrics import SpecserveMetrics, export_engine_stats_forever
 from cluster.telemetry.tracing import configure_from_section
 from deployments.app_config import AppConfig
@@ -55,6 +54,10 @@ async def _prediction_usage(out: RequestOutput, prediction: tuple[int, ...], out
     kept and the rest; any other output as it is."""
     if not (out.finished and prediction):
         return out
+    # imported here: its module brings torch, which a replica of an engine without it (the fake
+    # engine) need not load at start
+    from cluster.speculative.prediction import prediction_overlap
+
     kept = await asyncio.to_thread(prediction_overlap, prediction, list(output))
     return dataclasses.replace(out, accepted_prediction_tokens=kept, rejected_prediction_tokens=len(prediction) - kept)
 

@@ -22,7 +22,7 @@ log = logging.getLogger("specserve.spec_engine")
 _REFRESH_S = 1.0
 
 
-@serve.deployment(name="SpecEngine", max_ongoing_requests=1024, health_check_period_s=5)
+@serve.deployment(name="SpecEngine", max_ongoing_requests=1024, health_check_period_s=2)
 class SpecEngine(EngineServer):
     speculative = True
 

@@ -39,7 +39,9 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+# SIGTERM end to end in the short profile; SIGINT end to end in the long one (the same handler:
+# test_both_signals_stop_the_service_once below checks in process that SIGINT reaches it alike)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])
 def test_serve_stops_cleanly_on_signal(tmp_path, signum):
     port, http_port = free_port(), free_port()
     args = fake_args(drafter="none")
@@ -92,6 +94,28 @@ def test_serve_stops_cleanly_on_signal(tmp_path, signum):
             proc.wait()
         for pid in _session_pids(proc.pid):  # whatever it left behind (a failed run)
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_both_signals_stop_the_service_once(signum, capsys):
+    """What ``local_service`` installs after ``ray.init``: the first SIGTERM or SIGINT leaves the
+    main thread's work (ShutdownRequested), one during the shutdown is ignored with a line on
+    stderr, and the previous handlers are back afterwards."""
+    from deployments.local import ShutdownRequested, _stop_on_signals
+
+    before = signal.getsignal(signum)
+    left = False
+    with _stop_on_signals():
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+        except ShutdownRequested as exc:
+            left = str(exc) == signal.Signals(signum).name
+        os.kill(os.getpid(), signum)  # again, while "shutting down": no exception
+        time.sleep(0.05)
+    assert left
+    assert f"{signal.Signals(signum).name} again: already shutting down" in capsys.readouterr().err
+    assert signal.getsignal(signum) is before
 
 
 def test_hint_names_the_venv_script_by_its_path(tmp_path, monkeypatch):

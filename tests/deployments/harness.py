@@ -101,14 +101,23 @@ def serve_session_at(env: dict[str, str] | None = None, ray_kwargs: dict | None 
 
 
 def deploy_apps(apps: dict[str, dict], timeout_s: float = 240) -> None:
-    """Deploy ``apps`` (name -> AppConfig args) into the running Serve and wait until all run."""
+    """Deploy ``apps`` (name -> AppConfig args) into the running Serve and wait until all run.
+
+    All at once (``serve.run_many``, not waiting for any to run): ``serve.run`` returns only once
+    its app runs, so apps deployed one by one started their replicas one app after another. They
+    share the machine: the deadline is ``timeout_s`` per app."""
     from ray import serve
 
     from deployments.app import build
 
-    deadline = time.monotonic() + timeout_s
-    for name, args in apps.items():
-        serve.run(build(args), name=name, route_prefix=f"/{name}", blocking=False)
+    limit = timeout_s * max(1, len(apps))
+    deadline = time.monotonic() + limit
+    if hasattr(serve, "run_many"):
+        serve.run_many([serve.RunTarget(build(args), name=name, route_prefix=f"/{name}")
+                        for name, args in apps.items()], wait_for_applications_running=False)
+    else:  # a Ray before run_many: one by one
+        for name, args in apps.items():
+            serve.run(build(args), name=name, route_prefix=f"/{name}", blocking=False)
     while True:
         status = serve.status().applications
         if all(name in status and status[name].status == "RUNNING" for name in apps):
@@ -116,8 +125,33 @@ def deploy_apps(apps: dict[str, dict], timeout_s: float = 240) -> None:
         if any(name in status and status[name].status == "DEPLOY_FAILED" for name in apps):
             raise RuntimeError(f"deploy failed: {status}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"apps not running after {timeout_s}s: {status}")
-        time.sleep(0.5)
+            raise TimeoutError(f"apps not running after {limit}s: {status}")
+        time.sleep(0.2)
+
+
+def delete_apps(names: list[str], timeout_s: float = 120) -> None:
+    """Delete the apps ``names`` together (their replicas drain and stop at once, not one app
+    after another) and wait until Serve lists none of them; a delete that cannot be asked is
+    skipped (the session is gone)."""
+    from ray import serve
+
+    asked = []
+    for name in names:
+        with contextlib.suppress(Exception):
+            serve.delete(name, _blocking=False)
+            asked.append(name)
+    deadline = time.monotonic() + timeout_s
+    while asked and time.monotonic() < deadline:
+        try:
+            status = serve.status().applications
+        except Exception:  # noqa: BLE001 (Serve itself gone: nothing left to wait for)
+            return
+        if not any(name in status for name in asked):
+            return
+        time.sleep(0.2)
+    for name in asked:  # still listed past the deadline: the blocking delete, as before
+        with contextlib.suppress(Exception):
+            serve.delete(name)
 
 
 # Every variable the modules on the shared session read (each module its own token), set once
@@ -156,8 +190,6 @@ class SharedServe:
     @contextlib.contextmanager
     def apps(self, apps: dict[str, dict], timeout_s: float = 240):
         """Deploy ``apps`` (name -> AppConfig args) for the ``with`` block; yields the Addresses."""
-        from ray import serve
-
         from deployments.app_config import AppConfig
 
         cap = int(next(iter(self._proxy_env().values())))
@@ -169,9 +201,7 @@ class SharedServe:
             deploy_apps(apps, timeout_s=timeout_s)
             yield addrs
         finally:
-            for name in apps:
-                with contextlib.suppress(Exception):
-                    serve.delete(name)
+            delete_apps(list(apps))
 
     def close(self) -> None:
         if self._session is not None:

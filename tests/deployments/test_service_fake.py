@@ -1,10 +1,10 @@
 """The Serve app end to end with the fake engine: real Ray Serve, real gRPC on 127.0.0.1.
 
-Five apps on the suite's shared Serve session (``serve_shared``): ``main`` (auth on, small
+Four apps on the suite's shared Serve session (``serve_shared``): ``main`` (auth on, small
 thresholds and queue), ``moe`` (unvalidated MoE target, auth off), ``sep`` (placement separate:
-a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine), ``overflow``
-(slow steps, a segment the fake SpecEngine cannot accelerate: measured overflow balancing),
-``fault`` (plain only: its BatchEngine replica is killed mid-stream). The gRPC proxy runs with the
+a DraftServer with the n-gram drafter, KVSync to the SpecEngine's fake engine; the module's last
+test kills its BatchEngine replica mid-stream on the plain path), ``overflow`` (slow steps, a
+segment the fake SpecEngine cannot accelerate: measured overflow balancing). The gRPC proxy runs with the
 message cap ``specserve serve`` gives an app with the default limits (``proxy_env``).
 """
 import json
@@ -56,8 +56,6 @@ def addr(serve_shared):
                                       "options": {"moe": True}}),
         "sep": SEP_ARGS,
         "overflow": OVERFLOW_ARGS,
-        "fault": fake_args(drafter="none", engine_impl={"cls": "cluster.engine.fake_engine:FakeEngine",
-                                                        "options": {"token_delay_s": 0.05}}),
     }
     with serve_shared.apps(apps) as a:
         for name in apps:
@@ -672,13 +670,16 @@ def test_proxy_refuses_oversized_messages(main):
 
 def test_dead_engine_replica_is_unavailable_then_replaced(addr):
     """The BatchEngine replica dies mid-stream: the stream ends UNAVAILABLE with a plain message
-    (no Ray actor ids); Serve replaces the replica and new requests succeed."""
+    (no Ray actor ids); Serve replaces the replica and new plain requests succeed on it. On app
+    ``sep`` (50 ms steps), mode plain: the module's last test, so no other test meets the kill."""
     import ray
 
-    c = Client(addr, "fault")
-    it = c.stream(prompt="doomed ", max_tokens=250, timeout=60)
-    got = list(next(it).token_ids)
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "fault#BatchEngine" in a["name"]]
+    c = Client(addr, "sep")
+    it = c.stream(prompt="doomed ", max_tokens=250, mode=2, timeout=60)
+    first = next(it)
+    assert first.route.path == 2  # the BatchEngine's stream
+    got = list(first.token_ids)
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "sep#BatchEngine" in a["name"]]
     assert len(names) == 1, names
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
     with pytest.raises(grpc.RpcError) as e:
@@ -689,7 +690,8 @@ def test_dead_engine_replica_is_unavailable_then_replaced(addr):
 
     def serving_again():
         try:
-            return list(c.generate(prompt="reborn ", max_tokens=3, timeout=10).token_ids) == expected("reborn ", 3)
+            r = c.generate(prompt="reborn ", max_tokens=3, mode=2, timeout=10)
         except grpc.RpcError:
             return False
+        return r.route.path == 2 and list(r.token_ids) == expected("reborn ", 3)
     wait_for(serving_again, timeout=120, what="a replacement BatchEngine replica")

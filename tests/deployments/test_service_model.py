@@ -87,9 +87,9 @@ def addr(serve_shared):
 
 
 @pytest.mark.parametrize("app", ["shared", "sep"])
-def test_greedy_equals_hf_on_both_paths(addr, hf, app):
+def test_greedy_equals_hf_on_both_paths(addr, hf, app, profile):
     c = Client(addr, app)
-    for prompt in prompts():
+    for prompt in prompts()[:profile.pick(short=1, long=2)]:  # the short profile: the code prompt
         prompt_ids, want = hf_greedy(hf, prompt, N)
         for mode, path in ((1, 1), (2, 2)):  # SPECULATIVE, PLAIN
             r = c.generate(prompt=prompt, max_tokens=N, mode=mode, timeout=120)
