@@ -22,7 +22,11 @@ from cluster.training.eagle_trainer import CHECKPOINT, LOG, SAMPLES
 from tests.conftest import make_tiny_model_dir
 from tests.engine.helpers import run_to_completion
 
-ARGS = ["--tokens", "2500", "--draft-vocab", "512", "--max-new-tokens", "32", "--max-prompts", "60",
+# A run whose claim is not about the size of its data generates a few samples (a generation batch
+# is admitted whole, so a small --tokens alone would still generate 16); a refusal of the head
+# --init-from names comes after the data stage
+SMALL = ["--tokens", "400", "--gen-batch-size", "4"]
+ARGS = ["--tokens", "2500", "--draft-vocab", "512", "--max-new-tokens", "16", "--max-prompts", "60",
         "--row-tokens", "256", "--ttt-steps", "3", "--threads", "2"]
 
 
@@ -92,16 +96,20 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
 
     # fine-tuning: a new run starts from the trained head (its weights and draft vocabulary)
     tuned = tmp_path / "tuned"
-    assert train(tiny_llama_dir, tuned, "--epochs", "1", "--seed", "1", "--init-from", str(out)) == 0
+    assert train(tiny_llama_dir, tuned, "--epochs", "1", "--seed", "1", "--init-from", str(out), *SMALL) == 0
     assert f"starting from the head in {out}" in capsys.readouterr().err
     assert torch.equal(load_head(tuned).draft_to_target, load_head(out).draft_to_target)
     assert json.loads((tuned / CONFIG_FILE).read_text())["training"]["init_from"] == str(out)
     assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "t2"),
-                 *[a if a != "512" else "1024" for a in ARGS], "--init-from", str(out)]) == 2
+                 *[a if a != "512" else "1024" for a in ARGS], "--init-from", str(out), *SMALL]) == 2
     assert "has a draft vocabulary of 512 tokens, fewer than --draft-vocab 1024" in capsys.readouterr().err
     # a smaller --draft-vocab trims the head to its most frequent tokens in the run's outputs;
     # --epochs 0 trains nothing: the kept rows of its LM head and every other weight are the head's
+    # (its data are the first run's: the same prompts and seed generate the same samples, so the
+    # run reads them instead of generating them again)
     trimmed = tmp_path / "trimmed"
+    (trimmed / SAMPLES).parent.mkdir(parents=True)
+    (trimmed / SAMPLES).write_bytes((out / SAMPLES).read_bytes())
     assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(trimmed),
                  *[a if a != "512" else "128" for a in ARGS], "--epochs", "0", "--init-from", str(out)]) == 0
     cap = capsys.readouterr()
@@ -126,7 +134,7 @@ def test_train_draft_end_to_end(tiny_llama_dir, tmp_path, capsys):
         load_head(out, other.runner.model)
     assert train(other_dir, out, "--epochs", "2") == 2
     assert "checkpoint for another target" in capsys.readouterr().err
-    assert train(other_dir, tmp_path / "t3", "--init-from", str(out)) == 2  # nor fine-tuned for it
+    assert train(other_dir, tmp_path / "t3", "--init-from", str(out), *SMALL) == 2  # nor fine-tuned for it
     assert "trained for another target" in capsys.readouterr().err
 
     # the trained head drafts through the engine; greedy output equals plain decoding
@@ -199,7 +207,8 @@ def test_self_written_requests_are_woven_into_the_corpus(tiny_llama_dir, tmp_pat
     (out / REQUESTS).parent.mkdir(parents=True)
     (out / REQUESTS).write_text("".join(json.dumps({"index": i, "seed": 0, "text": t, "ended": True}) + "\n"
                                         for i, t in enumerate(written)))
-    assert train(tiny_llama_dir, out, "--epochs", "1", "--self-prompts", "4", "--tokens", "1200") == 0
+    assert train(tiny_llama_dir, out, "--epochs", "1", "--self-prompts", "4", "--tokens", "700",
+                 "--gen-batch-size", "4") == 0
     cap = capsys.readouterr()
     assert "only 3 of 4 passed the filters" in cap.err  # the tiny target's own attempts never end
     attempts = [json.loads(l) for l in (out / REQUESTS).read_text().splitlines()]
@@ -235,7 +244,7 @@ def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_p
     assert train(tiny_llama_dir, alone, "--epochs", "1", "--prompts", str(mine), "--no-corpus") == 0
     cap = capsys.readouterr()
     assert f"--prompts {mine}: 8 prompts, 1 with json_schema, regex or grammar" in cap.err
-    assert "their max_tokens and sampling settings are not used (--max-new-tokens 32" in cap.err
+    assert "their max_tokens and sampling settings are not used (--max-new-tokens 16" in cap.err
     assert "8 prompts to draw from in turn until --tokens (4 prompts:chat, 4 prompts:story;" in cap.err
     assert "data: samples by source: 4 prompts:chat, 4 prompts:story" in cap.err  # what was generated
     samples = {json.loads(l)["index"]: json.loads(l)["prompt_ids"] for l in (alone / SAMPLES).read_text().splitlines()}
@@ -250,7 +259,8 @@ def test_your_own_prompts_alone_or_in_turn_with_the_corpus(tiny_llama_dir, tmp_p
     assert "answer other prompts than this run's" in capsys.readouterr().err
 
     mixed = tmp_path / "mixed"
-    assert train(tiny_llama_dir, mixed, "--epochs", "1", "--prompts", str(mine), "--tokens", "1500") == 0
+    assert train(tiny_llama_dir, mixed, "--epochs", "1", "--prompts", str(mine), "--tokens", "1000",
+                 "--gen-batch-size", "4") == 0
     err = capsys.readouterr().err
     assert "prompts:chat, 4 prompts:story" in err and "data: samples by source: " in err
     generated = err.split("data: samples by source: ")[1].split("\n")[0]
