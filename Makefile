@@ -61,7 +61,7 @@ TWO_NODES := tests/chaos/test_two_nodes.py
 # Torch threads per worker: both cores for one worker, one each for two (TEST_THREADS).
 TEST_WORKERS ?= 1
 TEST_THREADS ?= $(if $(filter 1,$(TEST_WORKERS)),2,1)
-TEST_BUDGET_S ?= 2700
+TEST_BUDGET_S ?= 4200
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
