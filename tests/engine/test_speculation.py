@@ -112,7 +112,10 @@ def test_draft_equal_to_target_accepts_everything(default_model, rows, draft_pro
         assert s.accepted_per_position == s.drafted_per_position == [4] * k
 
 
-@pytest.mark.parametrize("drafter,k", [("suffix:cold", 4), ("portfolio", "auto")])
+# portfolio at auto K: long profile only — its step counts follow adaptive K's measured costs, and on
+# a busy 2-core machine the shared scope's steps fell under the bound in some runs (2026-12-08:
+# 4 of 9 runs between 0c4de40 and main); the scope claim itself is checked at a fixed K by suffix:cold
+@pytest.mark.parametrize("drafter,k", [("suffix:cold", 4), pytest.param("portfolio", "auto", marks=pytest.mark.long)])
 def test_a_drafter_learning_from_traffic_drafts_from_the_requests_draft_scope_only(default_model, rows, drafter, k):
     """One engine, one chat prompt answered in scope t1; then the same prompt in t2, in the shared
     scope and in t1 again: only t1's repeat drafts from the first answer (α near 1), and all four
