@@ -16,6 +16,7 @@ import pytest
 
 LEFT_OUT = pytest.StashKey[int]()  # long-profile tests a short run deselected
 
+
 @dataclass(frozen=True)
 class Profile:
     name: str  # "short" | "long"
